@@ -1,0 +1,339 @@
+"""The specialized decode executor: one plan per step, then every layer's
+providers in one loop.
+
+    embeddings -> boundary(0) (the front) -> attention(0) -> attention_boundary(0)
+    -> moe(0) -> boundary(1) -> ... -> moe(L-1) -> final -> hidden (+ aux streams)
+
+``SpecializedDecode`` resolves the layout, builds every provider in one order
+(the same on every rank: builds may be collective), owns every buffer (sized for
+``DecodeConfig.max_rows`` at build; the weights are used in place, never copied),
+and runs planned steps. It reads the backbone's weights and never modifies them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from .comm import LocalMailbox
+from .deployment import detect, require
+from .layout import Layout, resolve
+from .plugins import Registry, discover
+from .protocols import SUB_OPS, BuildContext, Deployment, KVGroupMetadata, LayerKV, Step
+from .weights import ModelWeights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """What the deployment fixes before the executor is built."""
+
+    q: int = 8  # tokens a verify step carries (1 + 7 drafted)
+    max_rows: int = 8  # rows the buffers are sized for
+    max_context: int = 4096  # the deployment's max_model_len
+    aux_layers: tuple[int, ...] = ()  # layers whose input stream the drafter reads (num_layers: final)
+    pins: Mapping[str, str] = field(default_factory=dict)  # kind -> provider name
+
+
+class DecodeLayer(NamedTuple):
+    """The providers of one decoder layer."""
+
+    boundary: Any
+    attention: Any
+    attention_boundary: Any
+    moe: Any
+    aux: torch.Tensor | None  # fp32 [max_rows, H]: this layer's input stream for the drafter
+
+
+class SpecializedDecode:
+    """Built once the weights are loaded; owns every provider and buffer."""
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        config: DecodeConfig,
+        *,
+        deployment: Deployment | None = None,
+        registry: Registry | None = None,
+        group: Any = None,
+        measure: bool = True,
+        cache_dir: Path | None = None,
+    ):
+        self.weights, self.spec, self.config = weights, weights.spec, config
+        self.device, self.tp, self.rank, self.group = weights.device, weights.tp, weights.rank, group
+        bad = [i for i in config.aux_layers if not 0 <= i <= self.spec.num_layers]
+        if bad:
+            raise ValueError(f"aux layers {bad} outside 0..{self.spec.num_layers}")
+        if not 1 <= config.q <= config.max_rows:
+            raise ValueError(f"q = {config.q} must be within 1..max_rows ({config.max_rows})")
+        self.deployment = deployment or detect(
+            self.spec, self.tp, self.device, max_rows=config.max_rows, max_context=config.max_context
+        )
+        self.registry = registry if registry is not None else discover()
+        require(self.deployment, self.registry, config.pins, group)
+        measure_fn = self._measure if measure and self.device.type == "cuda" else None
+        self.layout: Layout = resolve(self.registry, self.deployment, config.pins, measure_fn, cache_dir)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.kv: tuple[LayerKV, ...] | None = None
+        self.logged: set[str] = set()
+        self.build()
+        logger.info(
+            "sparkdecode: built TP%d, %d layers, aux layers %s\n%s",
+            self.tp,
+            self.spec.num_layers,
+            config.aux_layers,
+            self.layout.table(),
+        )
+
+    def _buffer(self, name: str, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+        t = torch.zeros(self.config.max_rows, width or self.spec.H, dtype=dtype, device=self.device)
+        self.buffers[name] = t
+        return t
+
+    def _context(self, classes: Mapping[str, type], buffers: dict[str, torch.Tensor], mailboxes: list) -> BuildContext:
+        return BuildContext(
+            spec=self.spec,
+            weights=self.weights,
+            tp=self.tp,
+            rank=self.rank,
+            device=self.device,
+            group=self.group,
+            deployment=self.deployment,
+            buffers=buffers,
+            aux_layers=self.config.aux_layers,
+            max_rows=self.config.max_rows,
+            max_context=self.config.max_context,
+            mailboxes=mailboxes,
+            ops={k: classes[k] for k in SUB_OPS if k in classes},
+        )
+
+    def _mailboxes(self) -> list[LocalMailbox]:
+        return [LocalMailbox(self.config.max_rows, self.spec.H, self.device) for _ in range(self.spec.num_layers)]
+
+    def build(self) -> None:
+        """Every provider, in one order on every rank (the builds may be collective)."""
+        self.embeddings = self._buffer("embeddings", torch.bfloat16)
+        self.stream = self._buffer("stream", torch.float32)
+        self.attention_input = self._buffer("attention_input", torch.bfloat16)
+        self.partial = self._buffer("partial", torch.bfloat16)
+        self.moe_input = self._buffer("moe_input", torch.bfloat16)
+        self.output = self._buffer("output", torch.bfloat16)
+        self.mailboxes = self._mailboxes()
+        classes = self.layout.classes()
+        ctx = self._context(classes, self.buffers, self.mailboxes)
+        aux = self.config.aux_layers
+        layers = []
+        for i in range(self.spec.num_layers):
+            layers.append(
+                DecodeLayer(
+                    classes["boundary"].build(ctx, i),
+                    classes["attention"].build(ctx, i),
+                    classes["attention_boundary"].build(ctx, i),
+                    classes["moe"].build(ctx, i),
+                    self._buffer(f"aux{i}", torch.float32) if i in aux else None,
+                )
+            )
+        self.layers = tuple(layers)
+        self.final = classes["final"].build(ctx, None)
+        end = self.spec.num_layers
+        self.final_aux = self._buffer(f"aux{end}", torch.float32) if end in aux else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def providers(self) -> list[Any]:
+        """Every built provider, in build order."""
+        out: list[Any] = []
+        for layer in self.layers:
+            out.extend((layer.boundary, layer.attention, layer.attention_boundary, layer.moe))
+        out.append(self.final)
+        return out
+
+    def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
+        """Bind a KV cache (per layer: K/V views and its group's metadata buffers);
+        every provider checks the form it takes. Called for every bound cache."""
+        if len(kv) != self.spec.num_layers:
+            raise ValueError(f"{len(kv)} KV layers bound for {self.spec.num_layers} layers")
+        for provider in self.providers():
+            provider.prepare_kv(kv)
+        self.kv = kv
+
+    def prepare_step(self, host: Any) -> None:
+        """Host work of the providers that need it before each step (outside the graph)."""
+        for provider in self.providers():
+            hook = getattr(provider, "prepare_step", None)
+            if hook is not None:
+                hook(host)
+
+    def plan(
+        self, positions: torch.Tensor, kv: tuple[LayerKV, ...] | None = None, normed_embeddings: bool = False
+    ) -> Step | None:
+        """This step's plan, or None to run the stock forward instead.
+
+        Every gate reads host state only (shapes, dtypes, devices, which tensors),
+        the same on every rank. Steps that run stock:
+        - no KV cache bound yet (``prepare_kv``), or metadata over another cache;
+        - row counts other than one request verifying ``q`` tokens;
+        - positions that are not int64 [b] on the executor's device;
+        - metadata in a form the providers do not take (block tables int32 [1, n],
+          sequence lengths int32 [1], slot mappings int64 with at least b rows).
+        Each outcome is logged once.
+        """
+        kv = self.kv if kv is None else kv
+        b = positions.shape[0] if positions.dim() == 1 else -1
+        if self.kv is None or kv is None:
+            return self._outcome(b, "no KV cache bound")
+        if b != self.config.q:
+            return self._outcome(b, f"not one request verifying {self.config.q} tokens")
+        if positions.dtype != torch.int64 or positions.device != self.device:
+            return self._outcome(b, "positions not int64 on the executor's device")
+        if len(kv) != len(self.kv) or any(
+            a.k.data_ptr() != c.k.data_ptr() or a.v.data_ptr() != c.v.data_ptr() for a, c in zip(kv, self.kv)
+        ):
+            return self._outcome(b, "metadata over a KV cache other than the bound one")
+        if not all(_metadata_ok(layer.group, b) for layer in kv):
+            return self._outcome(b, "attention metadata in a form the providers do not take")
+        return self._outcome(b, None, Step(self.config.q, b, positions, kv, normed_embeddings))
+
+    def _outcome(self, b: int, fallback: str | None, step: Step | None = None) -> Step | None:
+        outcome = f"stock forward ({fallback})" if fallback else "specialized decode"
+        message = f"sparkdecode: step of {b} rows: {outcome}"
+        if message not in self.logged:
+            self.logged.add(message)
+            logger.info(message)
+        return step
+
+    def run(
+        self,
+        step: Step,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Normed hidden states (bf16 [b, H], a view of the executor's output buffer)
+        and the fp32 aux streams (ascending layer order) of a planned step. Takes
+        token ids (rows of the embedding table) or the embeddings themselves (bf16
+        [b, H]: normed when the step was planned with ``normed_embeddings``)."""
+        b = step.rows
+        embeddings = self.embeddings[:b]
+        if inputs_embeds is not None:
+            embeddings.copy_(inputs_embeds)
+        else:
+            assert input_ids is not None, "run needs input_ids or inputs_embeds"
+            torch.index_select(self.weights.embed, 0, input_ids, out=embeddings)
+        stream, x, xf = self.stream[:b], self.attention_input[:b], self.moe_input[:b]
+        partial = self.partial[:b]
+        aux_out: list[torch.Tensor] = []
+        for layer in self.layers:
+            aux = None if layer.aux is None else layer.aux[:b]
+            layer.boundary.run(step, stream, x, aux)
+            if aux is not None:
+                aux_out.append(aux)
+            layer.attention.run(step, x, partial)
+            layer.attention_boundary.run(partial, stream, xf)
+            layer.moe.run(step, xf)
+        output = self.output[:b]
+        final_aux = None if self.final_aux is None else self.final_aux[:b]
+        self.final.run(step, stream, output, final_aux)
+        if final_aux is not None:
+            aux_out.append(final_aux)
+        return output, aux_out
+
+    def _measure(self, kind: str, cls: type, layout: Mapping[str, type]) -> float:
+        """Seconds per replay of one whole layer (boundary, attention, attention
+        boundary, MoE; the final boundary too when it is the kind measured) in a CUDA
+        graph, with ``cls`` serving ``kind``: the candidate in place, launch gaps and
+        overlaps included. The slowest rank's time, so every rank decides alike."""
+        classes = dict(layout)
+        classes[kind] = cls
+        spec, rows, device = self.spec, self.config.q, self.device
+        index = 1 if spec.num_layers > 1 else 0
+        buffers: dict[str, torch.Tensor] = {
+            name: torch.randn(self.config.max_rows, spec.H, device=device).to(dtype)
+            for name, dtype in (("embeddings", torch.bfloat16),)
+        }
+        mailboxes = self._mailboxes()
+        for box in mailboxes:
+            box.buffer.normal_()
+        ctx = self._context(classes, buffers, mailboxes)
+        kv = _measurement_kv(self.weights, index, self.config.max_context, self.config.max_rows, device)
+        built = [classes[k].build(ctx, index) for k in ("boundary", "attention", "attention_boundary", "moe")]
+        final = classes["final"].build(ctx, None) if kind == "final" else None
+        for provider in built + ([final] if final else []):
+            provider.prepare_kv(kv)
+        first = self.config.max_context - rows
+        positions = torch.arange(first, first + rows, device=device)
+        step = Step(self.config.q, rows, positions, kv, False)
+        stream = torch.randn(rows, spec.H, device=device)
+        x = torch.empty(rows, spec.H, dtype=torch.bfloat16, device=device)
+        partial, xf, out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+
+        def layer() -> None:
+            built[0].run(step, stream, x, None)
+            built[1].run(step, x, partial)
+            built[2].run(partial, stream, xf)
+            built[3].run(step, xf)
+            if final is not None:
+                final.run(step, stream, out, None)
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                layer()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer()
+        replays = 20
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / replays
+        if self.group is not None:
+            import torch.distributed as dist
+
+            t = torch.tensor([seconds], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            seconds = float(t.item())
+        return seconds
+
+
+def _metadata_ok(group: KVGroupMetadata, b: int) -> bool:
+    table, lens, slots = group.block_table, group.seq_lens, group.slot_mapping
+    return (
+        table.dtype == torch.int32
+        and table.dim() == 2
+        and table.shape[0] == 1
+        and lens.dtype == torch.int32
+        and tuple(lens.shape) == (1,)
+        and slots.dtype == torch.int64
+        and slots.dim() == 1
+        and slots.shape[0] >= b
+    )
+
+
+def _measurement_kv(
+    weights: ModelWeights, index: int, max_context: int, max_rows: int, device: torch.device
+) -> tuple[LayerKV, ...]:
+    """A random, fully used paged cache for layer ``index`` at the longest context:
+    the worst case a candidate serves (the other layers' entries alias it)."""
+    spec = weights.spec
+    layer = weights.layers[index]
+    pages = math.ceil(max_context / 16)
+    kvt = torch.randn(2, pages + 1, 16, layer.num_kv_heads, spec.head_dim, device=device).to(torch.bfloat16)
+    table = torch.arange(1, pages + 1, dtype=torch.int32, device=device)[None]
+    lens = torch.tensor([max_context], dtype=torch.int32, device=device)
+    positions = torch.arange(max_context - max_rows, max_context, device=device)
+    slots = (table[0, positions // 16].long() * 16 + positions % 16).to(torch.int64)
+    entry = LayerKV(kvt[0], kvt[1], KVGroupMetadata(table, lens, slots), layer.window)
+    return tuple(entry for _ in range(spec.num_layers))

@@ -1,0 +1,221 @@
+"""The layout resolver: which provider serves each block and sub-op.
+
+For every kind (protocols.KINDS) that the deployment needs:
+
+1. candidates: every registered provider of that kind; those whose
+   ``unsupported(deployment)`` gives a reason are dropped (and kept, with the
+   reason, for the report);
+2. a pin (``additional_config["decode_providers"]`` or the CLI) wins; a pin to an
+   unknown or unsupported provider is an error naming why;
+3. otherwise, where a ``measure`` function is given (on a GPU: the candidate timed
+   in place, in a graph of a whole layer), the fastest, its time combined over
+   ranks so every rank picks the same; without one, the highest declared priority
+   (then the name, so the order is total);
+4. measured decisions are cached on disk, keyed by GPU, TP, spec, pack versions
+   and pins; a corrupt or stale cache is ignored with a warning and rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .plugins import Registered, Registry
+from .protocols import BLOCKS, KINDS, Deployment
+
+logger = logging.getLogger(__name__)
+
+# measure(kind, candidate, layout) -> seconds for one layer with ``candidate`` serving
+# ``kind`` and ``layout`` (kind -> class) serving the others.
+Measure = Callable[[str, type, Mapping[str, type]], float]
+
+
+class LayoutError(ValueError):
+    """No provider can serve a kind, or a pin cannot be honoured."""
+
+
+@dataclass
+class Candidate:
+    name: str
+    pack: str
+    version: str
+    reason: str | None = None  # why it is unsupported here, None if supported
+    seconds: float | None = None  # its measured layer time, where measured
+
+
+@dataclass
+class Choice:
+    kind: str
+    chosen: Registered
+    how: str  # "pinned", "measured", "cached", "priority"
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+@dataclass
+class Layout:
+    choices: dict[str, Choice]
+
+    def provider(self, kind: str) -> type:
+        return self.choices[kind].chosen.cls
+
+    def classes(self) -> dict[str, type]:
+        return {kind: c.chosen.cls for kind, c in self.choices.items()}
+
+    def table(self) -> str:
+        """The decision report: kind, chosen (and how), every candidate with its time or reason."""
+        lines = [f"{'block':<20} {'chosen':<34} candidates"]
+        for kind, choice in self.choices.items():
+            notes = []
+            for c in choice.candidates:
+                if c.reason is not None:
+                    notes.append(f"{c.name}: {c.reason}")
+                elif c.seconds is not None:
+                    notes.append(f"{c.name}: {c.seconds * 1e6:.1f} us")
+                else:
+                    notes.append(c.name)
+            chosen = f"{choice.chosen.name} ({choice.how})"
+            lines.append(f"{kind:<20} {chosen:<34} {'; '.join(notes)}")
+        return "\n".join(lines)
+
+
+def needed_kinds(deployment: Deployment) -> tuple[str, ...]:
+    """The kinds a deployment needs: every block, the routed experts, and the
+    all-reduce transport where there is more than one rank."""
+    return tuple(k for k in KINDS if k != "all_reduce" or deployment.tp > 1)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SPARKDECODE_CACHE", Path.home() / ".cache" / "sparkdecode")) / "layouts"
+
+
+def cache_key(deployment: Deployment, registry: Registry, pins: Mapping[str, str]) -> str:
+    text = json.dumps(
+        {
+            "gpu": deployment.gpu_name,
+            "capability": deployment.capability,
+            "tp": deployment.tp,
+            "spec": deployment.spec.key(),
+            "expert_format": deployment.expert_format,
+            "max_rows": deployment.max_rows,
+            "max_context": deployment.max_context,
+            "packs": sorted(registry.versions().items()),
+            "pins": sorted(pins.items()),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _candidates(kind: str, registry: Registry, deployment: Deployment) -> list[tuple[Registered, Candidate]]:
+    out = []
+    for reg in registry.of(kind):
+        try:
+            reason = reg.cls.unsupported(deployment)
+        except Exception as e:  # a provider's check must not take the resolver down
+            reason = f"unsupported() raised {type(e).__name__}: {e}"
+        out.append((reg, Candidate(reg.name, reg.pack, reg.version, reason)))
+    return out
+
+
+def _by_priority(supported: list[tuple[Registered, Candidate]]) -> list[tuple[Registered, Candidate]]:
+    return sorted(supported, key=lambda rc: (-rc[0].cls.priority, rc[0].name))
+
+
+def _load_cache(path: Path) -> dict[str, str] | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        chosen = data["chosen"]
+        if not isinstance(chosen, dict) or not all(isinstance(v, str) for v in chosen.values()):
+            raise ValueError("'chosen' is not a map of kind to provider name")
+        return chosen
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("sparkdecode: ignoring the corrupt layout cache %s (%s); measuring again", path, e)
+        return None
+
+
+def resolve(
+    registry: Registry,
+    deployment: Deployment,
+    pins: Mapping[str, str] | None = None,
+    measure: Measure | None = None,
+    cache_dir: Path | None = None,
+) -> Layout:
+    """The provider of every kind the deployment needs (see the module docstring)."""
+    pins = dict(pins or {})
+    kinds = needed_kinds(deployment)
+    for kind in pins:
+        if kind not in KINDS:
+            raise LayoutError(f"pin for unknown block {kind!r}; blocks: {', '.join(KINDS)}")
+    table = {kind: _candidates(kind, registry, deployment) for kind in kinds}
+    choices: dict[str, Choice] = {}
+    for kind in kinds:
+        candidates = table[kind]
+        report = [c for _, c in candidates]
+        supported = _by_priority([rc for rc in candidates if rc[1].reason is None])
+        if kind in pins:
+            name = pins[kind]
+            reg = registry.find(name)
+            if reg is None:
+                known = ", ".join(r.name for r, _ in candidates) or "none"
+                raise LayoutError(f"{kind} is pinned to {name!r}, which no installed pack provides (known: {known})")
+            if reg.block != kind:
+                raise LayoutError(f"{kind} is pinned to {name!r}, a provider of {reg.block}")
+            reason = next(c.reason for r, c in candidates if r.name == name)
+            if reason is not None:
+                raise LayoutError(f"{kind} is pinned to {name!r}, which does not support this deployment: {reason}")
+            choices[kind] = Choice(kind, reg, "pinned", report)
+            continue
+        if not supported:
+            reasons = "; ".join(f"{c.name}: {c.reason}" for c in report) or "no provider is registered"
+            raise LayoutError(f"no provider supports {kind} here ({reasons})")
+        choices[kind] = Choice(kind, supported[0][0], "priority", report)
+
+    contested = [k for k in kinds if k not in pins and sum(c.reason is None for _, c in table[k]) > 1]
+    if measure is None or not contested:
+        return Layout(choices)
+
+    path = (cache_dir or default_cache_dir()) / f"{cache_key(deployment, registry, pins)}.json"
+    cached = _load_cache(path)
+    if cached is not None:
+        stale = [k for k in contested if k not in cached or not _is_supported(table[k], cached[k])]
+        if not stale:
+            for kind in contested:
+                reg = next(r for r, _ in table[kind] if r.name == cached[kind])
+                choices[kind] = Choice(kind, reg, "cached", choices[kind].candidates)
+            return Layout(choices)
+        logger.warning("sparkdecode: the layout cache %s is stale (%s); measuring again", path, ", ".join(stale))
+
+    for kind in contested:
+        best: tuple[float, Registered] | None = None
+        for reg, cand in table[kind]:
+            if cand.reason is not None:
+                continue
+            layout = {k: c.chosen.cls for k, c in choices.items()}
+            cand.seconds = measure(kind, reg.cls, layout)
+            if best is None or cand.seconds < best[0]:
+                best = (cand.seconds, reg)
+        assert best is not None
+        choices[kind] = Choice(kind, best[1], "measured", [c for _, c in table[kind]])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "chosen": {k: choices[k].chosen.name for k in contested},
+        "seconds": {k: {c.name: c.seconds for _, c in table[k] if c.seconds is not None} for k in contested},
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+    return Layout(choices)
+
+
+def _is_supported(candidates: list[tuple[Registered, Candidate]], name: str) -> bool:
+    return any(r.name == name and c.reason is None for r, c in candidates)
+
+
+__all__ = ["BLOCKS", "Layout", "LayoutError", "resolve"]

@@ -1,0 +1,253 @@
+"""The contracts between the executor and the providers of its blocks.
+
+One decode step of b rows (one request verifying q = b tokens):
+
+    embed -> boundary (layer 0: the front) -> for each layer: attention ->
+    attention_boundary -> moe -> next layer's boundary ... -> final
+
+Each block is implemented by a provider class registered through the plug-in
+hooks (plugins.py) and chosen by the layout resolver (layout.py). Sub-ops that a
+block provider may take from elsewhere (``experts``, ``all_reduce``) are resolved
+the same way and handed over in ``BuildContext.ops``.
+
+Shapes are per rank: b <= ``BuildContext.max_rows``; H hidden, P pooled width,
+E experts, k top-k (spec.py). Lifecycle of every provider:
+
+- ``unsupported(deployment)`` (class method) reads only the ``Deployment``: the
+  same answer on every rank;
+- ``build(ctx, layer)`` once, after the weights are loaded, before KV binding and
+  graph capture: weight views, repacks, compiles, rendezvous, warm-ups, in the same
+  order on every rank (builds may be collective);
+- ``prepare_kv(kv)`` for every bound KV cache;
+- ``prepare_step(host)`` (optional) host work redone before every step, outside
+  the graph; prefer kernels that need none;
+- ``run(...)`` CUDA-graph capturable: allocates nothing, syncs nothing with the
+  host, takes no per-step constant. Launches on the current stream; a provider
+  that forks a side stream joins it before ``run`` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from .spec import ModelSpec
+    from .weights import LayerWeights, ModelWeights
+
+BLOCKS = ("boundary", "attention", "attention_boundary", "moe", "final")
+SUB_OPS = ("experts", "all_reduce")
+KINDS = BLOCKS + SUB_OPS
+
+
+class KVGroupMetadata(NamedTuple):
+    """One KV-cache group's metadata for the step, in device buffers whose contents
+    change between graph replays (their shapes never do)."""
+
+    block_table: torch.Tensor  # int32 [1, max_pages]: the request's pages, the null page where released
+    seq_lens: torch.Tensor  # int32 [1]: context length after this step (last position + 1)
+    slot_mapping: torch.Tensor  # int64 [max_rows]: each row's cache slot (page * block_size + offset)
+
+
+class LayerKV(NamedTuple):
+    """One layer's paged cache: strided K/V views and its group's metadata."""
+
+    k: torch.Tensor  # bf16 [pages, block_size, Hkv, d], any strides
+    v: torch.Tensor  # bf16 [pages, block_size, Hkv, d], any strides
+    group: KVGroupMetadata
+    window: int | None  # keys a query sees (counting itself) on sliding layers, None on full
+
+
+class HostStep(NamedTuple):
+    """The host's view of one step, for ``prepare_step`` (plain ints, no tensors)."""
+
+    first_position: int
+    rows: int
+    context_len: int
+
+
+class Step(NamedTuple):
+    """A planned step: decided from host state, identical on every rank, holding
+    device buffers whose contents change between replays."""
+
+    q: int  # tokens per request
+    rows: int  # b, the rows of this step (one request: b == q)
+    positions: torch.Tensor  # int64 [b]
+    kv: tuple[LayerKV, ...]  # per layer
+    # The executor's embeddings buffer holds bf16 rows of the embedding table (False)
+    # or the bf16 normed embeddings the multimodal path passes (True).
+    normed_embeddings: bool
+
+
+class RoutedTopk(NamedTuple):
+    """The routing of b rows: global expert ids and their renormalized, scaled weights."""
+
+    ids: torch.Tensor  # int32 [b, k]
+    weights: torch.Tensor  # fp32 [b, k]
+
+
+class ExpertsInput(NamedTuple):
+    """What the routed experts read: the pooled, pre-expert-normed rows."""
+
+    x: torch.Tensor  # bf16 [b, P]
+    # Block scales when the experts take a quantized input (NVFP4), else None.
+    scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a provider's ``unsupported`` may read: the same on every rank.
+
+    ``device`` is ``cpu`` or ``cuda``; ``capability`` the GPU's (major, minor) or None.
+    ``libraries`` maps an importable library to its version (None if missing).
+    """
+
+    spec: ModelSpec
+    tp: int = 1
+    device: str = "cpu"
+    capability: tuple[int, int] | None = None
+    gpu_name: str | None = None
+    expert_format: str = "bf16"
+    kv_dtype: torch.dtype = torch.bfloat16
+    kv_block_size: int = 16
+    max_rows: int = 8
+    max_context: int = 4096
+    # "ep" (whole experts per rank) or "tp" (an I-slice of every expert).
+    expert_parallel: str = "ep"
+    libraries: dict[str, str | None] = field(default_factory=dict)
+
+
+class Mailbox(Protocol):
+    """Where a producer publishes its column block of a [b, H] result for the next
+    boundary to gather, with no separate collective kernel.
+
+    ``publish(b)`` is this rank's destination view (bf16 [b, H / tp] for a
+    column-sharded producer, [b, H] for a replicated one); ``gather(b)`` returns the
+    whole bf16 [b, H] once every rank has published (blocks in rank order). Both are
+    capturable; ``gather`` may be where a reference transport runs its collective.
+    """
+
+    def publish(self, b: int) -> torch.Tensor: ...
+
+    def gather(self, b: int) -> torch.Tensor: ...
+
+
+@dataclass
+class BuildContext:
+    """What ``Provider.build`` receives, once, after the weights are loaded."""
+
+    spec: ModelSpec
+    weights: ModelWeights  # this rank's plain weights (``weights.layers[i]``: LayerWeights)
+    tp: int
+    rank: int
+    device: torch.device
+    group: Any  # the TP group's torch.distributed process group (None at TP 1)
+    deployment: Deployment
+    # Executor-owned buffers by name, sized for ``max_rows``; providers add scratch
+    # through ``scratch`` so layers share it.
+    buffers: dict[str, torch.Tensor]
+    aux_layers: tuple[int, ...]  # the layers whose input stream the drafter reads
+    max_rows: int
+    max_context: int
+    # mailboxes[i]: what layer i's MoE publishes and the boundary after it gathers
+    # (layer i + 1's input boundary; the final boundary for the last layer).
+    mailboxes: list[Mailbox]
+    # The resolved sub-op providers by kind (``experts``, ``all_reduce``).
+    ops: dict[str, type[Provider]]
+
+    def layer(self, index: int) -> LayerWeights:
+        return self.weights.layers[index]
+
+    def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An executor-owned buffer shared by every layer, allocated at the first ask."""
+        buffer = self.buffers.get(name)
+        if buffer is None:
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            self.buffers[name] = buffer
+        if tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype:
+            raise ValueError(f"buffer {name!r} is {tuple(buffer.shape)} {buffer.dtype}, asked for {shape} {dtype}")
+        return buffer
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """The surface every provider class shares."""
+
+    block: ClassVar[str]  # one of KINDS
+    name: ClassVar[str]  # "pack.provider"
+    # Order among supported candidates where nothing is measured (higher first).
+    priority: ClassVar[int]
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        """Why this provider cannot serve ``deployment``, or None."""
+        ...
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> Provider: ...
+
+    def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
+        """Called for every bound KV cache (per layer: K/V views and metadata);
+        raises if the cache is in a form the provider does not take."""
+        ...
+
+
+class BoundaryProvider(Provider, Protocol):
+    """The input boundary of layer ``l`` (``build(ctx, l)``). Layer 0 (the front):
+    the embeddings buffer (``ctx.buffers["embeddings"]``, bf16 [b, H]) into the fp32
+    stream (its RMS norm, or fp32 of the already normed rows when
+    ``step.normed_embeddings``). Later layers: the previous MoE's output gathered from
+    ``ctx.mailboxes[l - 1]``, post_ffn_norm, the gated add into ``stream``. Then this
+    layer's pre_qkv_proj_norm into ``out``. ``aux`` (fp32 [b, H]) receives the updated
+    stream when layer l is an aux layer."""
+
+    def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None: ...
+
+
+class AttentionProvider(Provider, Protocol):
+    """The attention of layer l: QKV front (QKV+gate GEMM, QK norm, RoPE on sliding
+    layers, K/V insert at the slot mapping), paged attention of the step with the
+    o-norm and sigmoid gate, and o_proj. ``x`` bf16 [b, H] in; writes this rank's
+    row-parallel o_proj partial (before any all-reduce) into ``partial`` bf16 [b, H]."""
+
+    def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None: ...
+
+
+class AttentionBoundaryProvider(Provider, Protocol):
+    """All-reduce of ``partial`` (TP > 1), post_attn_norm, the gated add into
+    ``stream`` (fp32 [b, H], in place), pre_ffn_norm into ``out`` (bf16 [b, H])."""
+
+    def run(self, partial: torch.Tensor, stream: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
+class MoEProvider(Provider, Protocol):
+    """The MoE of layer l: router, routing, pooler and pre_expert_norm, the routed
+    experts, the tail (post_expert_norm per route, weighted sum), the unpooler; its
+    bf16 [b, H] output is published into ``ctx.mailboxes[l]``."""
+
+    def run(self, step: Step, x: torch.Tensor) -> None: ...
+
+
+class FinalProvider(Provider, Protocol):
+    """The final boundary (``build(ctx, None)``): the last MoE's output gathered from
+    ``ctx.mailboxes[-1]``, post_ffn_norm, the gated add, model.norm into ``out``
+    (bf16 [b, H]); ``aux`` receives the final stream when the drafter reads it."""
+
+    def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None: ...
+
+
+class RoutedExpertsOp(Provider, Protocol):
+    """Sub-op ``experts`` of layer l: writes each route's expert output into ``rows``
+    bf16 [b, k, P] (this rank's partial sum under expert TP; zeros for experts other
+    ranks hold under EP). Reads each selected expert's weights once."""
+
+    def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None: ...
+
+
+class AllReduceOp(Provider, Protocol):
+    """Sub-op ``all_reduce`` (``build(ctx, None)``): sums bf16 [b, H] over the TP
+    group in place, in a fixed rank order, so every rank holds the same bits."""
+
+    def run(self, x: torch.Tensor) -> None: ...

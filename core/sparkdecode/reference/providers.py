@@ -1,0 +1,200 @@
+"""The reference provider of every block and sub-op: the stock math of
+``reference.model`` behind the provider contracts, on any device.
+
+They are the fallback (priority 0: any pack that supports the deployment is
+preferred where nothing is measured) and the oracle the packs are tested
+against. Their torch temporaries come from the caching allocator (the graph's
+pool under capture); every result lands in an executor-owned buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..plugins import hookimpl
+from ..protocols import BuildContext, Deployment, ExpertsInput, LayerKV, RoutedTopk, Step
+from . import functional as fn
+from . import model
+
+
+class _Reference:
+    priority = 0
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        return None
+
+    def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
+        pass
+
+
+class ReferenceBoundary(_Reference):
+    """Layer 0: the front; later layers: the input boundary (reference.model)."""
+
+    block = "boundary"
+    name = "reference.boundary"
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        self.spec, self.index = ctx.spec, layer
+        self.layer = ctx.layer(layer)
+        self.prev = ctx.layer(layer - 1) if layer > 0 else None
+        self.embeddings = ctx.buffers["embeddings"]
+        self.mailbox = ctx.mailboxes[layer - 1] if layer > 0 else None
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceBoundary:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None:
+        b = step.rows
+        if self.prev is None:
+            s, x = model.front(self.spec, self.embeddings[:b], step.normed_embeddings, self.layer)
+        else:
+            assert self.mailbox is not None
+            s, x = model.input_boundary(self.spec, stream, self.mailbox.gather(b), self.prev, self.layer)
+        stream.copy_(s)
+        out.copy_(x)
+        if aux is not None:
+            aux.copy_(s)
+
+
+class ReferenceAttention(_Reference):
+    block = "attention"
+    name = "reference.attention"
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        self.spec, self.index, self.max_context = ctx.spec, layer, ctx.max_context
+        self.layer = ctx.layer(layer)
+        theta = self.layer.rope_theta
+        self.rope_table = ctx.weights.rope_table(theta, ctx.max_context) if theta > 0 else None
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceAttention:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
+        k, v = kv[self.index].k, kv[self.index].v
+        expected = (self.layer.num_kv_heads, self.spec.head_dim)
+        for name, t in (("K", k), ("V", v)):
+            if t.dtype != torch.bfloat16 or t.dim() != 4 or tuple(t.shape[2:]) != expected:
+                raise ValueError(
+                    f"layer {self.index}: {name} cache {tuple(t.shape)} {t.dtype} is not bf16 "
+                    f"[pages, block_size, {expected[0]}, {expected[1]}]"
+                )
+
+    def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
+        a = model.attention(
+            self.spec, self.layer, x, step.positions, step.kv[self.index], self.rope_table, self.max_context
+        )
+        partial.copy_(a)
+
+
+class ReferenceAttentionBoundary(_Reference):
+    block = "attention_boundary"
+    name = "reference.attention_boundary"
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        self.spec, self.layer = ctx.spec, ctx.layer(layer)
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceAttentionBoundary:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def run(self, partial: torch.Tensor, stream: torch.Tensor, out: torch.Tensor) -> None:
+        s, xf = model.attention_boundary(self.spec, self.layer, stream, partial)
+        stream.copy_(s)
+        out.copy_(xf)
+
+
+class ReferenceMoE(_Reference):
+    """Router, routing, pooler, the resolved ``experts`` sub-op, tail, unpooler."""
+
+    block = "moe"
+    name = "reference.moe"
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        spec = self.spec = ctx.spec
+        self.layer = ctx.layer(layer)
+        self.experts = ctx.ops["experts"].build(ctx, layer)
+        self.rows = ctx.scratch("moe_rows", (ctx.max_rows, spec.top_k, spec.P), torch.bfloat16)
+        self.mailbox = ctx.mailboxes[layer]
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceMoE:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def run(self, step: Step, x: torch.Tensor) -> None:
+        spec, layer, b = self.spec, self.layer, x.shape[0]
+        ids, weights = fn.route(
+            model.router_logits(layer, x), layer.expert_bias, spec.top_k, spec.routed_scaling_factor
+        )
+        h = model.pool(spec, layer, x)
+        rows = self.rows[:b]
+        self.experts.run(ExpertsInput(h), RoutedTopk(ids, weights), rows)
+        m = fn.moe_tail(rows, weights, layer.post_expert_norm, spec.post_norm_eps)
+        self.mailbox.publish(b).copy_(fn.linear(m, layer.unpooler))
+
+
+class ReferenceExperts(_Reference):
+    """Sub-op ``experts``: each route's SwiGLU expert in torch, bf16 weights."""
+
+    block = "experts"
+    name = "reference.experts"
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        self.experts = ctx.layer(layer).experts
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        if deployment.expert_format != "bf16":
+            return f"expert format {deployment.expert_format} (bf16 only)"
+        return None
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceExperts:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
+        e = self.experts
+        rows.copy_(fn.expert_rows(inputs.x, topk.ids, e.w13, e.w2, e.first_expert))
+
+
+class ReferenceFinal(_Reference):
+    block = "final"
+    name = "reference.final"
+
+    def __init__(self, ctx: BuildContext):
+        self.spec, self.prev = ctx.spec, ctx.layer(ctx.spec.num_layers - 1)
+        self.norm = ctx.weights.final_norm
+        self.mailbox = ctx.mailboxes[-1]
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceFinal:
+        return cls(ctx)
+
+    def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None:
+        s, hidden = model.final_boundary(self.spec, stream, self.mailbox.gather(step.rows), self.prev, self.norm)
+        stream.copy_(s)
+        out.copy_(hidden)
+        if aux is not None:
+            aux.copy_(s)
+
+
+PROVIDERS = (
+    ReferenceBoundary,
+    ReferenceAttention,
+    ReferenceAttentionBoundary,
+    ReferenceMoE,
+    ReferenceExperts,
+    ReferenceFinal,
+)
+
+
+@hookimpl
+def sparkdecode_providers() -> tuple[type, ...]:
+    return PROVIDERS

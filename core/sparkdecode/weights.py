@@ -1,0 +1,225 @@
+"""Plain per-rank weights: what every provider builds from.
+
+``LayerWeights`` holds one layer's tensors of one rank in the layout vLLM keeps
+after loading (Q/K rows in interleaved RoPE pairs, the router's output multiplier
+folded in, the residual gates' alpha/beta precomputed), no module of vLLM's. A
+backbone adapter (the reference model, or vLLM's loaded modules) fills them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .reference import functional as fn
+from .spec import ModelSpec
+
+EXPERT_FORMATS = ("bf16",)
+
+
+@dataclass
+class ExpertWeights:
+    """The routed experts this rank holds.
+
+    ``format`` names the storage: ``bf16`` (w13 bf16 [E_local, 2I_local, P], gate
+    rows first; w2 bf16 [E_local, P, I_local]). Under EP a rank holds the whole
+    experts ``first_expert .. first_expert + E_local - 1``; under expert TP every
+    expert with an I-slice (``intermediate_slice``, this rank's rows of I).
+    """
+
+    format: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    first_expert: int = 0
+    intermediate_slice: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in EXPERT_FORMATS:
+            raise ValueError(f"expert format {self.format!r} is not one of {EXPERT_FORMATS}")
+
+    @property
+    def num_local(self) -> int:
+        return self.w13.shape[0]
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights on one rank (shapes per rank)."""
+
+    index: int
+    window: int | None  # sliding window (keys a query sees), None on full layers
+    rope_theta: float  # 0 on NoPE layers
+    pre_qkv_norm: torch.Tensor  # bf16 [H], delta around 1
+    qkvg: torch.Tensor  # bf16 [q + 2 kv + q, H]: [q | k | v | o-gate], Q/K rows in GPT-J pairs
+    o_proj: torch.Tensor  # bf16 [H, q] (row-parallel: this rank's input columns)
+    attn_gate: torch.Tensor  # bf16 [H], the raw post-attention residual gate
+    attn_alpha: torch.Tensor  # fp32 [H]
+    attn_beta: torch.Tensor  # fp32 [H]
+    pre_ffn_norm: torch.Tensor  # bf16 [H]
+    router: torch.Tensor  # fp32 [E, H], output multiplier folded in
+    expert_bias: torch.Tensor  # fp32 [E], the selection bias
+    pooler: torch.Tensor  # bf16 [P, H]
+    pre_expert_norm: torch.Tensor  # bf16 [P]
+    experts: ExpertWeights
+    post_expert_norm: torch.Tensor  # bf16 [P]
+    unpooler: torch.Tensor  # bf16 [H, P]
+    post_ffn_norm: torch.Tensor  # bf16 [H]
+    ffn_gate: torch.Tensor  # bf16 [H], the raw post-FFN residual gate
+    ffn_alpha: torch.Tensor  # fp32 [H]
+    ffn_beta: torch.Tensor  # fp32 [H]
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    # The router weight as the checkpoint stores it (before folding), kept only where
+    # the weights are to be saved again.
+    router_unfolded: torch.Tensor | None = None
+
+
+@dataclass
+class ModelWeights:
+    """The backbone's weights on one rank: embedding, layers, final norm, LM head."""
+
+    spec: ModelSpec
+    embed: torch.Tensor  # bf16 [V, H]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # bf16 [H], used as stored
+    lm_head: torch.Tensor  # bf16 [V, H]
+    tp: int = 1
+    rank: int = 0
+    rope_tables: dict[float, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def rope_table(self, theta: float, max_positions: int) -> torch.Tensor:
+        """The fp32 [cos | sin] table of ``theta``, built once and shared by every layer."""
+        table = self.rope_tables.get(theta)
+        if table is None or table.shape[0] < max_positions:
+            table = fn.rope_table(theta, self.spec.head_dim, max_positions, self.device)
+            self.rope_tables[theta] = table
+        return table
+
+
+def fold_router(router_unfolded: torch.Tensor, output_multiplier: float) -> torch.Tensor:
+    """The router weight vLLM keeps: fp32 W * output_multiplier, rounded once in fp32."""
+    return router_unfolded.float() * output_multiplier
+
+
+def interleave_qk_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """HF stores Q/K rows as [even | odd] halves per head; vLLM re-orders them to
+    interleaved (GPT-J) pairs at load, NoPE layers too."""
+    rows, cols = weight.shape
+    return weight.reshape(-1, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def deinterleave_qk_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of ``interleave_qk_rows`` (vLLM order back to the HF order)."""
+    rows, cols = weight.shape
+    return weight.reshape(-1, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def make_layer(
+    spec: ModelSpec,
+    index: int,
+    *,
+    q_proj: torch.Tensor,
+    k_proj: torch.Tensor,
+    v_proj: torch.Tensor,
+    gate_proj: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+) -> LayerWeights:
+    """A TP-1 layer from checkpoint-form tensors (Q/K rows in the HF order, router
+    unfolded, raw gates): re-orders, folds and precomputes as vLLM does at load."""
+    q = interleave_qk_rows(q_proj, spec.head_dim)
+    k = interleave_qk_rows(k_proj, spec.head_dim)
+    attn_alpha, attn_beta = fn.gate_coefficients(tensors["attn_gate"], spec.residual_gate_temperature)
+    ffn_alpha, ffn_beta = fn.gate_coefficients(tensors["ffn_gate"], spec.residual_gate_temperature)
+    router_unfolded = tensors["router"].float()
+    return LayerWeights(
+        index=index,
+        window=spec.window(index),
+        rope_theta=spec.layer_rope_theta[index],
+        pre_qkv_norm=tensors["pre_qkv_norm"],
+        qkvg=torch.cat([q, k, v_proj, gate_proj], dim=0).contiguous(),
+        o_proj=tensors["o_proj"],
+        attn_gate=tensors["attn_gate"],
+        attn_alpha=attn_alpha,
+        attn_beta=attn_beta,
+        pre_ffn_norm=tensors["pre_ffn_norm"],
+        router=fold_router(router_unfolded, spec.output_multiplier),
+        expert_bias=tensors["expert_bias"].float(),
+        pooler=tensors["pooler"],
+        pre_expert_norm=tensors["pre_expert_norm"],
+        experts=ExpertWeights("bf16", tensors["w13"], tensors["w2"]),
+        post_expert_norm=tensors["post_expert_norm"],
+        unpooler=tensors["unpooler"],
+        post_ffn_norm=tensors["post_ffn_norm"],
+        ffn_gate=tensors["ffn_gate"],
+        ffn_alpha=ffn_alpha,
+        ffn_beta=ffn_beta,
+        num_heads=spec.num_attention_heads,
+        num_kv_heads=spec.num_key_value_heads,
+        router_unfolded=router_unfolded,
+    )
+
+
+def random_weights(
+    spec: ModelSpec,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    keep_unfolded_router: bool = True,
+) -> ModelWeights:
+    """Seeded random weights for any spec, scaled so the activations stay O(1)
+    through any number of layers: projections N(0, 1/fan_in) (their inputs are
+    RMS-normed), norm deltas and residual gates small around their centres, the
+    selection bias small beside the sigmoid scores. Drawn on ``device`` (one seed,
+    the same weights on every device of a kind), a slice at a time so the real
+    widths need no full-size fp32 temporary."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def normal(*shape: int, std: float, dtype: torch.dtype = fn.BF16) -> torch.Tensor:
+        out = torch.empty(*shape, dtype=dtype, device=dev)
+        for chunk in out.view(-1, *shape[-2:]) if len(shape) > 2 else (out,):
+            chunk.copy_(torch.randn(chunk.shape, generator=g, device=dev) * std)
+        return out
+
+    H, P, I, E = spec.H, spec.P, spec.I, spec.E  # noqa: E741, N806
+    layers = []
+    for index in range(spec.num_layers):
+        tensors = {
+            "pre_qkv_norm": normal(H, std=0.1),
+            "o_proj": normal(H, spec.q_size, std=spec.q_size**-0.5),
+            "attn_gate": normal(H, std=0.5),
+            "pre_ffn_norm": normal(H, std=0.1),
+            "router": normal(E, H, std=H**-0.5, dtype=fn.FP32),
+            "expert_bias": normal(E, std=0.02, dtype=fn.FP32),
+            "pooler": normal(P, H, std=H**-0.5),
+            "pre_expert_norm": normal(P, std=0.1),
+            "w13": normal(E, 2 * I, P, std=P**-0.5),
+            "w2": normal(E, P, I, std=I**-0.5),
+            "post_expert_norm": normal(P, std=0.1),
+            "unpooler": normal(H, P, std=P**-0.5),
+            "post_ffn_norm": normal(H, std=0.1),
+            "ffn_gate": normal(H, std=0.5),
+        }
+        layer = make_layer(
+            spec,
+            index,
+            q_proj=normal(spec.q_size, H, std=H**-0.5),
+            k_proj=normal(spec.kv_size, H, std=H**-0.5),
+            v_proj=normal(spec.kv_size, H, std=H**-0.5),
+            gate_proj=normal(spec.q_size, H, std=H**-0.5),
+            tensors=tensors,
+        )
+        if not keep_unfolded_router:
+            layer.router_unfolded = None
+        layers.append(layer)
+    return ModelWeights(
+        spec=spec,
+        embed=normal(spec.vocab_size, H, std=1.0),
+        layers=layers,
+        final_norm=(1.0 + normal(H, std=0.1, dtype=fn.FP32)).to(fn.BF16),
+        lm_head=normal(spec.vocab_size, H, std=H**-0.5),
+    )

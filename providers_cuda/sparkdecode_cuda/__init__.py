@@ -1,0 +1,1 @@
+"""sparkdecode-cuda: CUDA C++ kernels (NVRTC-compiled to a cubin for the device, launched with cuda-python on torch's stream, PDL-chained): the fused boundaries, the attention front, routing and the MoE tail."""

@@ -1,0 +1,14 @@
+"""The pack's plug-in module (entry point `sparkdecode.providers`: cute).
+
+It registers only providers that are done and tested against the reference; the
+table in this pack's README lists them.
+"""
+
+from sparkdecode.plugins import hookimpl
+
+PROVIDERS: tuple[type, ...] = ()
+
+
+@hookimpl
+def sparkdecode_providers() -> tuple[type, ...]:
+    return PROVIDERS

@@ -68,7 +68,7 @@ class Layout:
 
     def table(self) -> str:
         """The decision report: kind, chosen (and how), every candidate with its time or reason."""
-        lines = [f"{'block':<20} {'chosen':<34} candidates"]
+        lines = [f"{'block':<20} {'chosen':<46} candidates"]
         for kind, choice in self.choices.items():
             notes = []
             for c in choice.candidates:
@@ -79,7 +79,7 @@ class Layout:
                 else:
                     notes.append(c.name)
             chosen = f"{choice.chosen.name} ({choice.how})"
-            lines.append(f"{kind:<20} {chosen:<34} {'; '.join(notes)}")
+            lines.append(f"{kind:<20} {chosen:<46} {'; '.join(notes)}")
         return "\n".join(lines)
 
 

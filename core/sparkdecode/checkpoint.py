@@ -1,0 +1,427 @@
+"""Muse Spark checkpoints on disk: Hugging Face safetensors, written and read.
+
+``save_checkpoint`` writes TP-1 ``ModelWeights`` in the checkpoint's form (Q/K rows
+in the HF order, the router weight unfolded, the raw residual gates) under the
+Hugging Face tensor names of the multimodal model, with a ``config.json`` that nests
+the text model under ``text_config``. ``load_checkpoint`` reads such a directory
+back into ``ModelWeights`` through ``weights.make_layer``, which re-orders, folds
+and precomputes as vLLM does at load, so a save and a load give the same tensors
+bit for bit.
+
+The loader is strict: a missing tensor, a tensor of the wrong shape or dtype, an
+unknown text-model tensor name or a quantized tensor raises ``CheckpointError``
+naming it; a missing or wrong config field raises ``SpecError``. Tensors of the
+vision and audio towers are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .spec import ModelSpec
+from .weights import LayerWeights, ModelWeights, deinterleave_qk_rows, make_layer
+
+BF16 = torch.bfloat16
+FP32 = torch.float32
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+ARCHITECTURE = "MuseSparkForConditionalGeneration"
+MODEL_TYPE = "muse_spark"
+
+MULTIMODAL_PREFIX = "model.language_model."
+TEXT_ONLY_PREFIX = "model."
+LM_HEAD = "lm_head.weight"
+EMBED = "embed_tokens.weight"
+FINAL_NORM = "norm.weight"
+
+# Tensors of the multimodal checkpoint that the text model does not use.
+IGNORED_PREFIXES = (
+    "model.vision_tower.",
+    "model.audio_tower.",
+    "model.vision_projection.",
+    "model.vision_adapter.",
+    "model.audio_projection.",
+    "model.audio_adapter.",
+    "model.multi_modal_projector.",
+)
+
+# Suffixes of the scale tensors a quantized (NVFP4 / ModelOpt) checkpoint adds.
+QUANTIZED_SUFFIXES = (
+    "weight_scale",
+    "weight_scale_2",
+    "input_scale",
+    "weight_global_scale",
+    "input_global_scale",
+    "weight_packed",
+)
+
+_QK = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
+_LAYER_NAME = re.compile(r"layers\.(0|[1-9][0-9]*)\.(.+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not hold Muse Spark text-model weights as
+    this module reads them (the message names the tensor or file at fault)."""
+
+
+def layer_tensor_table(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
+    """Per decoder layer: checkpoint name suffix (after ``layers.{l}.``) ->
+    (``make_layer`` key, shape, dtype), in the checkpoint's form."""
+    H, P, I, E = spec.H, spec.P, spec.I, spec.E
+    q, kv = spec.q_size, spec.kv_size
+    return {
+        "input_layernorm.weight": ("pre_qkv_norm", (H,), BF16),
+        "self_attn.q_proj.weight": ("q_proj", (q, H), BF16),
+        "self_attn.k_proj.weight": ("k_proj", (kv, H), BF16),
+        "self_attn.v_proj.weight": ("v_proj", (kv, H), BF16),
+        "self_attn.gate_proj.weight": ("gate_proj", (q, H), BF16),
+        "self_attn.o_proj.weight": ("o_proj", (H, q), BF16),
+        "post_attention_residual_gate.gate": ("attn_gate", (H,), BF16),
+        "pre_feedforward_layernorm.weight": ("pre_ffn_norm", (H,), BF16),
+        "mlp.gate.weight": ("router", (E, H), FP32),
+        "mlp.gate.e_score_correction_bias": ("expert_bias", (E,), FP32),
+        "mlp.pre_expert_proj.weight": ("pooler", (P, H), BF16),
+        "mlp.pre_expert_norm.weight": ("pre_expert_norm", (P,), BF16),
+        "mlp.experts.gate_up_proj": ("w13", (E, 2 * I, P), BF16),
+        "mlp.experts.down_proj": ("w2", (E, P, I), BF16),
+        "mlp.experts.post_expert_norm.weight": ("post_expert_norm", (P,), BF16),
+        "mlp.post_expert_proj.weight": ("unpooler", (H, P), BF16),
+        "post_feedforward_layernorm.weight": ("post_ffn_norm", (H,), BF16),
+        "post_feedforward_residual_gate.gate": ("ffn_gate", (H,), BF16),
+    }
+
+
+def global_tensor_table(
+    spec: ModelSpec, prefix: str = MULTIMODAL_PREFIX
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors outside the layers: full name -> (shape, dtype)."""
+    V, H = spec.vocab_size, spec.H
+    return {
+        prefix + EMBED: ((V, H), BF16),
+        prefix + FINAL_NORM: ((H,), BF16),
+        LM_HEAD: ((V, H), BF16),
+    }
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def save_checkpoint(weights: ModelWeights, directory: str | Path, shard_bytes: int = 2**30) -> None:
+    """Write ``weights`` (TP 1, bf16 experts, unfolded router kept) to ``directory``
+    as a Hugging Face checkpoint: ``config.json``, safetensors shards
+    ``model-0000i-of-0000N.safetensors`` of about ``shard_bytes`` each (a tensor
+    larger than that gets a shard of its own) and ``model.safetensors.index.json``.
+    Everything is checked before anything is written; a tensor is copied to the
+    host only while its shard is written."""
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    entries = _save_entries(weights)
+    shards: list[list[tuple[str, torch.Tensor, bool]]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = entry[1].numel() * entry[1].element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "text_config": weights.spec.to_config()}
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+    head_dim = weights.spec.head_dim
+    weight_map: dict[str, str] = {}
+    total = 0
+    for number, shard in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, tensor, qk in shard:
+            host = tensor.detach().to("cpu", copy=True).contiguous()
+            tensors[name] = deinterleave_qk_rows(host, head_dim).contiguous() if qk else host
+            weight_map[name] = file
+            total += host.numel() * host.element_size()
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save_entries(weights: ModelWeights) -> list[tuple[str, torch.Tensor, bool]]:
+    """(checkpoint name, source tensor, whether its rows go back to the HF Q/K order)
+    of every tensor, each source checked against the checkpoint's shape and dtype."""
+    spec = weights.spec
+    if weights.tp != 1:
+        raise ValueError(f"only TP-1 weights can be saved, these are rank {weights.rank} of TP {weights.tp}")
+    if len(weights.layers) != spec.num_layers:
+        raise ValueError(f"the weights hold {len(weights.layers)} layers, their spec {spec.num_layers}")
+    top = global_tensor_table(spec)
+    prefix = MULTIMODAL_PREFIX
+    entries = [(prefix + EMBED, weights.embed, False)]
+    table = layer_tensor_table(spec)
+    for position, layer in enumerate(weights.layers):
+        if layer.index != position:
+            raise ValueError(f"layer {position} of the weights has index {layer.index}")
+        for suffix, tensor in _layer_sources(spec, layer).items():
+            name = f"{prefix}layers.{position}.{suffix}"
+            _, shape, dtype = table[suffix]
+            _check_source(name, tensor, shape, dtype)
+            entries.append((name, tensor, suffix in _QK))
+    entries.append((prefix + FINAL_NORM, weights.final_norm, False))
+    entries.append((LM_HEAD, weights.lm_head, False))
+    for name, tensor, _ in entries:
+        if name in top:
+            _check_source(name, tensor, *top[name])
+    return entries
+
+
+def _layer_sources(spec: ModelSpec, layer: LayerWeights) -> dict[str, torch.Tensor]:
+    """Checkpoint name suffix -> the layer's tensor it is written from (Q and K rows
+    still in vLLM's interleaved order)."""
+    where = f"layer {layer.index}"
+    if layer.router_unfolded is None:
+        raise ValueError(
+            f"{where}: the weights cannot be saved because the unfolded router was not kept "
+            "(router_unfolded is None; the folded router cannot be un-multiplied exactly)"
+        )
+    e = layer.experts
+    if e.format != "bf16":
+        raise ValueError(f"{where}: only bf16 experts can be saved, these are {e.format!r}")
+    if e.first_expert != 0 or e.intermediate_slice is not None or e.num_local != spec.E:
+        raise ValueError(
+            f"{where}: only the full set of experts can be saved (TP 1), these are {e.num_local} experts "
+            f"from {e.first_expert} with intermediate slice {e.intermediate_slice}"
+        )
+    if layer.num_heads != spec.num_attention_heads or layer.num_kv_heads != spec.num_key_value_heads:
+        raise ValueError(
+            f"{where}: holds {layer.num_heads} query / {layer.num_kv_heads} KV heads, the spec "
+            f"{spec.num_attention_heads} / {spec.num_key_value_heads} (only TP-1 weights can be saved)"
+        )
+    q, kv = spec.q_size, spec.kv_size
+    _check_source(f"{where} qkvg", layer.qkvg, (2 * q + 2 * kv, spec.H), BF16)
+    qkvg = layer.qkvg
+    return {
+        "input_layernorm.weight": layer.pre_qkv_norm,
+        "self_attn.q_proj.weight": qkvg[:q],
+        "self_attn.k_proj.weight": qkvg[q : q + kv],
+        "self_attn.v_proj.weight": qkvg[q + kv : q + 2 * kv],
+        "self_attn.gate_proj.weight": qkvg[q + 2 * kv :],
+        "self_attn.o_proj.weight": layer.o_proj,
+        "post_attention_residual_gate.gate": layer.attn_gate,
+        "pre_feedforward_layernorm.weight": layer.pre_ffn_norm,
+        "mlp.gate.weight": layer.router_unfolded,
+        "mlp.gate.e_score_correction_bias": layer.expert_bias,
+        "mlp.pre_expert_proj.weight": layer.pooler,
+        "mlp.pre_expert_norm.weight": layer.pre_expert_norm,
+        "mlp.experts.gate_up_proj": e.w13,
+        "mlp.experts.down_proj": e.w2,
+        "mlp.experts.post_expert_norm.weight": layer.post_expert_norm,
+        "mlp.post_expert_proj.weight": layer.unpooler,
+        "post_feedforward_layernorm.weight": layer.post_ffn_norm,
+        "post_feedforward_residual_gate.gate": layer.ffn_gate,
+    }
+
+
+def _check_source(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"cannot save {name}: shape {list(tensor.shape)}, the checkpoint needs {list(shape)}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"cannot save {name}: dtype {tensor.dtype}, the checkpoint needs {dtype}")
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def load_checkpoint(
+    directory: str | Path, device: torch.device | str = "cpu", num_layers: int | None = None
+) -> ModelWeights:
+    """TP-1 ``ModelWeights`` on ``device`` from a Hugging Face checkpoint directory.
+
+    The spec comes from ``config.json`` (``text_config`` nested or flat), cut to its
+    first ``num_layers`` layers when given (only those layers' tensors are read).
+    Tensors are found through the index's ``weight_map`` when there is one, else in
+    every ``*.safetensors`` file, under ``model.language_model.`` or the text-only
+    ``model.`` prefix; each is read alone, checked and moved to ``device``. The
+    unfolded router is kept, so the weights can be saved again."""
+    directory = Path(directory)
+    full_spec = ModelSpec.from_config(directory)
+    spec = full_spec if num_layers is None else full_spec.with_layers(num_layers)
+    locations = _tensor_locations(directory)
+    prefix = _text_prefix(locations)
+    _check_names(locations, prefix, full_spec, directory)
+
+    table = layer_tensor_table(spec)
+    top = global_tensor_table(spec, prefix)
+    wanted = list(top) + [f"{prefix}layers.{i}.{suffix}" for i in range(spec.num_layers) for suffix in table]
+    for name in wanted:
+        if name not in locations:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint at {directory}")
+
+    dev = torch.device(device)
+    with _Reader(directory, locations, dev) as read:
+        embed = read(prefix + EMBED, *top[prefix + EMBED])
+        layers = []
+        for index in range(spec.num_layers):
+            tensors = {
+                key: read(f"{prefix}layers.{index}.{suffix}", shape, dtype)
+                for suffix, (key, shape, dtype) in table.items()
+            }
+            layers.append(
+                make_layer(
+                    spec,
+                    index,
+                    q_proj=tensors.pop("q_proj"),
+                    k_proj=tensors.pop("k_proj"),
+                    v_proj=tensors.pop("v_proj"),
+                    gate_proj=tensors.pop("gate_proj"),
+                    tensors=tensors,
+                )
+            )
+        final_norm = read(prefix + FINAL_NORM, *top[prefix + FINAL_NORM])
+        lm_head = read(LM_HEAD, *top[LM_HEAD])
+    return ModelWeights(spec=spec, embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+
+
+def _tensor_locations(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it: the index's weight_map, or
+    the headers of every ``*.safetensors`` file of the directory."""
+    index_path = directory / INDEX_NAME
+    if index_path.is_file():
+        try:
+            index: Any = json.loads(index_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index_path} is not valid JSON: {e}") from e
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path} has no weight_map dict")
+        locations = {}
+        for name, file in weight_map.items():
+            if not isinstance(file, str):
+                raise CheckpointError(f"{index_path}: weight_map[{name!r}] must be a file name, got {file!r}")
+            locations[name] = directory / file
+        return locations
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors files in {directory}")
+    locations = {}
+    for path in files:
+        for name in _file_keys(path):
+            if name in locations:
+                raise CheckpointError(f"tensor {name} is in both {locations[name].name} and {path.name} in {directory}")
+            locations[name] = path
+    return locations
+
+
+def _file_keys(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(f"cannot read the safetensors file {path}: {e}") from e
+
+
+def _text_prefix(locations: dict[str, Path]) -> str:
+    """``model.language_model.`` (the multimodal checkpoint) when any tensor has it,
+    else ``model.`` (a text-only checkpoint)."""
+    return MULTIMODAL_PREFIX if any(n.startswith(MULTIMODAL_PREFIX) for n in locations) else TEXT_ONLY_PREFIX
+
+
+def _check_names(locations: dict[str, Path], prefix: str, spec: ModelSpec, directory: Path) -> None:
+    """Every tensor name is a text-model tensor of ``spec``, ``lm_head.weight`` or a
+    tensor of the towers (ignored); quantized tensors are refused by name."""
+    table = layer_tensor_table(spec)
+    for name in locations:
+        if name.startswith(IGNORED_PREFIXES) or name == LM_HEAD:
+            continue
+        last = name.rsplit(".", 1)[-1]
+        if last.endswith(QUANTIZED_SUFFIXES):
+            if ".mlp.experts." in name:
+                raise CheckpointError(
+                    f"tensor {name} in {directory} is an NVFP4 expert tensor: "
+                    "NVFP4 experts are not supported by this loader yet"
+                )
+            raise CheckpointError(
+                f"tensor {name} in {directory} is a quantization scale: quantized weights are not supported "
+                "by this loader (it reads bf16 weights with an fp32 router)"
+            )
+        rest = name[len(prefix) :] if name.startswith(prefix) else None
+        if rest is not None:
+            if rest in (EMBED, FINAL_NORM):
+                continue
+            match = _LAYER_NAME.fullmatch(rest)
+            if match and int(match[1]) < spec.num_layers and match[2] in table:
+                continue
+        raise CheckpointError(
+            f"unexpected tensor {name} in the checkpoint at {directory}: not a tensor of the Muse Spark text model "
+            f"with {spec.num_layers} layers (text tensors are under {prefix!r})"
+        )
+
+
+class _Reader:
+    """Reads single tensors by name, each file opened once, and checks them."""
+
+    def __init__(self, directory: Path, locations: dict[str, Path], device: torch.device):
+        self.directory, self.locations, self.device = directory, locations, device
+        self.files: dict[Path, tuple[Any, set[str]]] = {}
+        self.stack = ExitStack()
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def _open(self, path: Path, name: str) -> tuple[Any, set[str]]:
+        entry = self.files.get(path)
+        if entry is None:
+            if not path.is_file():
+                raise CheckpointError(
+                    f"tensor {name} is in {path.name}, which does not exist in the checkpoint at {self.directory}"
+                )
+            try:
+                handle = self.stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot read the safetensors file {path}: {e}") from e
+            entry = self.files[path] = (handle, set(handle.keys()))
+        return entry
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        path = self.locations[name]
+        handle, keys = self._open(path, name)
+        if name not in keys:
+            raise CheckpointError(
+                f"tensor {name} is missing from the checkpoint at {self.directory} "
+                f"(the index places it in {path.name}, which does not hold it)"
+            )
+        tensor = handle.get_tensor(name)
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"tensor {name} has shape {list(tensor.shape)}, expected {list(shape)} (checkpoint at {self.directory})"
+            )
+        if tensor.dtype != dtype:
+            raise CheckpointError(
+                f"tensor {name} has dtype {tensor.dtype}, expected {dtype} (checkpoint at {self.directory})"
+            )
+        return tensor.to(self.device)
+
+
+def iter_checkpoint_names(spec: ModelSpec, prefix: str = MULTIMODAL_PREFIX) -> Iterator[str]:
+    """Every tensor name of a checkpoint of ``spec``, in the order ``save_checkpoint``
+    writes them."""
+    yield prefix + EMBED
+    for index in range(spec.num_layers):
+        for suffix in layer_tensor_table(spec):
+            yield f"{prefix}layers.{index}.{suffix}"
+    yield prefix + FINAL_NORM
+    yield LM_HEAD

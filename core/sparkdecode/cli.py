@@ -1,0 +1,159 @@
+"""``sparkdecode demo|providers|check``: what runs where, and why."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+
+import torch
+
+from .deployment import DeploymentError, detect, requirements
+from .executor import DecodeConfig, SpecializedDecode
+from .harness import DecodeHarness
+from .layout import LayoutError, resolve
+from .plugins import discover
+from .reference.model import ReferenceModel
+from .spec import ModelSpec, SpecError
+from .weights import random_weights
+
+
+def _pins(values: list[str]) -> dict[str, str]:
+    pins = {}
+    for value in values:
+        kind, sep, name = value.partition("=")
+        if not sep or not kind or not name:
+            raise SystemExit(f"--pin takes BLOCK=PROVIDER, got {value!r}")
+        pins[kind] = name
+    return pins
+
+
+def _spec(args: argparse.Namespace) -> ModelSpec:
+    if getattr(args, "config", None):
+        spec = ModelSpec.from_config(args.config)
+        return spec if args.layers is None else spec.with_layers(args.layers)
+    return ModelSpec.preset(args.preset, args.layers)
+
+
+def demo(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec = ModelSpec.preset("tiny", args.layers)
+    print(
+        f"sparkdecode demo: tiny Muse Spark (H {spec.H}, {spec.num_layers} layers, E {spec.E} top-{spec.top_k}, "
+        f"window {spec.sliding_window}), random weights (seed {args.seed}), on {device}"
+    )
+    weights = random_weights(spec, seed=args.seed, device=device)
+    config = DecodeConfig(
+        q=8,
+        max_rows=8,
+        max_context=args.max_context,
+        aux_layers=(0, spec.num_layers // 2, spec.num_layers),
+        pins=_pins(args.pin),
+    )
+    executor = SpecializedDecode(weights, config)
+    print(executor.layout.table())
+    model = ReferenceModel(weights, args.max_context)
+    harness = DecodeHarness(model, executor, max_prompt=args.prompt, seed=args.seed)
+    prompt = torch.randint(0, spec.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(args.seed))
+    harness.prefill(prompt.to(device))
+    print(f"prefilled {args.prompt} tokens; {args.steps} verify steps of {config.q} tokens")
+    results = [harness.verify() for _ in range(args.steps)]
+    for i, r in enumerate(results):
+        if args.verbose:
+            print(
+                f"  step {i:3d} at {r.first_position:5d}: hidden diff {r.hidden_diff:.3g}, "
+                f"logits diff {r.logits_diff:.3g}, greedy {'agree' if r.greedy_agree else 'DIFFER'}, "
+                f"accepted {r.accepted}"
+            )
+    agree = sum(r.greedy_agree for r in results)
+    aux_diff = max(
+        ((a.float() - b.float()).abs().max().item() for r in results for a, b in zip(r.stock_aux, r.executor_aux)),
+        default=0.0,
+    )
+    print(f"context after the steps: {harness.position} tokens")
+    print(f"largest |hidden stock - executor|: {max(r.hidden_diff for r in results):.3g}")
+    print(f"largest |logits stock - executor|: {max(r.logits_diff for r in results):.3g}")
+    print(f"largest |aux stock - executor|: {aux_diff:.3g}")
+    print(f"greedy tokens agree: {agree}/{len(results)} steps")
+    stock_ms = statistics.median(r.stock_seconds for r in results) * 1e3
+    exec_ms = statistics.median(r.executor_seconds for r in results) * 1e3
+    print(f"step time (median, eager, not a benchmark): stock {stock_ms:.2f} ms, executor {exec_ms:.2f} ms")
+    return 0 if agree == len(results) else 1
+
+
+def providers(args: argparse.Namespace) -> int:
+    spec = _spec(args)
+    deployment = detect(spec, args.tp, max_context=args.max_context)
+    registry = discover()
+    where = deployment.gpu_name or deployment.device
+    print(f"providers for {where}, TP {args.tp}, {spec.num_layers} layers, max context {args.max_context}")
+    print(f"{'block':<20} {'provider':<34} {'pack':<12} {'version':<10} here")
+    for reg in sorted(registry.providers, key=lambda r: (r.block, r.name)):
+        reason = reg.cls.unsupported(deployment)
+        here = "supported" if reason is None else f"unsupported: {reason}"
+        print(f"{reg.block:<20} {reg.name:<34} {reg.pack:<12} {reg.version:<10} {here}")
+    for pack, reason in registry.broken:
+        print(f"broken pack {pack}: {reason}")
+    return 0
+
+
+def check(args: argparse.Namespace) -> int:
+    spec = _spec(args)
+    deployment = detect(spec, args.tp, max_context=args.max_context, expert_format=args.expert_format)
+    reasons = requirements(deployment)
+    if reasons:
+        for reason in reasons:
+            print(f"unsupported: {reason}")
+        return 1
+    try:
+        layout = resolve(discover(), deployment, _pins(args.pin))
+    except LayoutError as e:
+        print(f"unsupported: {e}")
+        return 1
+    print("supported; the layout (by priority: measured at build on a GPU):")
+    print(layout.table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparkdecode", description=__doc__)
+    parser.add_argument("--log", default="WARNING", help="log level (INFO shows the executor's decisions)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="tiny random-weight model: stock forward vs the executor")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=100, help="prompt tokens to prefill")
+    p.add_argument("--steps", type=int, default=16, help="verify steps of 8 tokens")
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
+    p.add_argument("--pin", action="append", default=[], metavar="BLOCK=PROVIDER")
+    p.add_argument("--verbose", action="store_true", help="one line per step")
+    p.set_defaults(run=demo)
+
+    for name, fn, helptext in (
+        ("providers", providers, "every discovered provider and whether it serves this deployment"),
+        ("check", check, "whether a deployment is supported, and its layout"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--preset", default="muse-spark-open", help="tiny or muse-spark-open")
+        p.add_argument("--config", default=None, help="a config.json or checkpoint directory instead of a preset")
+        p.add_argument("--layers", type=int, default=None)
+        p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--max-context", type=int, default=32768)
+        p.add_argument("--expert-format", default="bf16")
+        p.add_argument("--pin", action="append", default=[], metavar="BLOCK=PROVIDER")
+        p.set_defaults(run=fn)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log.upper(), format="%(message)s")
+    try:
+        return args.run(args)
+    except (SpecError, DeploymentError, LayoutError) as e:
+        print(f"sparkdecode: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

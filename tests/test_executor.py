@@ -1,0 +1,144 @@
+"""The executor with the reference providers against the stock forward, bit for bit.
+
+One definition of each formula serves both sides (reference.functional and the
+block functions of reference.model), so any difference is the executor's: its
+buffers, mailboxes, metadata, aux streams or the order it runs the blocks in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sparkdecode.deployment import DeploymentError
+from sparkdecode.executor import DecodeConfig, SpecializedDecode
+from sparkdecode.harness import DecodeHarness
+from sparkdecode.reference import functional as fn
+from sparkdecode.reference.model import ReferenceModel
+from sparkdecode.spec import ModelSpec
+from sparkdecode.weights import random_weights
+
+MAX_CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def spec() -> ModelSpec:
+    return ModelSpec.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def weights(spec: ModelSpec):
+    return random_weights(spec, seed=11)
+
+
+def make_harness(weights, aux_layers=(0, 2, 4), prompt_len=40, seed=0) -> DecodeHarness:
+    config = DecodeConfig(max_context=MAX_CONTEXT, aux_layers=aux_layers)
+    executor = SpecializedDecode(weights, config)
+    harness = DecodeHarness(ReferenceModel(weights, MAX_CONTEXT), executor, max_prompt=prompt_len, seed=seed)
+    prompt = torch.randint(0, weights.spec.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+    harness.prefill(prompt)
+    return harness
+
+
+def assert_same(result) -> None:
+    assert torch.equal(result.stock_hidden, result.executor_hidden)
+    assert torch.equal(result.stock_logits, result.executor_logits)
+    assert len(result.stock_aux) == len(result.executor_aux)
+    for a, b in zip(result.stock_aux, result.executor_aux):
+        assert torch.equal(a, b)
+    assert torch.isfinite(result.stock_hidden.float()).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("prompt_len", [5, 40, 70, 130])
+def test_bitwise_equal_to_stock(spec, seed, prompt_len):
+    """Contexts below and above the window (64), steps crossing page (16) and window
+    edges with random acceptance, released pages and the null page poisoned."""
+    weights = random_weights(spec, seed=100 + seed)
+    harness = make_harness(weights, prompt_len=prompt_len, seed=seed)
+    crossed_page = False
+    for _ in range(6):
+        before = harness.position
+        assert_same(harness.verify())
+        crossed_page |= before // 16 != (before + 7) // 16
+    assert crossed_page
+
+
+def test_greedy_tokens_agree_over_32_steps(weights):
+    harness = make_harness(weights, prompt_len=60, seed=5)
+    for _ in range(32):
+        result = harness.verify()
+        assert result.greedy_agree
+        assert torch.equal(result.stock_logits, result.executor_logits)
+    assert harness.position > 60 + 32  # contexts grew past the window and across pages
+
+
+def test_aux_streams_are_the_stream_entering_each_aux_layer(weights, spec):
+    """Aux layer 0 is the embedding stream, L the final stream (vLLM's convention)."""
+    harness = make_harness(weights, aux_layers=(0, 1, 3, spec.num_layers), prompt_len=20)
+    result = harness.verify()
+    assert len(result.executor_aux) == 4
+    embedded = weights.embed.index_select(0, result.tokens)
+    assert torch.equal(result.executor_aux[0], fn.embed_norm(embedded, spec.rms_norm_eps))
+    assert_same(result)
+
+
+def test_normed_embeddings_path(weights, spec):
+    """The multimodal path passes bf16 normed embeddings: the stream starts as fp32 of them."""
+    harness = make_harness(weights, aux_layers=(0,), prompt_len=24)
+    tokens = torch.randint(0, spec.vocab_size, (8,), generator=torch.Generator().manual_seed(3))
+    embeds = fn.embed_norm(weights.embed.index_select(0, tokens), spec.rms_norm_eps).to(torch.bfloat16)
+    first = harness.position
+    stock_cache, exec_cache = harness.stock_cache, harness.executor_cache
+    stock_cache.begin_step(first, 8)
+    positions = torch.arange(first, first + 8)
+    stock_hidden, stock_aux = harness.model.forward(embeds, positions, stock_cache.kv(), (0,), normed=True)
+    exec_cache.begin_step(first, 8)
+    step = harness.executor.plan(positions, normed_embeddings=True)
+    hidden, aux = harness.executor.run(step, inputs_embeds=embeds)
+    assert torch.equal(stock_hidden, hidden)
+    assert torch.equal(stock_aux[0], aux[0])
+    assert torch.equal(aux[0], embeds.float())
+
+
+def test_plan_gates_log_each_outcome_once(weights, caplog):
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=MAX_CONTEXT))
+    caplog.set_level(logging.INFO, logger="sparkdecode.executor")
+    assert executor.plan(torch.arange(8)) is None  # nothing bound yet
+    harness = DecodeHarness(ReferenceModel(weights, MAX_CONTEXT), executor, max_prompt=16)
+    harness.prefill(torch.arange(16))
+    assert executor.plan(torch.arange(16, 20)) is None  # 4 rows: not one request of 8
+    assert executor.plan(torch.arange(16, 24, dtype=torch.int32)) is None
+    other = harness.stock_cache.kv()
+    assert executor.plan(torch.arange(16, 24), other) is None  # another cache
+    assert executor.plan(torch.arange(16, 24)) is not None
+    assert executor.plan(torch.arange(16, 24)) is not None
+    messages = [r.getMessage() for r in caplog.records]
+    for text in (
+        "no KV cache bound",
+        "not one request verifying 8 tokens",
+        "positions not int64",
+        "other than the bound one",
+        "specialized decode",
+    ):
+        assert sum(text in m for m in messages) == 1, text
+
+
+def test_bad_config_and_unsupported_deployment(weights):
+    with pytest.raises(ValueError, match="aux layers"):
+        SpecializedDecode(weights, DecodeConfig(aux_layers=(99,)))
+    with pytest.raises(ValueError, match="q = 9"):
+        SpecializedDecode(weights, DecodeConfig(q=9, max_rows=8))
+    with pytest.raises(DeploymentError, match="max context"):
+        SpecializedDecode(weights, DecodeConfig(max_context=10**6))
+    with pytest.raises(DeploymentError, match="no installed pack provides"):
+        SpecializedDecode(weights, DecodeConfig(max_context=MAX_CONTEXT, pins={"moe": "nosuch.moe"}))
+
+
+def test_executor_uses_the_weights_in_place(weights):
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=MAX_CONTEXT))
+    layer = executor.layers[1].attention.layer
+    assert layer.qkvg.data_ptr() == weights.layers[1].qkvg.data_ptr()
+    assert executor.layers[2].moe.experts.experts.w13.data_ptr() == weights.layers[2].experts.w13.data_ptr()

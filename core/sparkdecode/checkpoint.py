@@ -55,7 +55,7 @@ IGNORED_PREFIXES = (
     "model.multi_modal_projector.",
 )
 
-# Suffixes of the scale tensors a quantized (NVFP4 / ModelOpt) checkpoint adds.
+# Name endings of the tensors a quantized (NVFP4 / ModelOpt / compressed) checkpoint adds.
 QUANTIZED_SUFFIXES = (
     "weight_scale",
     "weight_scale_2",
@@ -113,6 +113,17 @@ def global_tensor_table(
     }
 
 
+def iter_checkpoint_names(spec: ModelSpec, prefix: str = MULTIMODAL_PREFIX) -> Iterator[str]:
+    """Every tensor name of a checkpoint of ``spec``, in the order ``save_checkpoint``
+    writes them."""
+    yield prefix + EMBED
+    for index in range(spec.num_layers):
+        for suffix in layer_tensor_table(spec):
+            yield f"{prefix}layers.{index}.{suffix}"
+    yield prefix + FINAL_NORM
+    yield LM_HEAD
+
+
 # ---------------------------------------------------------------------------- save
 
 
@@ -153,7 +164,6 @@ def save_checkpoint(weights: ModelWeights, directory: str | Path, shard_bytes: i
             weight_map[name] = file
             total += host.numel() * host.element_size()
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
-        del tensors
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
@@ -166,8 +176,10 @@ def _save_entries(weights: ModelWeights) -> list[tuple[str, torch.Tensor, bool]]
         raise ValueError(f"only TP-1 weights can be saved, these are rank {weights.rank} of TP {weights.tp}")
     if len(weights.layers) != spec.num_layers:
         raise ValueError(f"the weights hold {len(weights.layers)} layers, their spec {spec.num_layers}")
-    top = global_tensor_table(spec)
     prefix = MULTIMODAL_PREFIX
+    top = global_tensor_table(spec, prefix)
+    for name, tensor in zip(top, (weights.embed, weights.final_norm, weights.lm_head)):
+        _check_source(name, tensor, *top[name])
     entries = [(prefix + EMBED, weights.embed, False)]
     table = layer_tensor_table(spec)
     for position, layer in enumerate(weights.layers):
@@ -180,9 +192,6 @@ def _save_entries(weights: ModelWeights) -> list[tuple[str, torch.Tensor, bool]]
             entries.append((name, tensor, suffix in _QK))
     entries.append((prefix + FINAL_NORM, weights.final_norm, False))
     entries.append((LM_HEAD, weights.lm_head, False))
-    for name, tensor, _ in entries:
-        if name in top:
-            _check_source(name, tensor, *top[name])
     return entries
 
 
@@ -252,8 +261,9 @@ def load_checkpoint(
     first ``num_layers`` layers when given (only those layers' tensors are read).
     Tensors are found through the index's ``weight_map`` when there is one, else in
     every ``*.safetensors`` file, under ``model.language_model.`` or the text-only
-    ``model.`` prefix; each is read alone, checked and moved to ``device``. The
-    unfolded router is kept, so the weights can be saved again."""
+    ``model.`` prefix; each is read alone, checked and copied to ``device`` (the
+    weights never map the files). The unfolded router is kept, so the weights can
+    be saved again, into the same directory too."""
     directory = Path(directory)
     full_spec = ModelSpec.from_config(directory)
     spec = full_spec if num_layers is None else full_spec.with_layers(num_layers)
@@ -263,8 +273,7 @@ def load_checkpoint(
 
     table = layer_tensor_table(spec)
     top = global_tensor_table(spec, prefix)
-    wanted = list(top) + [f"{prefix}layers.{i}.{suffix}" for i in range(spec.num_layers) for suffix in table]
-    for name in wanted:
+    for name in iter_checkpoint_names(spec, prefix):
         if name not in locations:
             raise CheckpointError(f"tensor {name} is missing from the checkpoint at {directory}")
 
@@ -352,8 +361,8 @@ def _check_names(locations: dict[str, Path], prefix: str, spec: ModelSpec, direc
                     "NVFP4 experts are not supported by this loader yet"
                 )
             raise CheckpointError(
-                f"tensor {name} in {directory} is a quantization scale: quantized weights are not supported "
-                "by this loader (it reads bf16 weights with an fp32 router)"
+                f"tensor {name} in {directory} belongs to a quantized weight: quantized weights are not "
+                "supported by this loader (it reads bf16 weights with an fp32 router)"
             )
         rest = name[len(prefix) :] if name.startswith(prefix) else None
         if rest is not None:
@@ -413,15 +422,6 @@ class _Reader:
             raise CheckpointError(
                 f"tensor {name} has dtype {tensor.dtype}, expected {dtype} (checkpoint at {self.directory})"
             )
-        return tensor.to(self.device)
-
-
-def iter_checkpoint_names(spec: ModelSpec, prefix: str = MULTIMODAL_PREFIX) -> Iterator[str]:
-    """Every tensor name of a checkpoint of ``spec``, in the order ``save_checkpoint``
-    writes them."""
-    yield prefix + EMBED
-    for index in range(spec.num_layers):
-        for suffix in layer_tensor_table(spec):
-            yield f"{prefix}layers.{index}.{suffix}"
-    yield prefix + FINAL_NORM
-    yield LM_HEAD
+        # A copy: the tensors safetensors returns on the host map the file, so they
+        # would change with it (a save into the same directory, a re-download).
+        return tensor.to(self.device, copy=True)

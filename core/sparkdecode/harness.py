@@ -61,7 +61,10 @@ class DecodeHarness:
         max_prompt: int,
         seed: int = 0,
         poison: bool = True,
+        graph: bool = False,
     ):
+        """``graph``: capture the executor's step in a CUDA graph at the first verify
+        and replay that one graph for every later step (new buffer contents only)."""
         self.model, self.executor = model, executor
         spec, config = model.spec, executor.config
         self.q, self.aux_layers = config.q, config.aux_layers
@@ -76,6 +79,12 @@ class DecodeHarness:
         self.rng = torch.Generator().manual_seed(seed)
         self.position = 0
         self.next_token: torch.Tensor | None = None
+        self.use_graph = graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        # The step's inputs live in fixed buffers so a captured graph sees new values.
+        self.positions = torch.zeros(self.q, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(self.q, dtype=torch.int64, device=device)
+        self.outputs: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     def prefill(self, prompt: torch.Tensor) -> None:
         """The prompt through the stock forward; the executor's cache is then a copy."""
@@ -105,12 +114,10 @@ class DecodeHarness:
         stock_seconds = time.perf_counter() - start
 
         self.executor_cache.begin_step(first, self.q)
-        positions = torch.arange(first, first + self.q, device=device)
+        self.positions.copy_(torch.arange(first, first + self.q, device=device))
+        self.tokens.copy_(tokens)
         start = time.perf_counter()
-        step = self.executor.plan(positions)
-        if step is None:
-            raise RuntimeError("the executor declined a verify step (see the log for why)")
-        hidden, aux = self.executor.run(step, input_ids=tokens)
+        hidden, aux = self._run_executor()
         _sync(device)
         executor_seconds = time.perf_counter() - start
         executor_hidden = hidden.clone()
@@ -133,6 +140,28 @@ class DecodeHarness:
             executor_seconds,
             accepted,
         )
+
+    def _run_executor(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.outputs is not None
+            return self.outputs
+        step = self.executor.plan(self.positions)
+        if step is None:
+            raise RuntimeError("the executor declined a verify step (see the log for why)")
+        if not self.use_graph:
+            return self.executor.run(step, input_ids=self.tokens)
+        # Warm up outside the capture (library handles, lazy inits), then capture once.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.executor.run(step, input_ids=self.tokens)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = self.executor.run(step, input_ids=self.tokens)
+        self.graph.replay()
+        return self.outputs
 
 
 def _sync(device: torch.device) -> None:

@@ -101,6 +101,8 @@ def cache_key(deployment: Deployment, registry: Registry, pins: Mapping[str, str
             "tp": deployment.tp,
             "spec": deployment.spec.key(),
             "expert_format": deployment.expert_format,
+            "expert_parallel": deployment.expert_parallel,
+            "kv": [str(deployment.kv_dtype), deployment.kv_block_size],
             "max_rows": deployment.max_rows,
             "max_context": deployment.max_context,
             "packs": sorted(registry.versions().items()),

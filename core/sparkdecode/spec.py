@@ -141,6 +141,8 @@ class ModelSpec:
         text = config.get("text_config", config)
         if not isinstance(text, dict):
             raise SpecError("text_config must be a dict")
+        if config.get("tie_word_embeddings", False) is not False:
+            raise SpecError(f"tie_word_embeddings must be False for Muse Spark, got {config['tie_word_embeddings']!r}")
         for name, value in _FIXED.items():
             if name in text and text[name] != value:
                 raise SpecError(f"{name} must be {value!r} for Muse Spark, got {text[name]!r}")
@@ -158,7 +160,11 @@ class ModelSpec:
             if name not in text:
                 raise SpecError(f"config is missing {name}")
             values[name] = _coerce(name, text[name], kind)
-        return cls(**values)
+        spec = cls(**values)
+        kinds = text.get("mlp_layer_types")
+        if kinds is not None and len(kinds) != spec.num_hidden_layers:
+            raise SpecError(f"mlp_layer_types has {len(kinds)} entries for {spec.num_hidden_layers} layers")
+        return spec
 
     @classmethod
     def preset(cls, name: str, num_layers: int | None = None) -> ModelSpec:
@@ -214,6 +220,8 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
         return float(value)
     if not isinstance(value, (list, tuple)):
         raise SpecError(f"{name} must be a list, got {value!r}")
+    if name == "layer_rope_theta":  # numbers as floats, so equal specs have equal keys
+        return tuple(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value)
     return tuple(value)
 
 

@@ -197,19 +197,27 @@ def expert_rows(
     """Routed expert rows of bf16 h [b, P] for int32 ids [b, k] (global expert ids):
     y[r, j] = (silu(gate) * up) @ W2[e]^T with [gate | up] = h[r] @ W13[e]^T,
     W13 [E_local, 2I, P] (gate rows first), W2 [E_local, P, I], both GEMMs rounded to
-    bf16. Experts this rank does not hold (EP) give zero rows. Returns bf16 [b, k, P]."""
+    bf16. Experts this rank does not hold (EP) give zero rows. Returns bf16 [b, k, P].
+
+    The routes are sorted by expert and run as two grouped GEMMs (each selected
+    expert's weights read once), with the group offsets on the device: no host
+    sync, so it captures in a CUDA graph."""
     b, k = ids.shape
-    local = ids.long() - first_expert
     num_local, intermediate = w13.shape[0], w2.shape[2]
-    rows = torch.zeros(b * k, w2.shape[1], dtype=BF16, device=h.device)
-    flat = local.reshape(-1)
-    for e in torch.unique(flat).tolist():
-        if not 0 <= e < num_local:
-            continue
-        routes = (flat == e).nonzero().squeeze(1)
-        x = h.index_select(0, routes // k)
-        a = swiglu(linear(x, w13[e]), intermediate)
-        rows.index_copy_(0, routes, linear(a, w2[e]))
+    local = ids.reshape(-1).long() - first_expert
+    held = (local >= 0) & (local < num_local)
+    key = torch.where(held, local, num_local)  # routes to other ranks' experts sort last
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=h.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    offsets = torch.cumsum(counts[:num_local], 0).to(torch.int32)
+    x = h.index_select(0, order // k)
+    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offsets)
+    y = torch._grouped_mm(swiglu(gate_up, intermediate), w2.transpose(1, 2), offs=offsets)
+    # Rows past the last group (other ranks' experts) are left unwritten: zero them.
+    y = torch.where(held.index_select(0, order)[:, None], y, 0)
+    rows = torch.empty_like(y)
+    rows.index_copy_(0, order, y)
     return rows.reshape(b, k, -1)
 
 

@@ -1,0 +1,1 @@
+"""A test pack whose hook returns a class for a block that does not exist."""

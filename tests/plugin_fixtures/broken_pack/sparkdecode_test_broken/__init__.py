@@ -1,0 +1,1 @@
+"""A test pack whose plug-in module cannot be imported."""

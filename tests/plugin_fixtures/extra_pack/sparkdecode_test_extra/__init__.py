@@ -1,0 +1,1 @@
+"""A test pack: one attention-boundary provider for short contexts."""

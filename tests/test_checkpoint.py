@@ -1,0 +1,364 @@
+"""Hugging Face checkpoints: save and load round trips, the Q/K row order on disk,
+shards, and the loader's errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from sparkdecode.checkpoint import (
+    INDEX_NAME,
+    CheckpointError,
+    iter_checkpoint_names,
+    load_checkpoint,
+    save_checkpoint,
+)
+from sparkdecode.reference.kvcache import PagedKVCache
+from sparkdecode.reference.model import ReferenceModel
+from sparkdecode.spec import ModelSpec, SpecError
+from sparkdecode.weights import (
+    LayerWeights,
+    ModelWeights,
+    deinterleave_qk_rows,
+    interleave_qk_rows,
+    random_weights,
+)
+
+PREFIX = "model.language_model."
+SHARD_BYTES = 4 << 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tensors this small gain nothing from intra-op threads, and lose much to them
+    on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def weights() -> ModelWeights:
+    return random_weights(ModelSpec.preset("tiny", 2), seed=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt(weights, tmp_path_factory) -> Path:
+    """One-shard checkpoint of ``weights``."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint(weights, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sharded(weights, tmp_path_factory) -> Path:
+    """The same weights in shards of about 4 MiB."""
+    directory = tmp_path_factory.mktemp("sharded")
+    save_checkpoint(weights, directory, shard_bytes=SHARD_BYTES)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt) -> ModelWeights:
+    return load_checkpoint(ckpt)
+
+
+def weight_map(directory: Path) -> dict[str, str]:
+    return json.loads((directory / INDEX_NAME).read_text())["weight_map"]
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy whose JSON files are real and whose shards link to ``src``'s."""
+    dst.mkdir()
+    for path in src.iterdir():
+        if path.suffix == ".json":
+            shutil.copyfile(path, dst / path.name)
+        else:
+            (dst / path.name).symlink_to(path)
+    return dst
+
+
+def rewrite_shard(directory: Path, file: str, edit) -> None:
+    """Replace shard ``file`` of a copy by ``edit`` of its tensors."""
+    path = directory / file
+    tensors = {name: t.clone() for name, t in load_file(path).items()}
+    edit(tensors)
+    path.unlink()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def add_tensors(directory: Path, tensors: dict[str, torch.Tensor], file: str = "extra.safetensors") -> None:
+    """Write ``tensors`` to a new shard of a copy and list them in its index."""
+    save_file(tensors, directory / file, metadata={"format": "pt"})
+    index = json.loads((directory / INDEX_NAME).read_text())
+    index["weight_map"].update(dict.fromkeys(tensors, file))
+    (directory / INDEX_NAME).write_text(json.dumps(index))
+
+
+def assert_same_layer(a: LayerWeights, b: LayerWeights) -> None:
+    for f in dataclasses.fields(LayerWeights):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        elif f.name == "experts":
+            assert (x.format, x.first_expert, x.intermediate_slice) == (y.format, y.first_expert, y.intermediate_slice)
+            assert x.w13.dtype == y.w13.dtype and torch.equal(x.w13, y.w13)
+            assert x.w2.dtype == y.w2.dtype and torch.equal(x.w2, y.w2)
+        else:
+            assert x == y, f.name
+
+
+def assert_same_weights(a: ModelWeights, b: ModelWeights, layers: int | None = None) -> None:
+    for name in ("embed", "final_norm", "lm_head"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    count = len(a.layers) if layers is None else layers
+    assert len(b.layers) == count
+    for x, y in zip(a.layers[:count], b.layers):
+        assert_same_layer(x, y)
+
+
+def test_save_load_round_trip_is_bit_identical(weights, ckpt, loaded):
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["architectures"] == ["MuseSparkForConditionalGeneration"]
+    assert config["model_type"] == "muse_spark"
+    assert config["text_config"] == weights.spec.to_config()
+    assert sorted(weight_map(ckpt)) == sorted(iter_checkpoint_names(weights.spec))
+    assert [p.name for p in ckpt.glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
+    assert loaded.spec == weights.spec and loaded.tp == 1
+    assert_same_weights(weights, loaded)
+    with safe_open(str(ckpt / "model-00001-of-00001.safetensors"), framework="pt") as f:
+        router = f.get_tensor(f"{PREFIX}layers.1.mlp.gate.weight")
+        assert router.dtype == torch.float32
+        assert torch.equal(router, weights.layers[1].router_unfolded)
+        assert f.get_tensor(f"{PREFIX}layers.1.mlp.experts.gate_up_proj").shape == weights.layers[1].experts.w13.shape
+
+
+def test_save_load_round_trip_gives_the_same_reference_outputs(weights, loaded):
+    spec = weights.spec
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, spec.vocab_size, (40,), generator=g)
+    verify = torch.randint(0, spec.vocab_size, (8,), generator=g)
+    outputs = []
+    for w in (weights, loaded):
+        model = ReferenceModel(w, max_context=512)
+        cache = PagedKVCache(spec, num_pages=64, max_context=512, max_rows=64)
+        h1, _ = model.step(cache, prompt, 0)
+        h2, _ = model.step(cache, verify, 40)
+        outputs.append((h1, model.logits(h1), h2, model.logits(h2)))
+    for x, y in zip(*outputs):
+        assert torch.isfinite(x.float()).all()
+        assert torch.equal(x, y)
+
+
+def test_interleave_matches_vllm_on_a_known_tensor():
+    head_dim, heads, cols = 8, 3, 2
+    rows = heads * head_dim
+    weight = torch.arange(rows * cols).reshape(rows, cols)
+    vllm = weight.reshape(-1, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+    # HF rows per head: [x_0 .. x_{d/2-1} | y_0 .. y_{d/2-1}]; interleaved: x_0, y_0, x_1, y_1, ...
+    order = [h * head_dim + j + half for h in range(heads) for j in range(head_dim // 2) for half in (0, head_dim // 2)]
+    assert order[:8] == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(vllm, weight[order])
+    assert torch.equal(interleave_qk_rows(weight, head_dim), vllm)
+    assert torch.equal(deinterleave_qk_rows(vllm, head_dim), weight)
+
+
+def test_q_and_k_rows_are_in_the_hf_order_on_disk(weights, ckpt):
+    spec = weights.spec
+    d, q, kv = spec.head_dim, spec.q_size, spec.kv_size
+    with safe_open(str(ckpt / "model-00001-of-00001.safetensors"), framework="pt") as f:
+        for layer in weights.layers:
+            name = f"{PREFIX}layers.{layer.index}.self_attn."
+            q_proj, k_proj = f.get_tensor(name + "q_proj.weight"), f.get_tensor(name + "k_proj.weight")
+            v_proj, gate_proj = f.get_tensor(name + "v_proj.weight"), f.get_tensor(name + "gate_proj.weight")
+            q_rows, k_rows = layer.qkvg[:q], layer.qkvg[q : q + kv]
+            assert torch.equal(q_proj, deinterleave_qk_rows(q_rows, d))
+            assert torch.equal(k_proj, deinterleave_qk_rows(k_rows, d))
+            assert not torch.equal(q_proj, q_rows)
+            for stored, rows in ((q_proj, q_rows), (k_proj, k_rows)):
+                vllm = stored.reshape(-1, 2, d // 2, spec.H).transpose(1, 2).reshape(rows.shape)
+                assert torch.equal(vllm, rows)
+            assert torch.equal(v_proj, layer.qkvg[q + kv : q + 2 * kv])
+            assert torch.equal(gate_proj, layer.qkvg[q + 2 * kv :])
+
+
+def test_shards_and_index(weights, sharded):
+    files = sorted(p.name for p in sharded.glob("*.safetensors"))
+    n = len(files)
+    assert n > 3
+    assert files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    mapping = weight_map(sharded)
+    assert sorted(mapping) == sorted(iter_checkpoint_names(weights.spec))
+    total = 0
+    for file in files:
+        with safe_open(str(sharded / file), framework="pt") as f:
+            names = set(f.keys())
+            size = sum(f.get_tensor(name).numel() * f.get_tensor(name).element_size() for name in names)
+        assert names == {name for name, where in mapping.items() if where == file}
+        assert size <= SHARD_BYTES or len(names) == 1
+        total += size
+    assert json.loads((sharded / INDEX_NAME).read_text())["metadata"]["total_size"] == total
+    assert_same_weights(weights, load_checkpoint(sharded))
+
+
+def test_load_without_an_index_reads_every_file(weights, sharded, tmp_path):
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    (directory / INDEX_NAME).unlink()
+    assert_same_weights(weights, load_checkpoint(directory))
+
+
+def test_layer_count_override_loads_the_first_layers_only(weights, sharded, tmp_path):
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    name = f"{PREFIX}layers.1.mlp.pre_expert_norm.weight"
+    rewrite_shard(directory, weight_map(directory)[name], lambda t: t.pop(name))
+    first = load_checkpoint(directory, num_layers=1)
+    assert first.spec == weights.spec.with_layers(1)
+    assert_same_weights(weights, first, layers=1)
+    with pytest.raises(CheckpointError, match=re.escape(name)):
+        load_checkpoint(directory)
+    with pytest.raises(SpecError, match="override 3"):
+        load_checkpoint(directory, num_layers=3)
+
+
+def test_missing_tensor_is_named(sharded, tmp_path):
+    name = f"{PREFIX}layers.0.self_attn.o_proj.weight"
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    rewrite_shard(directory, weight_map(directory)[name], lambda t: t.pop(name))
+    # Still listed in the index, absent from its file.
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} is missing .*{re.escape(str(directory))}"):
+        load_checkpoint(directory)
+    index = json.loads((directory / INDEX_NAME).read_text())
+    del index["weight_map"][name]
+    (directory / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} is missing .*{re.escape(str(directory))}"):
+        load_checkpoint(directory)
+    (directory / INDEX_NAME).unlink()
+    with pytest.raises(CheckpointError, match=re.escape(name)):
+        load_checkpoint(directory)
+
+
+def test_missing_shard_file_is_named(sharded, tmp_path):
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    file = weight_map(directory)["lm_head.weight"]
+    (directory / file).unlink()
+    with pytest.raises(CheckpointError, match=rf"tensor \S+ is in {re.escape(file)}, which does not exist"):
+        load_checkpoint(directory)
+
+
+def test_wrong_shape_is_named(sharded, tmp_path, weights):
+    name = f"{PREFIX}layers.1.mlp.pre_expert_norm.weight"
+    P = weights.spec.P
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    rewrite_shard(directory, weight_map(directory)[name], lambda t: t.update({name: torch.zeros(P + 1).bfloat16()}))
+    with pytest.raises(CheckpointError, match=re.escape(f"{name} has shape [{P + 1}], expected [{P}]")):
+        load_checkpoint(directory)
+
+
+def test_wrong_dtype_is_named(sharded, tmp_path):
+    name = f"{PREFIX}layers.0.mlp.gate.weight"
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    rewrite_shard(directory, weight_map(directory)[name], lambda t: t.update({name: t[name].bfloat16()}))
+    with pytest.raises(CheckpointError, match=re.escape(f"{name} has dtype torch.bfloat16, expected torch.float32")):
+        load_checkpoint(directory)
+
+
+def test_missing_config_field_is_named(sharded, tmp_path):
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    config = json.loads((directory / "config.json").read_text())
+    del config["text_config"]["num_key_value_heads"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecError, match="missing num_key_value_heads"):
+        load_checkpoint(directory)
+
+
+def test_flat_config_and_text_only_prefix(weights, tmp_path):
+    spec = weights.spec.with_layers(1)
+    one = dataclasses.replace(weights, spec=spec, layers=weights.layers[:1], rope_tables={})
+    directory = tmp_path / "c"
+    save_checkpoint(one, directory)
+    (directory / "config.json").write_text(json.dumps(spec.to_config()))
+    for path in directory.glob("*.safetensors"):
+        tensors = {name.replace(PREFIX, "model."): t.clone() for name, t in load_file(path).items()}
+        path.unlink()
+        save_file(tensors, path)
+    (directory / INDEX_NAME).unlink()
+    flat = load_checkpoint(directory)
+    assert_same_weights(one, flat)
+    # The loaded weights own their memory: scribbling over the files changes nothing.
+    for path in directory.glob("*.safetensors"):
+        with open(path, "r+b") as f:
+            f.seek(path.stat().st_size // 2)
+            f.write(b"\xff" * 65536)
+    assert_same_weights(one, flat)
+    save_checkpoint(flat, directory)
+    assert_same_weights(one, load_checkpoint(directory))
+
+
+def test_tower_tensors_are_ignored(weights, sharded, tmp_path):
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    towers = {
+        "model.vision_tower.blocks.0.attn.qkv.weight": torch.ones(3, 5, dtype=torch.float16),
+        "model.audio_tower.conv.weight": torch.ones(7, dtype=torch.float32),
+        "model.vision_projection.weight": torch.ones(2, 2, dtype=torch.bfloat16),
+        "model.vision_adapter.norm.weight": torch.ones(4, dtype=torch.bfloat16),
+    }
+    add_tensors(directory, towers)
+    assert_same_weights(weights, load_checkpoint(directory))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        f"{PREFIX}layers.0.mlp.shared_expert.down_proj.weight",
+        f"{PREFIX}layers.2.input_layernorm.weight",
+        f"{PREFIX}rotary_emb.inv_freq",
+        "model.layers.0.input_layernorm.weight",
+    ],
+)
+def test_unknown_language_model_tensor_is_named(sharded, tmp_path, name):
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    add_tensors(directory, {name: torch.zeros(4, dtype=torch.bfloat16)})
+    with pytest.raises(CheckpointError, match=rf"unexpected tensor {re.escape(name)}"):
+        load_checkpoint(directory)
+
+
+@pytest.mark.parametrize(
+    "suffix", ["gate_up_proj_weight_scale", "gate_up_proj_weight_scale_2", "down_proj_input_scale"]
+)
+def test_nvfp4_experts_are_refused(sharded, tmp_path, suffix):
+    name = f"{PREFIX}layers.1.mlp.experts.{suffix}"
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    add_tensors(directory, {name: torch.ones(1, dtype=torch.float32)})
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} .*NVFP4 experts are not supported"):
+        load_checkpoint(directory)
+
+
+def test_save_refuses_weights_it_cannot_write(weights, tmp_path):
+    folded_only = dataclasses.replace(weights, layers=[dataclasses.replace(x) for x in weights.layers])
+    folded_only.layers[1].router_unfolded = None
+    with pytest.raises(ValueError, match="unfolded router was not kept"):
+        save_checkpoint(folded_only, tmp_path / "a")
+    with pytest.raises(ValueError, match="TP-1"):
+        save_checkpoint(dataclasses.replace(weights, tp=2, rank=1), tmp_path / "b")
+    wrong = dataclasses.replace(weights, lm_head=weights.lm_head.float())
+    with pytest.raises(ValueError, match=r"lm_head\.weight: dtype torch\.float32"):
+        save_checkpoint(wrong, tmp_path / "c")
+    assert not any(tmp_path.iterdir())
+
+
+def test_other_quantized_tensors_are_refused(sharded, tmp_path):
+    name = f"{PREFIX}layers.0.self_attn.q_proj.weight_scale"
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    add_tensors(directory, {name: torch.ones(1, dtype=torch.float32)})
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} .*quantized weights are not supported"):
+        load_checkpoint(directory)

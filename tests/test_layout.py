@@ -1,0 +1,295 @@
+"""The layout resolver over hand-built registries of fake provider classes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from sparkdecode.layout import LayoutError, cache_key, needed_kinds, resolve
+from sparkdecode.plugins import Registered, Registry
+from sparkdecode.protocols import KINDS, Deployment
+from sparkdecode.spec import ModelSpec
+
+DEPLOYMENT = Deployment(spec=ModelSpec.preset("tiny"))
+
+
+def provider(name: str, block: str, priority: int = 0, reason: str | None = None) -> type:
+    """A fake provider class: ``unsupported`` gives ``reason``; it never builds."""
+
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        return reason
+
+    def build(cls, ctx: object, layer: int | None) -> object:
+        raise AssertionError("the resolver builds nothing")
+
+    def run(self, *args: object) -> None:
+        pass
+
+    return type(
+        name.replace(".", "_"),
+        (),
+        {
+            "block": block,
+            "name": name,
+            "priority": priority,
+            "unsupported": classmethod(unsupported),
+            "build": classmethod(build),
+            "run": run,
+        },
+    )
+
+
+def registry(*extra: type, base: bool = True) -> Registry:
+    """The fake pack ``base`` (one provider of every kind, priority 0) plus ``extra``
+    classes, each in the pack named by its name's prefix (version 1.0)."""
+    classes = [provider(f"base.{kind}", kind) for kind in KINDS] if base else []
+    classes += extra
+    return Registry(
+        providers=[Registered(c, c.name.split(".")[0], f"dist-{c.name.split('.')[0]}", "1.0") for c in classes]
+    )
+
+
+class Timer:
+    """A ``measure`` function with fixed seconds per provider name that records its calls."""
+
+    def __init__(self, seconds: Mapping[str, float]):
+        self.seconds = dict(seconds)
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, kind: str, cls: type, layout: Mapping[str, type]) -> float:
+        self.calls.append((kind, cls.name))
+        assert kind not in layout or layout[kind].block == kind
+        return self.seconds[cls.name]
+
+
+def fail_measure(kind: str, cls: type, layout: Mapping[str, type]) -> float:
+    raise AssertionError(f"measured {cls.name} although the decision was cached")
+
+
+def cache_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.json"))
+
+
+# Without measurement: the declared priority.
+
+
+def test_needed_kinds_at_tp1_and_tp2() -> None:
+    assert "all_reduce" not in needed_kinds(DEPLOYMENT)
+    assert "all_reduce" in needed_kinds(Deployment(spec=DEPLOYMENT.spec, tp=2))
+    assert set(needed_kinds(DEPLOYMENT)) == set(KINDS) - {"all_reduce"}
+
+
+def test_highest_priority_wins_without_measure() -> None:
+    reg = registry(provider("fast.attention", "attention", 5), provider("mid.attention", "attention", 3))
+    layout = resolve(reg, DEPLOYMENT)
+    choice = layout.choices["attention"]
+    assert (choice.chosen.name, choice.how) == ("fast.attention", "priority")
+    assert [c.name for c in choice.candidates] == ["base.attention", "fast.attention", "mid.attention"]
+    assert layout.choices["moe"].chosen.name == "base.moe"
+    assert set(layout.classes()) == set(needed_kinds(DEPLOYMENT))
+
+
+def test_priority_tie_broken_by_name() -> None:
+    reg = registry(provider("zeta.moe", "moe", 2), provider("alpha.moe", "moe", 2))
+    assert resolve(reg, DEPLOYMENT).choices["moe"].chosen.name == "alpha.moe"
+
+
+def test_unsupported_provider_skipped_with_its_reason() -> None:
+    reg = registry(provider("gpu.attention", "attention", 9, reason="needs a CUDA device"))
+    layout = resolve(reg, DEPLOYMENT)
+    assert layout.choices["attention"].chosen.name == "base.attention"
+    assert "gpu.attention: needs a CUDA device" in layout.table()
+
+
+def test_unsupported_that_raises_is_a_reason() -> None:
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        raise RuntimeError("probe failed")
+
+    bad = provider("flaky.final", "final", 9)
+    bad.unsupported = classmethod(unsupported)
+    layout = resolve(registry(bad), DEPLOYMENT)
+    assert layout.choices["final"].chosen.name == "base.final"
+    assert "flaky.final: unsupported() raised RuntimeError: probe failed" in layout.table()
+
+
+def test_no_supported_provider_lists_reasons() -> None:
+    classes = [provider(f"base.{kind}", kind) for kind in KINDS if kind != "experts"]
+    classes += [
+        provider("fp4.experts", "experts", reason="expert format bf16 (nvfp4 only)"),
+        provider("sm100.experts", "experts", reason="needs compute capability 10.0"),
+    ]
+    reg = registry(*classes, base=False)
+    with pytest.raises(LayoutError) as err:
+        resolve(reg, DEPLOYMENT)
+    message = str(err.value)
+    assert "no provider supports experts" in message
+    assert "fp4.experts: expert format bf16 (nvfp4 only)" in message
+    assert "sm100.experts: needs compute capability 10.0" in message
+
+
+def test_kind_with_no_provider_at_all() -> None:
+    reg = registry(*(provider(f"base.{kind}", kind) for kind in KINDS if kind != "final"), base=False)
+    with pytest.raises(LayoutError, match="no provider supports final here \\(no provider is registered\\)"):
+        resolve(reg, DEPLOYMENT)
+
+
+def test_pins() -> None:
+    reg = registry(provider("fast.attention", "attention", 5))
+    layout = resolve(reg, DEPLOYMENT, {"attention": "base.attention"}, measure=fail_measure)
+    assert layout.choices["attention"].how == "pinned"
+    assert layout.choices["attention"].chosen.name == "base.attention"
+    with pytest.raises(LayoutError, match="'nope.attention'"):
+        resolve(reg, DEPLOYMENT, {"attention": "nope.attention"})
+    with pytest.raises(LayoutError, match="unknown block 'attn'"):
+        resolve(reg, DEPLOYMENT, {"attn": "base.attention"})
+
+
+# With measurement: the fastest, cached on disk.
+
+
+def test_measure_picks_fastest_and_reports_times(tmp_path: Path) -> None:
+    reg = registry(provider("slow.attention", "attention", 9), provider("quick.attention", "attention", 1))
+    timer = Timer({"base.attention": 30e-6, "slow.attention": 50e-6, "quick.attention": 10e-6})
+    layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    choice = layout.choices["attention"]
+    assert (choice.chosen.name, choice.how) == ("quick.attention", "measured")
+    # Only the contested kind is measured, each supported candidate once.
+    assert sorted(timer.calls) == [
+        ("attention", "base.attention"),
+        ("attention", "quick.attention"),
+        ("attention", "slow.attention"),
+    ]
+    assert layout.choices["moe"].how == "priority"
+    table = layout.table()
+    assert "quick.attention (measured)" in table
+    for text in ("quick.attention: 10.0 us", "slow.attention: 50.0 us", "base.attention: 30.0 us"):
+        assert text in table
+    [path] = cache_files(tmp_path)
+    assert path.name == f"{cache_key(DEPLOYMENT, reg, {})}.json"
+    record = json.loads(path.read_text())
+    assert record["chosen"] == {"attention": "quick.attention"}
+    assert record["seconds"]["attention"]["slow.attention"] == pytest.approx(50e-6)
+
+
+def test_measure_skips_unsupported_and_uncontested(tmp_path: Path) -> None:
+    reg = registry(provider("gpu.attention", "attention", 9, reason="needs a GPU"), provider("alt.moe", "moe", 1))
+    timer = Timer({"base.moe": 2.0, "alt.moe": 1.0})
+    layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert sorted(timer.calls) == [("moe", "alt.moe"), ("moe", "base.moe")]
+    assert layout.choices["attention"].how == "priority"
+    assert layout.choices["moe"].chosen.name == "alt.moe"
+
+
+def test_nothing_contested_writes_no_cache(tmp_path: Path) -> None:
+    layout = resolve(registry(), DEPLOYMENT, measure=fail_measure, cache_dir=tmp_path)
+    assert {c.how for c in layout.choices.values()} == {"priority"}
+    assert cache_files(tmp_path) == []
+
+
+def test_second_resolve_uses_cache(tmp_path: Path) -> None:
+    reg = registry(provider("quick.attention", "attention"), provider("quick.moe", "moe"))
+    timer = Timer({"base.attention": 2.0, "quick.attention": 1.0, "base.moe": 1.0, "quick.moe": 3.0})
+    first = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert len(timer.calls) == 4
+    second = resolve(reg, DEPLOYMENT, measure=fail_measure, cache_dir=tmp_path)
+    for kind in ("attention", "moe"):
+        assert second.choices[kind].how == "cached"
+        assert second.choices[kind].chosen.name == first.choices[kind].chosen.name
+    assert second.choices["attention"].chosen.name == "quick.attention"
+    assert second.choices["moe"].chosen.name == "base.moe"
+    assert "quick.attention (cached)" in second.table()
+
+
+def test_cache_is_keyed_by_deployment(tmp_path: Path) -> None:
+    reg = registry(provider("quick.attention", "attention"))
+    timer = Timer({"base.attention": 2.0, "quick.attention": 1.0})
+    resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    other = Deployment(spec=DEPLOYMENT.spec, max_context=1024)
+    layout = resolve(reg, other, measure=timer, cache_dir=tmp_path)
+    assert layout.choices["attention"].how == "measured"
+    assert len(timer.calls) == 4
+    assert len(cache_files(tmp_path)) == 2
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"{not json", b"", b"[1, 2]", b"null", b'{"seconds": {}}', b'{"chosen": {"attention": 3}}', b"\xff\xfe{"],
+    ids=["syntax", "empty", "list", "null", "no-chosen", "non-str", "not-utf8"],
+)
+def test_corrupt_cache_ignored_and_rebuilt(tmp_path: Path, caplog: pytest.LogCaptureFixture, garbage: bytes) -> None:
+    reg = registry(provider("quick.attention", "attention"))
+    timer = Timer({"base.attention": 2.0, "quick.attention": 1.0})
+    path = tmp_path / f"{cache_key(DEPLOYMENT, reg, {})}.json"
+    path.write_bytes(garbage)
+    with caplog.at_level(logging.WARNING, logger="sparkdecode.layout"):
+        layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert layout.choices["attention"].how == "measured"
+    assert layout.choices["attention"].chosen.name == "quick.attention"
+    assert len(timer.calls) == 2
+    assert "corrupt layout cache" in caplog.text and str(path) in caplog.text
+    assert json.loads(path.read_text())["chosen"] == {"attention": "quick.attention"}
+    # Rebuilt: the next resolve reads it.
+    assert resolve(reg, DEPLOYMENT, measure=fail_measure, cache_dir=tmp_path).choices["attention"].how == "cached"
+
+
+def test_stale_cache_ignored_and_rebuilt(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    quick, alt = provider("quick.attention", "attention"), provider("quick.attention_alt", "attention")
+    timer = Timer({"base.attention": 2.0, "quick.attention": 1.5, "quick.attention_alt": 1.0})
+    first = resolve(registry(quick, alt), DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert first.choices["attention"].chosen.name == "quick.attention_alt"
+    # The same packs at the same versions (the same cache key), but the cached
+    # provider is no longer registered.
+    reg = registry(quick)
+    assert cache_key(DEPLOYMENT, reg, {}) == cache_key(DEPLOYMENT, registry(quick, alt), {})
+    timer.calls.clear()
+    with caplog.at_level(logging.WARNING, logger="sparkdecode.layout"):
+        layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert "stale" in caplog.text and "attention" in caplog.text
+    assert layout.choices["attention"].how == "measured"
+    assert layout.choices["attention"].chosen.name == "quick.attention"
+    assert sorted(timer.calls) == [("attention", "base.attention"), ("attention", "quick.attention")]
+    [path] = cache_files(tmp_path)
+    assert json.loads(path.read_text())["chosen"] == {"attention": "quick.attention"}
+
+
+def test_cache_missing_a_contested_kind_is_stale(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    timer = Timer({"base.attention": 2.0, "quick.attention": 1.0})
+    resolve(registry(provider("quick.attention", "attention")), DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    # Another contested kind appears: the cache lacks it, so it is stale.
+    reg = registry(provider("quick.attention", "attention"), provider("quick.final", "final"))
+    [path] = cache_files(tmp_path)
+    path.rename(tmp_path / f"{cache_key(DEPLOYMENT, reg, {})}.json")
+    timer.seconds.update({"base.final": 1.0, "quick.final": 2.0})
+    with caplog.at_level(logging.WARNING, logger="sparkdecode.layout"):
+        layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert "stale" in caplog.text and "final" in caplog.text
+    assert layout.choices["final"].chosen.name == "base.final"
+    assert layout.choices["final"].how == "measured"
+
+
+def test_cached_provider_now_unsupported_is_stale(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    missing: list[str] = []
+
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        return missing[0] if missing else None
+
+    quick = provider("quick.attention", "attention")
+    quick.unsupported = classmethod(unsupported)
+    reg = registry(quick, provider("other.attention", "attention"))
+    timer = Timer({"base.attention": 2.0, "quick.attention": 1.0, "other.attention": 1.5})
+    assert resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path).choices["attention"].chosen is reg.find(
+        "quick.attention"
+    )
+    # Its library went away: the same cache key, but the cached choice is unsupported now.
+    missing.append("needs libquick")
+    timer.calls.clear()
+    with caplog.at_level(logging.WARNING, logger="sparkdecode.layout"):
+        layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert "stale" in caplog.text
+    assert (layout.choices["attention"].chosen.name, layout.choices["attention"].how) == ("other.attention", "measured")
+    assert sorted(timer.calls) == [("attention", "base.attention"), ("attention", "other.attention")]
+    assert "quick.attention: needs libquick" in layout.table()

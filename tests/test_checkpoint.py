@@ -27,6 +27,7 @@ from sparkdecode.spec import ModelSpec, SpecError
 from sparkdecode.weights import (
     LayerWeights,
     ModelWeights,
+    Sharding,
     deinterleave_qk_rows,
     interleave_qk_rows,
     random_weights,
@@ -349,7 +350,7 @@ def test_save_refuses_weights_it_cannot_write(weights, tmp_path):
     with pytest.raises(ValueError, match="unfolded router was not kept"):
         save_checkpoint(folded_only, tmp_path / "a")
     with pytest.raises(ValueError, match="TP-1"):
-        save_checkpoint(dataclasses.replace(weights, tp=2, rank=1), tmp_path / "b")
+        save_checkpoint(dataclasses.replace(weights, sharding=Sharding(tp=2, rank=1)), tmp_path / "b")
     wrong = dataclasses.replace(weights, lm_head=weights.lm_head.float())
     with pytest.raises(ValueError, match=r"lm_head\.weight: dtype torch\.float32"):
         save_checkpoint(wrong, tmp_path / "c")

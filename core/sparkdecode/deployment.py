@@ -66,6 +66,8 @@ def detect(
     max_context: int = 4096,
     expert_format: str = "bf16",
     expert_parallel: str = "ep",
+    shard_pooler: bool = False,
+    shard_unpooler: bool = False,
 ) -> Deployment:
     """The deployment of this process: its device (CUDA when there is one), the
     GPU's capability and name, and the installed libraries."""
@@ -84,6 +86,8 @@ def detect(
         max_rows=max_rows,
         max_context=max_context,
         expert_parallel=expert_parallel,
+        shard_pooler=shard_pooler,
+        shard_unpooler=shard_unpooler,
         libraries=installed_libraries(),
     )
 
@@ -93,12 +97,13 @@ def requirements(d: Deployment) -> list[str]:
     s, out = d.spec, []
     if d.tp not in TP_SIZES:
         out.append(f"tensor parallel size {d.tp} (supported: {', '.join(map(str, TP_SIZES))})")
-    elif d.tp != 1:
-        out.append(f"tensor parallel size {d.tp} (the executor runs at TP 1 so far)")
     elif s.num_attention_heads % d.tp or s.num_key_value_heads % d.tp:
+        # vLLM's fused QKV+gate projection does not pad or replicate KV heads.
         out.append(
             f"tensor parallel size {d.tp}: {s.num_attention_heads} query / {s.num_key_value_heads} KV heads do not split evenly"
         )
+    elif (d.shard_pooler and s.moe_hidden_size % d.tp) or (d.shard_unpooler and s.hidden_size % d.tp):
+        out.append(f"tensor parallel size {d.tp}: the sharded pooler/unpooler columns do not split evenly")
     if d.expert_parallel not in ("ep", "tp"):
         out.append(f"expert parallelism {d.expert_parallel!r} (supported: 'ep', 'tp')")
     elif d.expert_parallel == "ep" and s.num_local_experts % d.tp:

@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .comm import LocalMailbox
+from .comm import Collectives, ColumnMailbox, LocalMailbox
 from .deployment import detect, require
 from .layout import Layout, resolve
 from .plugins import Registry, discover
-from .protocols import SUB_OPS, BuildContext, Deployment, KVGroupMetadata, LayerKV, Step
+from .protocols import SUB_OPS, BuildContext, Deployment, KVGroupMetadata, LayerKV, Mailbox, Step
 from .weights import ModelWeights
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,23 @@ class SpecializedDecode:
             raise ValueError(f"aux layers {bad} outside 0..{self.spec.num_layers}")
         if not 1 <= config.q <= config.max_rows:
             raise ValueError(f"q = {config.q} must be within 1..max_rows ({config.max_rows})")
+        sharding = weights.sharding
+        self.collectives = Collectives(self.tp, self.rank, group)
+        if self.collectives.detached:
+            logger.warning(
+                "sparkdecode: rank %d of TP %d runs detached (no process group): its collectives are left out",
+                self.rank,
+                self.tp,
+            )
         self.deployment = deployment or detect(
-            self.spec, self.tp, self.device, max_rows=config.max_rows, max_context=config.max_context
+            self.spec,
+            self.tp,
+            self.device,
+            max_rows=config.max_rows,
+            max_context=config.max_context,
+            expert_parallel=sharding.expert_parallel,
+            shard_pooler=sharding.shard_pooler,
+            shard_unpooler=sharding.shard_unpooler,
         )
         self.registry = registry if registry is not None else discover()
         require(self.deployment, self.registry, config.pins, group)
@@ -112,10 +127,15 @@ class SpecializedDecode:
             max_context=self.config.max_context,
             mailboxes=mailboxes,
             ops={k: classes[k] for k in SUB_OPS if k in classes},
+            collectives=self.collectives,
         )
 
-    def _mailboxes(self) -> list[LocalMailbox]:
-        return [LocalMailbox(self.config.max_rows, self.spec.H, self.device) for _ in range(self.spec.num_layers)]
+    def _mailboxes(self) -> list[Mailbox]:
+        """One per layer: what its MoE publishes, for the boundary after it."""
+        rows, width = self.config.max_rows, self.spec.H
+        if self.tp > 1 and self.weights.sharding.shard_unpooler:
+            return [ColumnMailbox(rows, width, self.collectives, self.device) for _ in range(self.spec.num_layers)]
+        return [LocalMailbox(rows, width, self.device) for _ in range(self.spec.num_layers)]
 
     def build(self) -> None:
         """Every provider, in one order on every rank (the builds may be collective)."""
@@ -259,7 +279,7 @@ class SpecializedDecode:
         }
         mailboxes = self._mailboxes()
         for box in mailboxes:
-            box.buffer.normal_()
+            box.publish(self.config.max_rows).normal_()
         ctx = self._context(classes, buffers, mailboxes)
         kv = _measurement_kv(self.weights, index, self.config.max_context, self.config.max_rows, device)
         built = [classes[k].build(ctx, index) for k in ("boundary", "attention", "attention_boundary", "moe")]

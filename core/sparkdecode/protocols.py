@@ -116,6 +116,8 @@ class Deployment:
     max_context: int = 4096
     # "ep" (whole experts per rank) or "tp" (an I-slice of every expert).
     expert_parallel: str = "ep"
+    shard_pooler: bool = False  # the pooler's output columns split over the ranks
+    shard_unpooler: bool = False  # the unpooler's output columns split over the ranks
     libraries: dict[str, str | None] = field(default_factory=dict)
 
 
@@ -156,6 +158,9 @@ class BuildContext:
     mailboxes: list[Mailbox]
     # The resolved sub-op providers by kind (``experts``, ``all_reduce``).
     ops: dict[str, type[Provider]]
+    # The reference transport of this rank (comm.Collectives): what the reference
+    # providers' collectives run on; detached when a TP shard has no group.
+    collectives: Any = None
 
     def layer(self, index: int) -> LayerWeights:
         return self.weights.layers[index]

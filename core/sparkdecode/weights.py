@@ -8,7 +8,8 @@ backbone adapter (the reference model, or vLLM's loaded modules) fills them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -75,18 +76,70 @@ class LayerWeights:
     router_unfolded: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """How one rank's weights are cut from the model, as vLLM 0.33 cuts Muse Spark.
+
+    Attention by head groups (this rank's [q | k | v | gate] rows), o_proj by input
+    columns (partial sums), the router, norms and gates replicated; the routed
+    experts as EP (``"ep"``: whole experts, E / tp a rank) or expert TP (``"tp"``: an
+    I-slice of every expert); the pooler and unpooler replicated, or column-sharded
+    (this rank's output columns, gathered by the consumer)."""
+
+    tp: int = 1
+    rank: int = 0
+    expert_parallel: str = "ep"
+    shard_pooler: bool = False
+    shard_unpooler: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or not 0 <= self.rank < self.tp:
+            raise ValueError(f"rank {self.rank} of TP {self.tp}")
+        if self.expert_parallel not in ("ep", "tp"):
+            raise ValueError(f"expert_parallel must be 'ep' or 'tp', got {self.expert_parallel!r}")
+
+    def check(self, spec: ModelSpec) -> None:
+        """Raise naming the first width that does not split over the ranks."""
+        tp = self.tp
+        for what, n in (
+            ("num_attention_heads", spec.num_attention_heads),
+            ("num_key_value_heads (vLLM does not pad KV heads for Muse Spark)", spec.num_key_value_heads),
+            ("hidden_size", spec.hidden_size),
+            ("moe_hidden_size", spec.moe_hidden_size),
+            (
+                "num_local_experts" if self.expert_parallel == "ep" else "moe_intermediate_size",
+                spec.num_local_experts if self.expert_parallel == "ep" else spec.moe_intermediate_size,
+            ),
+        ):
+            if n % tp:
+                raise ValueError(f"TP {tp}: {what} = {n} does not split over {tp} ranks")
+
+    def part(self, n: int) -> slice:
+        """This rank's contiguous share of n."""
+        size = n // self.tp
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+
 @dataclass
 class ModelWeights:
-    """The backbone's weights on one rank: embedding, layers, final norm, LM head."""
+    """The backbone's weights on one rank: embedding, layers, final norm, LM head
+    (the embedding and LM head replicated)."""
 
     spec: ModelSpec
     embed: torch.Tensor  # bf16 [V, H]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # bf16 [H], used as stored
     lm_head: torch.Tensor  # bf16 [V, H]
-    tp: int = 1
-    rank: int = 0
+    sharding: Sharding = field(default_factory=Sharding)
     rope_tables: dict[float, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def tp(self) -> int:
+        return self.sharding.tp
+
+    @property
+    def rank(self) -> int:
+        return self.sharding.rank
 
     @property
     def device(self) -> torch.device:
@@ -127,10 +180,12 @@ def make_layer(
     k_proj: torch.Tensor,
     v_proj: torch.Tensor,
     gate_proj: torch.Tensor,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, Any],
 ) -> LayerWeights:
-    """A TP-1 layer from checkpoint-form tensors (Q/K rows in the HF order, router
-    unfolded, raw gates): re-orders, folds and precomputes as vLLM does at load."""
+    """A layer from checkpoint-form tensors (Q/K rows in the HF order, router
+    unfolded, raw gates): re-orders, folds and precomputes as vLLM does at load.
+    The tensors may be one rank's shard (head counts follow the q/k rows; the
+    experts' ``first_expert`` and ``intermediate_slice`` ride along in ``tensors``)."""
     q = interleave_qk_rows(q_proj, spec.head_dim)
     k = interleave_qk_rows(k_proj, spec.head_dim)
     attn_alpha, attn_beta = fn.gate_coefficients(tensors["attn_gate"], spec.residual_gate_temperature)
@@ -151,15 +206,21 @@ def make_layer(
         expert_bias=tensors["expert_bias"].float(),
         pooler=tensors["pooler"],
         pre_expert_norm=tensors["pre_expert_norm"],
-        experts=ExpertWeights("bf16", tensors["w13"], tensors["w2"]),
+        experts=ExpertWeights(
+            "bf16",
+            tensors["w13"],
+            tensors["w2"],
+            tensors.get("first_expert", 0),
+            tensors.get("intermediate_slice"),
+        ),
         post_expert_norm=tensors["post_expert_norm"],
         unpooler=tensors["unpooler"],
         post_ffn_norm=tensors["post_ffn_norm"],
         ffn_gate=tensors["ffn_gate"],
         ffn_alpha=ffn_alpha,
         ffn_beta=ffn_beta,
-        num_heads=spec.num_attention_heads,
-        num_kv_heads=spec.num_key_value_heads,
+        num_heads=q_proj.shape[0] // spec.head_dim,
+        num_kv_heads=k_proj.shape[0] // spec.head_dim,
         router_unfolded=router_unfolded,
     )
 
@@ -169,48 +230,67 @@ def random_weights(
     seed: int = 0,
     device: torch.device | str = "cpu",
     keep_unfolded_router: bool = True,
+    sharding: Sharding | None = None,
 ) -> ModelWeights:
     """Seeded random weights for any spec, scaled so the activations stay O(1)
     through any number of layers: projections N(0, 1/fan_in) (their inputs are
     RMS-normed), norm deltas and residual gates small around their centres, the
     selection bias small beside the sigmoid scores. Drawn on ``device`` (one seed,
     the same weights on every device of a kind), a slice at a time so the real
-    widths need no full-size fp32 temporary."""
-    dev = torch.device(device)
-    g = torch.Generator(device=dev).manual_seed(seed)
+    widths need no full-size fp32 temporary.
 
-    def normal(*shape: int, std: float, dtype: torch.dtype = fn.BF16) -> torch.Tensor:
+    With a ``sharding`` of more than one rank, only that rank's shard is drawn (for
+    benchmarks of one rank at the real widths): the replicated tensors are the same
+    on every rank, the sharded ones are that rank's part of some full model. To
+    shard one known full model, draw it at TP 1 and use ``shard_weights``."""
+    sharding = sharding or Sharding()
+    sharding.check(spec)
+    dev = torch.device(device)
+    shared = torch.Generator(device=dev).manual_seed(seed)
+    local = (
+        shared if sharding.tp == 1 else torch.Generator(device=dev).manual_seed(seed * 1_000_003 + sharding.rank + 1)
+    )
+
+    def normal(*shape: int, std: float, dtype: torch.dtype = fn.BF16, g: torch.Generator = shared) -> torch.Tensor:
         out = torch.empty(*shape, dtype=dtype, device=dev)
         for chunk in out.view(-1, *shape[-2:]) if len(shape) > 2 else (out,):
             chunk.copy_(torch.randn(chunk.shape, generator=g, device=dev) * std)
         return out
 
+    def part(n: int) -> int:
+        return n // sharding.tp
+
     H, P, I, E = spec.H, spec.P, spec.I, spec.E  # noqa: E741, N806
+    ep = sharding.expert_parallel == "ep"
+    e_rows, i_rows = (part(E), I) if ep else (E, part(I))
     layers = []
     for index in range(spec.num_layers):
+        w13 = normal(e_rows, 2 * i_rows, P, std=P**-0.5, g=local)
         tensors = {
             "pre_qkv_norm": normal(H, std=0.1),
-            "o_proj": normal(H, spec.q_size, std=spec.q_size**-0.5),
+            "o_proj": normal(H, part(spec.q_size), std=spec.q_size**-0.5, g=local),
             "attn_gate": normal(H, std=0.5),
             "pre_ffn_norm": normal(H, std=0.1),
             "router": normal(E, H, std=H**-0.5, dtype=fn.FP32),
             "expert_bias": normal(E, std=0.02, dtype=fn.FP32),
-            "pooler": normal(P, H, std=H**-0.5),
+            "pooler": normal(part(P) if sharding.shard_pooler else P, H, std=H**-0.5, g=local),
             "pre_expert_norm": normal(P, std=0.1),
-            "w13": normal(E, 2 * I, P, std=P**-0.5),
-            "w2": normal(E, P, I, std=I**-0.5),
+            "w13": w13,
+            "w2": normal(e_rows, P, i_rows, std=I**-0.5, g=local),
             "post_expert_norm": normal(P, std=0.1),
-            "unpooler": normal(H, P, std=P**-0.5),
+            "unpooler": normal(part(H) if sharding.shard_unpooler else H, P, std=P**-0.5, g=local),
             "post_ffn_norm": normal(H, std=0.1),
             "ffn_gate": normal(H, std=0.5),
+            "first_expert": sharding.part(E).start if ep else 0,
+            "intermediate_slice": None if ep or sharding.tp == 1 else (sharding.part(I).start, sharding.part(I).stop),
         }
         layer = make_layer(
             spec,
             index,
-            q_proj=normal(spec.q_size, H, std=H**-0.5),
-            k_proj=normal(spec.kv_size, H, std=H**-0.5),
-            v_proj=normal(spec.kv_size, H, std=H**-0.5),
-            gate_proj=normal(spec.q_size, H, std=H**-0.5),
+            q_proj=normal(part(spec.q_size), H, std=H**-0.5, g=local),
+            k_proj=normal(part(spec.kv_size), H, std=H**-0.5, g=local),
+            v_proj=normal(part(spec.kv_size), H, std=H**-0.5, g=local),
+            gate_proj=normal(part(spec.q_size), H, std=H**-0.5, g=local),
             tensors=tensors,
         )
         if not keep_unfolded_router:
@@ -222,4 +302,46 @@ def random_weights(
         layers=layers,
         final_norm=(1.0 + normal(H, std=0.1, dtype=fn.FP32)).to(fn.BF16),
         lm_head=normal(spec.vocab_size, H, std=H**-0.5),
+        sharding=sharding,
+    )
+
+
+def shard_layer(spec: ModelSpec, layer: LayerWeights, sharding: Sharding) -> LayerWeights:
+    """One rank's part of a TP-1 layer (copies of the sharded tensors; the
+    replicated ones shared)."""
+
+    q, kv = spec.q_size, spec.kv_size
+    rows = layer.qkvg.split([q, kv, kv, q])
+    qkvg = torch.cat([r[sharding.part(r.shape[0])] for r in rows]).contiguous()
+    e = layer.experts
+    if sharding.expert_parallel == "ep":
+        part = sharding.part(spec.E)
+        experts = ExpertWeights(e.format, e.w13[part].contiguous(), e.w2[part].contiguous(), part.start)
+    else:
+        part = sharding.part(spec.I)
+        gate, up = e.w13.split([spec.I, spec.I], dim=1)
+        w13 = torch.cat([gate[:, part], up[:, part]], dim=1).contiguous()
+        experts = ExpertWeights(e.format, w13, e.w2[:, :, part].contiguous(), 0, (part.start, part.stop))
+    return replace(
+        layer,
+        qkvg=qkvg,
+        o_proj=layer.o_proj[:, sharding.part(q)].contiguous(),
+        pooler=layer.pooler[sharding.part(spec.P)].contiguous() if sharding.shard_pooler else layer.pooler,
+        unpooler=layer.unpooler[sharding.part(spec.H)].contiguous() if sharding.shard_unpooler else layer.unpooler,
+        experts=experts,
+        num_heads=spec.num_attention_heads // sharding.tp,
+        num_kv_heads=spec.num_key_value_heads // sharding.tp,
+    )
+
+
+def shard_weights(weights: ModelWeights, sharding: Sharding) -> ModelWeights:
+    """One rank's weights of a TP-1 model, cut as vLLM 0.33 cuts them (``Sharding``)."""
+    if weights.tp != 1:
+        raise ValueError("shard_weights takes TP-1 weights")
+    sharding.check(weights.spec)
+    return replace(
+        weights,
+        layers=[shard_layer(weights.spec, layer, sharding) for layer in weights.layers],
+        sharding=sharding,
+        rope_tables={},
     )

@@ -9,8 +9,12 @@ reference providers equals it bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
+from ..comm import Collectives
 from ..protocols import LayerKV
 from ..spec import ModelSpec
 from ..weights import LayerWeights, ModelWeights
@@ -104,27 +108,53 @@ def router_logits(layer: LayerWeights, xf: torch.Tensor) -> torch.Tensor:
     return fn.linear(xf.float(), layer.router)
 
 
-def pool(spec: ModelSpec, layer: LayerWeights, xf: torch.Tensor) -> torch.Tensor:
-    """bf16 [b, P] = pre_expert_norm(bf16(xf @ W_pooler^T)), rounded."""
+def pool(spec: ModelSpec, layer: LayerWeights, xf: torch.Tensor, collectives: Collectives) -> torch.Tensor:
+    """bf16 [b, P] = pre_expert_norm(bf16(xf @ W_pooler^T)), rounded. A column-sharded
+    pooler computes this rank's P / tp columns and gathers the rest."""
     pooled = fn.linear(xf, layer.pooler)
+    if layer.pooler.shape[0] != spec.P:
+        pooled = collectives.gather_columns(pooled, spec.P)
     return fn.pre_norm(pooled, layer.pre_expert_norm, spec.rms_norm_eps).to(fn.BF16)
 
 
-def moe(spec: ModelSpec, layer: LayerWeights, xf: torch.Tensor) -> torch.Tensor:
-    """The MoE block at TP 1: bf16 xf [b, H] -> bf16 f [b, H]."""
+def moe_tail(
+    spec: ModelSpec,
+    layer: LayerWeights,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """bf16 m [b, P] from this rank's route rows. Expert TP (the TP tail): the rows
+    are partial sums over this rank's I-slice, all-reduced (bf16) before the
+    per-route post_expert_norm. EP over several ranks (the EP tail): the norm and the
+    weighted sum of this rank's experts' routes (zero rows for the others), then the
+    [b, P] partials all-reduced."""
+    if layer.experts.intermediate_slice is not None:
+        rows = all_reduce(rows)
+    m = fn.moe_tail(rows, weights, layer.post_expert_norm, spec.post_norm_eps)
+    if layer.experts.num_local != spec.E:
+        m = all_reduce(m)
+    return m
+
+
+def moe(spec: ModelSpec, layer: LayerWeights, xf: torch.Tensor, collectives: Collectives) -> torch.Tensor:
+    """The MoE block: bf16 xf [b, H] -> bf16 f, [b, H] (or this rank's [b, H / tp]
+    columns when the unpooler is column-sharded)."""
     ids, weights = fn.route(router_logits(layer, xf), layer.expert_bias, spec.top_k, spec.routed_scaling_factor)
-    h = pool(spec, layer, xf)
+    h = pool(spec, layer, xf, collectives)
     e = layer.experts
     rows = fn.expert_rows(h, ids, e.w13, e.w2, e.first_expert)
-    m = fn.moe_tail(rows, weights, layer.post_expert_norm, spec.post_norm_eps)
+    m = moe_tail(spec, layer, rows, weights, collectives.all_reduce)
     return fn.linear(m, layer.unpooler)
 
 
 class ReferenceModel:
-    """The stock forward over ``ModelWeights`` (TP 1) with a paged KV cache."""
+    """The stock forward over one rank's ``ModelWeights`` with a paged KV cache; over
+    ``group`` (the TP group's process group) at TP > 1."""
 
-    def __init__(self, weights: ModelWeights, max_context: int):
+    def __init__(self, weights: ModelWeights, max_context: int, group: Any = None):
         self.weights, self.spec, self.max_context = weights, weights.spec, max_context
+        self.collectives = Collectives(weights.tp, weights.rank, group)
 
     def rope_table(self, layer: LayerWeights) -> torch.Tensor | None:
         if layer.rope_theta <= 0:
@@ -156,9 +186,9 @@ class ReferenceModel:
                 stream, x = input_boundary(spec, stream, f, layers[i - 1], layer)
             if i in aux_layers:
                 aux.append(stream)
-            a = attention(spec, layer, x, positions, kv[i], self.rope_table(layer), self.max_context)
-            stream, xf = attention_boundary(spec, layer, stream, a)
-            f = moe(spec, layer, xf)
+            partial = attention(spec, layer, x, positions, kv[i], self.rope_table(layer), self.max_context)
+            stream, xf = attention_boundary(spec, layer, stream, self.collectives.all_reduce(partial))
+            f = self.collectives.gather_columns(moe(spec, layer, xf, self.collectives), spec.H)
         assert f is not None
         stream, hidden = final_boundary(spec, stream, f, layers[-1], self.weights.final_norm)
         if spec.num_layers in aux_layers:

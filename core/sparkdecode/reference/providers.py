@@ -97,6 +97,7 @@ class ReferenceAttentionBoundary(_Reference):
 
     def __init__(self, ctx: BuildContext, layer: int):
         self.spec, self.layer = ctx.spec, ctx.layer(layer)
+        self.all_reduce = ctx.ops["all_reduce"].build(ctx, None) if ctx.tp > 1 else None
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceAttentionBoundary:
@@ -104,6 +105,8 @@ class ReferenceAttentionBoundary(_Reference):
         return cls(ctx, layer)
 
     def run(self, partial: torch.Tensor, stream: torch.Tensor, out: torch.Tensor) -> None:
+        if self.all_reduce is not None:
+            self.all_reduce.run(partial)
         s, xf = model.attention_boundary(self.spec, self.layer, stream, partial)
         stream.copy_(s)
         out.copy_(xf)
@@ -118,9 +121,16 @@ class ReferenceMoE(_Reference):
     def __init__(self, ctx: BuildContext, layer: int):
         spec = self.spec = ctx.spec
         self.layer = ctx.layer(layer)
+        self.collectives = ctx.collectives
         self.experts = ctx.ops["experts"].build(ctx, layer)
+        self.all_reduce = ctx.ops["all_reduce"].build(ctx, None) if ctx.tp > 1 else None
         self.rows = ctx.scratch("moe_rows", (ctx.max_rows, spec.top_k, spec.P), torch.bfloat16)
         self.mailbox = ctx.mailboxes[layer]
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.all_reduce is not None:
+            self.all_reduce.run(x)
+        return x
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceMoE:
@@ -132,10 +142,10 @@ class ReferenceMoE(_Reference):
         ids, weights = fn.route(
             model.router_logits(layer, x), layer.expert_bias, spec.top_k, spec.routed_scaling_factor
         )
-        h = model.pool(spec, layer, x)
+        h = model.pool(spec, layer, x, self.collectives)
         rows = self.rows[:b]
         self.experts.run(ExpertsInput(h), RoutedTopk(ids, weights), rows)
-        m = fn.moe_tail(rows, weights, layer.post_expert_norm, spec.post_norm_eps)
+        m = model.moe_tail(spec, layer, rows, weights, self._all_reduce)
         self.mailbox.publish(b).copy_(fn.linear(m, layer.unpooler))
 
 
@@ -162,6 +172,24 @@ class ReferenceExperts(_Reference):
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         e = self.experts
         rows.copy_(fn.expert_rows(inputs.x, topk.ids, e.w13, e.w2, e.first_expert))
+
+
+class ReferenceAllReduce(_Reference):
+    """Sub-op ``all_reduce``: the reference transport's fixed-order sum (comm.Collectives)
+    over the TP group, in place; detached ranks leave it out."""
+
+    block = "all_reduce"
+    name = "reference.all_reduce"
+
+    def __init__(self, ctx: BuildContext):
+        self.collectives = ctx.collectives
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceAllReduce:
+        return cls(ctx)
+
+    def run(self, x: torch.Tensor) -> None:
+        x.copy_(self.collectives.all_reduce(x))
 
 
 class ReferenceFinal(_Reference):
@@ -191,6 +219,7 @@ PROVIDERS = (
     ReferenceAttentionBoundary,
     ReferenceMoE,
     ReferenceExperts,
+    ReferenceAllReduce,
     ReferenceFinal,
 )
 

@@ -71,7 +71,13 @@ class DecodeHarness:
         device = model.weights.device
         pages = math.ceil(config.max_context / 16) + 2
         self.stock_cache = PagedKVCache(
-            spec, pages, config.max_context, max(max_prompt, config.max_rows), device, poison_released=poison
+            spec,
+            pages,
+            config.max_context,
+            max(max_prompt, config.max_rows),
+            device,
+            num_kv_heads=spec.num_key_value_heads // model.weights.tp,
+            poison_released=poison,
         )
         if poison:
             self.stock_cache.poison_null_page()

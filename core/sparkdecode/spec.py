@@ -354,4 +354,18 @@ def _tiny(num_layers: int | None = None) -> ModelSpec:
     )
 
 
-PRESETS = {"tiny": _tiny, "muse-spark-open": _muse_spark_open}
+def _tiny_tp8(num_layers: int | None = None) -> ModelSpec:
+    """The narrowest spec that shards over 8 ranks with GQA 8 and head_dim 64 (vLLM
+    does not replicate Muse Spark's KV heads, so TP 8 needs 8 of them): H 4096,
+    64 / 8 heads; small experts (E 16 of I 256, top-4) keep it cheap on a CPU."""
+    return replace(
+        _tiny(2 if num_layers is None else num_layers),
+        hidden_size=4096,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        moe_hidden_size=2048,
+        moe_intermediate_size=256,
+    )
+
+
+PRESETS = {"tiny": _tiny, "tiny-tp8": _tiny_tp8, "muse-spark-open": _muse_spark_open}

@@ -188,7 +188,9 @@ class ReferenceModel:
                 aux.append(stream)
             partial = attention(spec, layer, x, positions, kv[i], self.rope_table(layer), self.max_context)
             stream, xf = attention_boundary(spec, layer, stream, self.collectives.all_reduce(partial))
-            f = self.collectives.gather_columns(moe(spec, layer, xf, self.collectives), spec.H)
+            f = moe(spec, layer, xf, self.collectives)
+            if f.shape[-1] != spec.H:  # a column-sharded unpooler: gather every rank's block
+                f = self.collectives.gather_columns(f, spec.H)
         assert f is not None
         stream, hidden = final_boundary(spec, stream, f, layers[-1], self.weights.final_norm)
         if spec.num_layers in aux_layers:

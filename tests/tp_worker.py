@@ -1,0 +1,107 @@
+"""One rank of the CPU tensor-parallel tests (spawned by test_tp.py over gloo).
+
+Each variant: a TP-1 model drawn from one seed on every rank, this rank's shard of
+it, the stock forward and the executor over the TP group side by side (each with
+its own cache after the prefill), and, on rank 0, the TP-1 stock forward on the
+same tokens. Everything the test asserts on is saved for the parent process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from sparkdecode.deployment import DeploymentError
+from sparkdecode.executor import DecodeConfig, SpecializedDecode
+from sparkdecode.harness import DecodeHarness
+from sparkdecode.reference import functional as fn
+from sparkdecode.reference.kvcache import PagedKVCache
+from sparkdecode.reference.model import ReferenceModel
+from sparkdecode.spec import ModelSpec
+from sparkdecode.weights import Sharding, random_weights, shard_weights
+
+MAX_CONTEXT = 256
+PROMPT = 70  # past the window (64): sliding pages are released during the steps
+STEPS = 4
+
+
+def make_spec(preset: str, smooth: bool) -> ModelSpec:
+    """``smooth``: every expert routed (top-k = E), so the MoE has no discrete choice
+    and TP rounding cannot flip a route: the TP-vs-TP-1 comparison then measures
+    rounding alone."""
+    spec = ModelSpec.preset(preset, 2)
+    return dataclasses.replace(spec, num_experts_per_tok=spec.num_local_experts) if smooth else spec
+
+
+def run_variant(rank: int, tp: int, variant: dict) -> dict:
+    spec = make_spec(variant["preset"], variant["smooth"])
+    full = random_weights(spec, seed=variant["seed"])
+    sharding = Sharding(tp, rank, variant["experts"], variant["shard_pooler"], variant["shard_unpooler"])
+    shard = shard_weights(full, sharding)
+    group = dist.group.WORLD
+    routes: list[torch.Tensor] = []
+    route = fn.route
+
+    def recording_route(logits, bias, top_k, scaling, eps=1e-15):
+        ids, weights = route(logits, bias, top_k, scaling, eps)
+        routes.extend([logits.clone(), ids.clone(), weights.clone()])
+        return ids, weights
+
+    fn.route = recording_route
+    try:
+        config = DecodeConfig(max_context=MAX_CONTEXT, aux_layers=(0, 1, spec.num_layers))
+        executor = SpecializedDecode(shard, config, group=group)
+        harness = DecodeHarness(ReferenceModel(shard, MAX_CONTEXT, group), executor, PROMPT, seed=variant["seed"])
+        prompt = torch.randint(0, spec.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
+        harness.prefill(prompt)
+        steps = [harness.verify() for _ in range(STEPS)]
+    finally:
+        fn.route = route
+    out = {
+        "tokens": [s.tokens for s in steps],
+        "first": [s.first_position for s in steps],
+        "stock_hidden": [s.stock_hidden for s in steps],
+        "exec_hidden": [s.executor_hidden for s in steps],
+        "stock_aux": [s.stock_aux for s in steps],
+        "exec_aux": [s.executor_aux for s in steps],
+        "exec_logits": [s.executor_logits for s in steps],
+        "routes": routes,
+    }
+    if rank == 0 and variant["compare_tp1"]:
+        model = ReferenceModel(full, MAX_CONTEXT)
+        cache = PagedKVCache(spec, MAX_CONTEXT // 16 + 2, MAX_CONTEXT, PROMPT)
+        model.step(cache, prompt, 0)
+        hidden, logits = [], []
+        for s in steps:
+            h, _ = model.step(cache, s.tokens, s.first_position)
+            hidden.append(h)
+            logits.append(model.logits(h))
+        out["tp1_hidden"], out["tp1_logits"] = hidden, logits
+    return out
+
+
+def gate_disagreement(rank: int, tp: int) -> str:
+    """Rank 1 alone cannot serve the deployment; every rank must raise its reason."""
+    spec = ModelSpec.preset("tiny", 2)
+    shard = shard_weights(random_weights(spec, seed=0), Sharding(tp, rank))
+    max_context = 10**6 if rank == 1 else MAX_CONTEXT
+    try:
+        SpecializedDecode(shard, DecodeConfig(max_context=max_context), group=dist.group.WORLD)
+    except DeploymentError as e:
+        return str(e)
+    return "built"
+
+
+def main(rank: int, tp: int, init: str, out_dir: str, variants: list[dict], gate: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
+    try:
+        results = {"variants": [run_variant(rank, tp, v) for v in variants]}
+        if gate:
+            results["gate"] = gate_disagreement(rank, tp)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""``sparkdecode demo|providers|check``: what runs where, and why."""
+"""``sparkdecode demo|providers|check|bench``: what runs where, how fast, and why."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from .bench import add_parser as add_bench_parser
 from .deployment import DeploymentError, detect, requirements
 from .executor import DecodeConfig, SpecializedDecode
 from .harness import DecodeHarness
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--expert-format", default="bf16")
         p.add_argument("--pin", action="append", default=[], metavar="BLOCK=PROVIDER")
         p.set_defaults(run=fn)
+
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log.upper(), format="%(message)s")

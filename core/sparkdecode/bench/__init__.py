@@ -1,0 +1,123 @@
+"""``sparkdecode bench``: the benchmark every speed claim comes from.
+
+One decode step (one request verifying 8 tokens) of a named config
+(``configs.py``), at each context and routing: the torch baseline
+(``baseline.py``) and the executor, each captured once in a CUDA graph and
+replayed many times; each block alone in a graph (orientation only); the bytes
+the step must read over the copy bandwidth measured in the same run (the floor,
+``floor.py``); a table, a JSON record, and with ``--plot`` a PNG
+(``report.py``). On the CPU it runs eagerly and says it is not a speed claim.
+
+| module | holds |
+| --- | --- |
+| configs.py | the named configs |
+| steer.py | weights of a shard, the filled KV cache, routing control, the executor's blocks one by one |
+| baseline.py | the torch baseline (reference math, FlashInfer paged attention) |
+| timing.py | capture once, time each replay alone after an L2 flush |
+| floor.py | bytes per block, copy bandwidth |
+| runner.py | one config end to end, into a record |
+| report.py | table, JSON, PNG |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from .configs import ROUTINGS, BenchConfigError, named
+from .report import PlotUnavailableError, plot, stem, table, write
+from .runner import Progress, run
+
+DEFAULT_OUT = Path("bench/results")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``bench`` on the CLI's subcommands."""
+    p = sub.add_parser("bench", help="time the torch baseline and the executor against the memory floor")
+    p.add_argument("config", nargs="?", help="tiny, tp1-real-L2, tp8-rank-L<N>-bf16 or tp8-rank-Lmax-bf16")
+    p.add_argument("--context", type=int, action="append", help="a context length (repeatable; default: the config's)")
+    p.add_argument("--routing", choices=ROUTINGS, action="append", help="random or correlated (default: both)")
+    p.add_argument("--replays", type=int, default=None, help="timed replays of each step (default 100; 3 on the CPU)")
+    p.add_argument("--block-replays", type=int, default=None, help="timed replays of each block (default 30)")
+    p.add_argument("--no-blocks", action="store_true", help="skip the per-block graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    p.add_argument("--pin", action="append", default=[], metavar="BLOCK=PROVIDER")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON record (and PNG) go")
+    p.add_argument("--plot", action="store_true", help="also a PNG of the per-block times beside their floors")
+    p.add_argument("--plot-from", type=Path, default=None, metavar="RECORD", help="only plot an existing JSON record")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(run=main)
+    return p
+
+
+def _pins(values: list[str]) -> dict[str, str]:
+    pins = {}
+    for value in values:
+        kind, sep, name = value.partition("=")
+        if not sep or not kind or not name:
+            raise SystemExit(f"--pin takes BLOCK=PROVIDER, got {value!r}")
+        pins[kind] = name
+    return pins
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.plot_from is not None:
+        record = json.loads(args.plot_from.read_text())
+        try:
+            path = plot(record, args.plot_from.with_suffix(".png"))
+        except PlotUnavailableError as e:
+            print(f"sparkdecode bench: {e}", file=sys.stderr)
+            return 2
+        print(f"plot: {path}")
+        return 0
+    if not args.config:
+        print(
+            "sparkdecode bench: name a config (tiny, tp1-real-L2, tp8-rank-L<N>-bf16) or --plot-from", file=sys.stderr
+        )
+        return 2
+    try:
+        cfg = named(args.config)
+    except BenchConfigError as e:
+        print(f"sparkdecode bench: {e}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        if cfg.layers == 0:
+            if device.type != "cuda":
+                raise BenchConfigError(f"{cfg.name} sizes itself to a GPU's memory")
+            cfg = cfg.fitting(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cuda":
+            cfg.check_fits(torch.cuda.mem_get_info(device)[0])
+    except BenchConfigError as e:
+        print(f"sparkdecode bench: {e}", file=sys.stderr)
+        return 2
+    argv = sys.argv[sys.argv.index("bench") + 1 :] if "bench" in sys.argv else [args.config]
+    command = "sparkdecode bench " + shlex.join(argv)
+    record = run(
+        cfg,
+        device=device,
+        contexts=tuple(args.context) if args.context else None,
+        routings=tuple(dict.fromkeys(args.routing)) if args.routing else ROUTINGS,
+        replays=args.replays,
+        block_replays=args.block_replays,
+        blocks=not args.no_blocks,
+        seed=args.seed,
+        pins=_pins(args.pin),
+        command=command,
+        progress=Progress(cfg.name, quiet=args.quiet),
+    )
+    path = write(record, args.out)
+    print(table(record))
+    print(f"record: {path}")
+    if args.plot:
+        try:
+            print(f"plot: {plot(record, args.out / f'{stem(record)}.png')}")
+        except PlotUnavailableError as e:
+            print(f"no plot: {e}")
+    return 0

@@ -1,0 +1,172 @@
+"""A bench record on the terminal, on disk (JSON) and as a plot (PNG).
+
+The record (``runner.run``): provenance (command, commit, modified files, date,
+device, versions), the model and shard, the method (replays, L2 flush, routing,
+KV cache), the copy bandwidth, what the baseline and the executor are, the
+collectives left out, and per (context, routing): distinct experts per layer,
+the check, bytes and floor, each side's step median and min-max and its
+fraction of the floor, the speedup, and every block's bytes, floor and times.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+KIND_ORDER = ("embed", "boundary", "attention (sliding)", "attention (full)", "attention_boundary", "moe", "final")
+
+
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def by_kind(blocks: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per block kind: count, bytes, floor and each side's median summed over layers."""
+    out: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "bytes": 0, "floor_s": 0.0})
+    for entry in blocks.values():
+        row = out[entry["kind"]]
+        row["count"] += 1
+        row["bytes"] += entry["bytes"]
+        row["floor_s"] += entry["floor_s"]
+        for side in ("baseline", "executor"):
+            if side in entry:
+                row[side] = row.get(side, 0.0) + entry[side]["median_s"]
+    return {k: out[k] for k in KIND_ORDER if k in out}
+
+
+def table(record: dict[str, Any]) -> str:
+    r = record
+    lines = [
+        f"sparkdecode bench {r['config']}: {r['device']}, {r['mode']}, commit {r['commit'][:12]}"
+        + (" (+ modified files)" if r.get("modified_files") else "")
+        + f", {r['date']}",
+    ]
+    if not r["speed_claim"]:
+        why = "eager on the CPU" if r["gpu"] is None else "the tiny config is a smoke run"
+        lines.append(f"NOT A SPEED CLAIM ({why}): these times only show the bench runs.")
+    m, s = r["model"], r["shard"]
+    lines.append(
+        f"model: {m['preset']} {m['layers']} layers (H {m['hidden_size']}, E {m['experts']} top-{m['top_k']}), "
+        f"TP {s['tp']} rank {s['rank']}"
+        + (f" ({s['expert_parallel']} experts)" if s["tp"] > 1 else "")
+        + f", {s['expert_format']} experts, {s['weights_bytes'] / 1e9:.2f} GB of layer weights"
+    )
+    bw = r["copy_bandwidth"]
+    lines.append(
+        f"copy bandwidth: {bw['bytes_per_s'] / 1e12:.3f} TB/s ({bw['bytes_moved'] / 2**30:.0f} GiB read + written, "
+        f"median of {bw['copies']} copies)"
+    )
+    lines.append(f"torch baseline: {r['baseline']['what']}")
+    lines.append("executor layout: " + ", ".join(f"{k}={v}" for k, v in r["executor"]["layout"].items()))
+    for note in r["executor"].get("notes", []):
+        lines.append(f"executor: {note}")
+    for c in r["collectives_left_out"]:
+        lines.append(f"left out of the time: {c}")
+    lines.append(
+        f"step times: median [min-max] of {r['replays']} replays, L2 flushed before each; "
+        "floor = bytes / copy bandwidth; % = floor / median"
+    )
+    head = (
+        f"{'context':>7} {'routing':<10} {'experts/L':>9} {'GB':>7} {'floor us':>9} | "
+        f"{'baseline us [min-max]':<26} {'%':>5} | {'executor us [min-max]':<26} {'%':>5} | {'base/exec':>9} {'rel err':>8}"
+    )
+    lines += [head, "-" * len(head)]
+    for run in r["runs"]:
+        b, e = run["baseline"], run["executor"]
+        experts = sum(run["distinct_experts"]) / len(run["distinct_experts"])
+
+        def span(t: dict[str, Any]) -> str:
+            return f"{_us(t['median_s'])} [{_us(t['min_s'])}-{_us(t['max_s'])}]"
+
+        lines.append(
+            f"{run['context']:>7} {run['routing']:<10} {experts:>9.1f} {run['bytes'] / 1e9:>7.3f} "
+            f"{_us(run['floor_s']):>9} | {span(b):<26} {100 * b['fraction_of_floor']:>4.1f}% | "
+            f"{span(e):<26} {100 * e['fraction_of_floor']:>4.1f}% | {run['speedup_baseline_over_executor']:>9.3f} "
+            f"{run['check']['relative_error_baseline_vs_executor']:>8.1e}"
+            + ("" if run["check"]["finite"] else "  NOT FINITE")
+        )
+    for run in r["runs"]:
+        kinds = by_kind(run["blocks"])
+        if not any("executor" in k for k in kinds.values()):
+            continue
+        lines.append("")
+        lines.append(
+            f"per block, context {run['context']}, {run['routing']} routing: each block alone in a graph, "
+            f"median of {r['block_replays']}, summed over layers (orientation only)"
+        )
+        lines.append(f"  {'block':<20} {'n':>3} {'MB':>9} {'floor us':>9} {'baseline us':>12} {'executor us':>12}")
+        for kind, row in kinds.items():
+            lines.append(
+                f"  {kind:<20} {row['count']:>3} {row['bytes'] / 1e6:>9.2f} {_us(row['floor_s']):>9} "
+                f"{_us(row.get('baseline')):>12} {_us(row.get('executor')):>12}"
+            )
+    return "\n".join(lines)
+
+
+def stem(record: dict[str, Any]) -> str:
+    date = record["date"].replace("-", "").replace(":", "").split("+")[0]
+    return f"{record['config']}_{date}_{record['commit'][:9]}"
+
+
+def write(record: dict[str, Any], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem(record)}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+class PlotUnavailableError(RuntimeError):
+    """matplotlib is not installed where the plot was asked for."""
+
+
+def plot(record: dict[str, Any], path: Path) -> Path:
+    """A PNG: per (context, routing), each block kind's time (summed over layers;
+    each block alone in a graph) beside its floor, baseline and executor; log scale."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise PlotUnavailableError(
+            "matplotlib is not installed here: make the plot where it is, from the JSON record, with "
+            "`sparkdecode bench --plot-from RECORD.json`"
+        ) from e
+    runs = [run for run in record["runs"] if any("executor" in b for b in run["blocks"].values())]
+    if not runs:
+        raise ValueError("the record has no per-block times (it was run with --no-blocks)")
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.6 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        kinds = by_kind(run["blocks"])
+        names = list(kinds)
+        xs = range(len(names))
+        width = 0.27
+        for offset, (label, key, color) in zip(
+            (-width, 0.0, width),
+            (
+                ("floor", "floor_s", "0.6"),
+                ("torch baseline", "baseline", "tab:blue"),
+                ("executor", "executor", "tab:orange"),
+            ),
+        ):
+            values = [kinds[n].get(key, 0.0) * 1e6 for n in names]
+            ax.bar([x + offset for x in xs], values, width, label=label, color=color)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{n}\n(x{kinds[n]['count']})" for n in names], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("us (summed over layers)")
+        b, e = run["baseline"]["median_s"] * 1e6, run["executor"]["median_s"] * 1e6
+        ax.set_title(
+            f"{record['config']}, context {run['context']}, {run['routing']} routing: step baseline {b:.0f} us, "
+            f"executor {e:.0f} us, floor {run['floor_s'] * 1e6:.0f} us",
+            fontsize=9,
+        )
+        ax.legend(fontsize=8)
+    claim = "" if record["speed_claim"] else " (NOT A SPEED CLAIM)"
+    fig.suptitle(f"{record['device']}, commit {record['commit'][:9]}, {record['date']}{claim}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,136 @@
+"""``sparkdecode bench`` on the CPU: the named configs, the byte accounting of
+the floor, the record and its table, a detached TP-8 rank, the plot. On the CPU
+the bench runs eagerly and says it is not a speed claim; the CUDA-graph timing
+and the FlashInfer baseline are tested in test_gpu_bench.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparkdecode.bench import configs
+from sparkdecode.bench.configs import BenchConfig, BenchConfigError, named
+from sparkdecode.bench.floor import block_bytes, expert_bytes, kv_keys
+from sparkdecode.bench.runner import run
+from sparkdecode.bench.steer import CORRELATED_EXPERTS, draw_weights
+from sparkdecode.cli import main
+from sparkdecode.spec import ModelSpec
+from sparkdecode.weights import random_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_record(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = main(
+            ["bench", "tiny", "--device", "cpu", "--context", "300", "--replays", "2", "--block-replays", "1"]
+            + ["--out", str(out), "--quiet"]
+        )
+    assert code == 0
+    (path,) = out.glob("tiny_*.json")
+    return path, text.getvalue()
+
+
+def test_tiny_on_the_cpu_is_labelled_and_recorded(tiny_record):
+    path, text = tiny_record
+    assert "NOT A SPEED CLAIM (eager on the CPU)" in text
+    assert "copy bandwidth" in text and "per block" in text
+    record = json.loads(path.read_text())
+    assert record["speed_claim"] is False and record["mode"] == "eager on the CPU"
+    assert record["config"] == "tiny" and record["command"].startswith("sparkdecode bench")
+    assert len(record["commit"]) == 40
+    assert record["copy_bandwidth"]["bytes_per_s"] > 0
+    assert [(r["context"], r["routing"]) for r in record["runs"]] == [(300, "random"), (300, "correlated")]
+    spec = ModelSpec.preset("tiny")
+    for r in record["runs"]:
+        assert len(r["distinct_experts"]) == spec.num_layers
+        assert r["routing_read_from"] == "executor"
+        # Both sides run the reference attention on the CPU: the same ops, the same bits.
+        assert r["check"] == {"relative_error_baseline_vs_executor": 0.0, "finite": True}
+        assert r["bytes"] == sum(b["bytes"] for b in r["blocks"].values())
+        assert r["floor_s"] == pytest.approx(r["bytes"] / record["copy_bandwidth"]["bytes_per_s"])
+        for side in ("baseline", "executor"):
+            assert r[side]["min_s"] <= r[side]["median_s"] <= r[side]["max_s"]
+            assert r[side]["fraction_of_floor"] == pytest.approx(r["floor_s"] / r[side]["median_s"])
+        assert all("baseline" in b and "executor" in b for b in r["blocks"].values())
+        assert len(r["blocks"]) == 1 + 4 * spec.num_layers + 1
+    _, correlated = record["runs"]
+    assert max(correlated["distinct_experts"]) <= CORRELATED_EXPERTS
+    assert len(record["routing_method"]["favoured_experts"]) == spec.num_layers
+
+
+def test_floor_counts_what_the_step_reads():
+    spec = ModelSpec.preset("tiny")
+    weights = random_weights(spec, seed=1)
+    context, rows = 1000, 8
+    distinct = [3, 5, 7, 9]
+    blocks = {b.name: b for b in block_bytes(weights, context, rows, distinct)}
+    H, P, I, E, d = spec.H, spec.P, spec.I, spec.E, spec.head_dim  # noqa: E741
+    kv = spec.num_key_value_heads
+    assert expert_bytes(weights.layers[0]) == (2 * I * P + P * I) * 2
+    for i, layer in enumerate(weights.layers):
+        keys = context if layer.window is None else spec.sliding_window + rows - 1
+        assert kv_keys(layer, context, rows) == keys
+        qkvg = (2 * spec.q_size + 2 * spec.kv_size) * H * 2
+        assert blocks[f"attention.{i}"].bytes == qkvg + H * spec.q_size * 2 + 2 * keys * kv * d * 2
+        moe = E * H * 4 + E * 4 + 2 * P * H * 2 + 2 * P * 2 + distinct[i] * expert_bytes(layer)
+        assert blocks[f"moe.{i}"].bytes == moe
+        assert blocks[f"boundary.{i}"].bytes == H * 2 + (H * 2 + 2 * H * 4 if i else 0)
+        assert blocks[f"attention_boundary.{i}"].bytes == 2 * H * 4 + H * 2
+    assert blocks["final"].bytes == H * 2 + 2 * H * 4 + H * 2
+    assert blocks["embed"].bytes == rows * H * 2
+    assert blocks["attention.1"].kind == "attention (full)" and blocks["attention.0"].kind == "attention (sliding)"
+    # A context shorter than the window: the sliding layers see it all.
+    assert kv_keys(weights.layers[0], 40, rows) == 40
+
+
+def test_a_detached_tp8_rank_runs_and_lists_its_collectives():
+    cfg = BenchConfig("tiny-tp8-rank", "tiny-tp8", 2, (200,), tp=8, rank=5, expert_parallel="tp", speed_claim=False)
+    record = run(cfg, device=torch.device("cpu"), replays=1, blocks=False, routings=("random",))
+    assert record["shard"]["tp"] == 8 and record["shard"]["rank"] == 5
+    assert len(record["collectives_left_out"]) == 2
+    assert any("detached" in note for note in record["executor"]["notes"])
+    (r,) = record["runs"]
+    assert r["check"]["finite"] and r["check"]["relative_error_baseline_vs_executor"] == 0.0
+    spec = ModelSpec.preset("tiny-tp8", 2)
+    # Only the rank's shard is drawn. Expert TP: every expert, an eighth of its intermediate rows.
+    experts = draw_weights(cfg, torch.device("cpu"), 0).layers[0].experts
+    assert experts.w13.shape == (spec.E, 2 * spec.I // 8, spec.P) and experts.w2.shape == (spec.E, spec.P, spec.I // 8)
+
+
+def test_named_configs():
+    assert named("tp1-real-L2").contexts == (4096, 32768)
+    cfg = named("tp8-rank-L36-bf16")
+    assert (cfg.tp, cfg.layers, cfg.expert_parallel, cfg.spec().hidden_size) == (8, 36, "tp", 8192)
+    assert named("tiny").speed_claim is False
+    with pytest.raises(BenchConfigError):
+        named("tp8-rank-L63-bf16")
+    with pytest.raises(BenchConfigError):
+        named("huge")
+    assert configs.ROWS == 8
+
+
+def test_bench_cli_errors(capsys):
+    assert main(["bench", "huge"]) == 2
+    assert "unknown bench config" in capsys.readouterr().err
+    assert main(["bench"]) == 2
+
+
+def test_plot_from_a_record(tiny_record, tmp_path):
+    path, _ = tiny_record
+    copy = tmp_path / path.name
+    copy.write_text(path.read_text())
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert main(["bench", "--plot-from", str(copy)]) == 2
+        return
+    assert main(["bench", "--plot-from", str(copy)]) == 0
+    png = copy.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,212 @@
+"""The boundaries as one CUDA kernel each (kernels/boundary.cu): post-norm of the
+branch, the gated add into the fp32 stream in place, the next pre-norm into bf16,
+and the aux stream where the drafter reads it.
+
+Against the reference: the elementwise math is the same sequence of fp32 operations
+(compiled without FMA contraction, as torch's separate elementwise kernels round);
+the two row reductions (mean of squares) sum in another order, so the stream
+differs by fp32 rounding (relative 1e-6) and a bf16 output by at most one ulp
+where that moves a value across a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparkdecode.protocols import BuildContext, Deployment, LayerKV, Step
+
+from .launch import Kernel, f32, i32, ptr
+from .nvrtc import nvrtc_unavailable
+
+# Each thread holds ITEMS consecutive values of a row (16 bytes of bf16), one block
+# per row: H / ITEMS threads. Chosen so every width from the tiny spec (H 1024) to
+# the real one (H 8192, 1024 threads) fits one block; not yet tuned by a bench.
+ITEMS = 8
+SOURCE = "boundary.cu"
+# Modes of boundary_kernel (see the source).
+FRONT_EMBED, FRONT_NORMED, INPUT_SCALE_POST, WEIGHTLESS_POST = 0, 1, 2, 3
+COMPILE_OPTIONS = ("--fmad=false",)
+
+
+def cuda_unsupported(d: Deployment) -> str | None:
+    """What every kernel of this pack needs: a Hopper (or newer) GPU and NVRTC."""
+    if d.device != "cuda" or d.capability is None:
+        return "needs a CUDA GPU"
+    if d.capability < (9, 0):
+        return f"needs SM90 (Hopper) or newer, this GPU is SM{d.capability[0]}{d.capability[1]}"
+    if d.libraries.get("cuda.bindings") is None:
+        return "cuda-python (cuda-bindings) is not installed"
+    return nvrtc_unavailable()
+
+
+def _width_unsupported(width: int) -> str | None:
+    threads = width // ITEMS
+    if width % (ITEMS * 32) or threads > 1024:
+        return f"hidden size {width}: the boundary kernel takes multiples of {ITEMS * 32} up to {1024 * ITEMS}"
+    return None
+
+
+class _BoundaryKernel:
+    """boundary_kernel compiled for this width."""
+
+    def __init__(self, ctx: BuildContext):
+        self.width = ctx.spec.H
+        self.threads = self.width // ITEMS
+        self.kernel = Kernel(
+            SOURCE, "boundary_kernel", ctx.device, {"H": self.width, "THREADS": self.threads}, COMPILE_OPTIONS
+        )
+
+    def __call__(
+        self,
+        mode: int,
+        x: torch.Tensor,
+        stream: torch.Tensor,
+        out: torch.Tensor,
+        aux: torch.Tensor | None,
+        post_weight: torch.Tensor | None,
+        alpha: torch.Tensor | None,
+        beta: torch.Tensor | None,
+        next_weight: torch.Tensor,
+        eps_post: float,
+        eps_next: float,
+        next_center: float,
+    ) -> None:
+        b = x.shape[0]
+        self.kernel.launch(
+            (b, 1, 1),
+            (self.threads, 1, 1),
+            [
+                ptr(x),
+                i32(x.stride(0)),
+                ptr(stream),
+                ptr(out),
+                ptr(aux),
+                ptr(post_weight),
+                ptr(alpha),
+                ptr(beta),
+                ptr(next_weight),
+                f32(eps_post),
+                f32(eps_next),
+                f32(next_center),
+                i32(mode),
+            ],
+        )
+
+
+class _Cuda:
+    priority = 10
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        return cuda_unsupported(deployment) or _width_unsupported(deployment.spec.H)
+
+    def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
+        pass
+
+
+class CudaBoundary(_Cuda):
+    """Layer 0: the front (embedding norm, or the bf16 normed embeddings, into the
+    stream, and pre_qkv_proj_norm); later layers: the input boundary."""
+
+    block = "boundary"
+    name = "cuda.boundary"
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        self.spec = ctx.spec
+        self.layer = ctx.layer(layer)
+        self.prev = ctx.layer(layer - 1) if layer > 0 else None
+        self.embeddings = ctx.buffers["embeddings"]
+        self.mailbox = ctx.mailboxes[layer - 1] if layer > 0 else None
+        self.kernel = _BoundaryKernel(ctx)
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> CudaBoundary:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None:
+        spec, b = self.spec, step.rows
+        if self.prev is None:
+            mode = FRONT_NORMED if step.normed_embeddings else FRONT_EMBED
+            x, post, alpha, beta = self.embeddings[:b], None, None, None
+        else:
+            assert self.mailbox is not None
+            mode, x = INPUT_SCALE_POST, self.mailbox.gather(b)
+            post, alpha, beta = self.prev.post_ffn_norm, self.prev.ffn_alpha, self.prev.ffn_beta
+        eps_post = spec.rms_norm_eps if self.prev is None else spec.post_norm_eps
+        self.kernel(
+            mode, x, stream, out, aux, post, alpha, beta, self.layer.pre_qkv_norm, eps_post, spec.rms_norm_eps, 1.0
+        )
+
+
+class CudaAttentionBoundary(_Cuda):
+    """post_attn_norm (weightless), the gated add, pre_ffn_norm, at TP 1."""
+
+    block = "attention_boundary"
+    name = "cuda.attention_boundary"
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        if deployment.tp != 1:
+            return "TP > 1 needs the all-reduce fused into the boundary"
+        return super().unsupported(deployment)
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        self.spec, self.layer = ctx.spec, ctx.layer(layer)
+        self.kernel = _BoundaryKernel(ctx)
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> CudaAttentionBoundary:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def run(self, partial: torch.Tensor, stream: torch.Tensor, out: torch.Tensor) -> None:
+        s, w = self.spec, self.layer
+        self.kernel(
+            WEIGHTLESS_POST,
+            partial,
+            stream,
+            out,
+            None,
+            None,
+            w.attn_alpha,
+            w.attn_beta,
+            w.pre_ffn_norm,
+            s.post_norm_eps,
+            s.rms_norm_eps,
+            1.0,
+        )
+
+
+class CudaFinal(_Cuda):
+    """The last boundary with model.norm (its weight as stored)."""
+
+    block = "final"
+    name = "cuda.final"
+
+    def __init__(self, ctx: BuildContext):
+        self.spec, self.prev = ctx.spec, ctx.layer(ctx.spec.num_layers - 1)
+        self.norm = ctx.weights.final_norm
+        self.mailbox = ctx.mailboxes[-1]
+        self.kernel = _BoundaryKernel(ctx)
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> CudaFinal:
+        return cls(ctx)
+
+    def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None:
+        s, p = self.spec, self.prev
+        self.kernel(
+            INPUT_SCALE_POST,
+            self.mailbox.gather(step.rows),
+            stream,
+            out,
+            aux,
+            p.post_ffn_norm,
+            p.ffn_alpha,
+            p.ffn_beta,
+            self.norm,
+            s.post_norm_eps,
+            s.rms_norm_eps,
+            0.0,
+        )

@@ -1,0 +1,59 @@
+"""providers_cuda: every kernel compiles with NVRTC (on the CPU too), the providers
+say why they do not apply off Hopper, and on a GPU each equals the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sparkdecode.deployment import detect
+from sparkdecode.spec import ModelSpec
+
+nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
+if nvrtc.nvrtc_unavailable() is not None:
+    pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}", allow_module_level=True)
+
+from sparkdecode_cuda import boundary  # noqa: E402
+
+
+@pytest.mark.parametrize("hidden", [1024, 4096, 8192])
+def test_boundary_kernel_compiles_for_hopper(hidden, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    cubin = nvrtc.compile_cubin(
+        boundary.SOURCE, "sm_90a", {"H": hidden, "THREADS": hidden // boundary.ITEMS}, boundary.COMPILE_OPTIONS
+    )
+    assert cubin[:4] == b"\x7fELF"
+    assert list(tmp_path.glob("cubin/boundary-*.cubin"))  # cached
+    assert (
+        nvrtc.compile_cubin(
+            boundary.SOURCE, "sm_90a", {"H": hidden, "THREADS": hidden // boundary.ITEMS}, boundary.COMPILE_OPTIONS
+        )
+        == cubin
+    )
+
+
+def test_compile_errors_name_the_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    with pytest.raises(nvrtc.CompileError, match="boundary.cu"):
+        nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", {})  # no H: the source's #error
+
+
+def test_unsupported_off_hopper():
+    spec = ModelSpec.preset("tiny")
+    cpu = detect(spec, device="cpu")
+    for cls in (boundary.CudaBoundary, boundary.CudaAttentionBoundary, boundary.CudaFinal):
+        assert cls.unsupported(cpu) == "needs a CUDA GPU"
+        ampere = dataclasses.replace(cpu, device="cuda", capability=(8, 0))
+        assert "SM90" in cls.unsupported(ampere)
+        no_bindings = dataclasses.replace(
+            cpu, device="cuda", capability=(9, 0), libraries={**cpu.libraries, "cuda.bindings": None}
+        )
+        assert "cuda-bindings" in cls.unsupported(no_bindings)
+    hopper = dataclasses.replace(cpu, device="cuda", capability=(9, 0))
+    assert boundary.CudaBoundary.unsupported(hopper) is None
+    assert "TP > 1" in boundary.CudaAttentionBoundary.unsupported(dataclasses.replace(hopper, tp=2))
+    odd = dataclasses.replace(
+        hopper, spec=dataclasses.replace(spec, hidden_size=1088, num_attention_heads=17, num_key_value_heads=1)
+    )
+    assert "hidden size 1088" in boundary.CudaBoundary.unsupported(odd)

@@ -52,7 +52,12 @@ def test_tiny_on_the_cpu_is_labelled_and_recorded(tiny_record):
         assert len(r["distinct_experts"]) == spec.num_layers
         assert r["routing_read_from"] == "executor"
         # Both sides run the reference attention on the CPU: the same ops, the same bits.
-        assert r["check"] == {"relative_error_baseline_vs_executor": 0.0, "finite": True}
+        assert r["check"] == {
+            "attention_relative_error": 0.0,
+            "relative_error_baseline_vs_executor": 0.0,
+            "layers_routed_alike": spec.num_layers,
+            "finite": True,
+        }
         assert r["bytes"] == sum(b["bytes"] for b in r["blocks"].values())
         assert r["floor_s"] == pytest.approx(r["bytes"] / record["copy_bandwidth"]["bytes_per_s"])
         for side in ("baseline", "executor"):

@@ -5,8 +5,10 @@ Skipped without a GPU; the FlashInfer tests also without FlashInfer.
 
 Tolerance: FlashInfer computes the softmax in tiles with bf16 P @ V operands,
 the reference in fp32 over gathered keys; both round the output to bf16, so
-they differ by a few bf16 ulps: ||fi - ref|| / ||ref|| below 1e-2. Through whole
-steps the difference is carried by the later layers: the same bound."""
+they differ by a few bf16 ulps: ||fi - ref|| / ||ref|| below 1e-2; the
+attention block's output (o-norm, gate, o_proj on top) below 2e-2. Whole steps
+are not compared with a bound: where a difference flips one expert choice of
+the random-weight router, the outputs part by O(1) (the bench records it)."""
 
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def test_bench_tiny_in_cuda_graphs(tmp_path, capsys):
     assert len(record["runs"]) == 4
     for r in record["runs"]:
         assert r["check"]["finite"], r
-        assert r["check"]["relative_error_baseline_vs_executor"] < 1e-2, r["check"]
+        assert r["check"]["attention_relative_error"] < 2e-2, r["check"]
         for side in ("baseline", "executor"):
             assert 0 < r[side]["min_s"] <= r[side]["median_s"] <= r[side]["max_s"]
         assert all(b["executor"]["median_s"] > 0 and b["baseline"]["median_s"] > 0 for b in r["blocks"].values())
@@ -103,4 +105,4 @@ def test_bench_a_detached_tp8_rank_in_cuda_graphs():
     record = run(cfg, device=torch.device("cuda"), replays=5, block_replays=2)
     assert len(record["collectives_left_out"]) == 2
     for r in record["runs"]:
-        assert r["check"]["finite"] and r["check"]["relative_error_baseline_vs_executor"] < 1e-2, r["check"]
+        assert r["check"]["finite"] and r["check"]["attention_relative_error"] < 2e-2, r["check"]

@@ -231,6 +231,21 @@ class TorchBaseline:
         out.append(("final", lambda: self.final(*saved["final"])))
         return out
 
+    def attention_error(self) -> float:
+        """The largest ||baseline - reference|| / ||reference|| over the layers of the
+        attention block's output (o_proj partial) on identical inputs from one eager
+        step: the baseline's paged attention checked against the reference's gathered
+        KV at this step's shapes (0 where the baseline runs the reference's)."""
+        inputs: dict[str, Any] = {}
+        self.step(inputs)
+        worst = 0.0
+        for i, layer in enumerate(self.weights.layers):
+            (x,) = inputs[f"attention.{i}"]
+            ours = self.attention(i, x).float()
+            ref = model.attention(self.spec, layer, x, self.positions, self.kv[i], self.rope[i], self.context).float()
+            worst = max(worst, ((ours - ref).norm() / ref.norm()).item())
+        return worst
+
     def record_routing(self) -> list[torch.Tensor]:
         """One eager step that keeps each layer's expert ids (int32 [rows, k])."""
         spec = self.spec

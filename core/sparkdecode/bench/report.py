@@ -65,12 +65,19 @@ def table(record: dict[str, Any]) -> str:
     for c in r["collectives_left_out"]:
         lines.append(f"left out of the time: {c}")
     lines.append(
-        f"step times: median [min-max] of {r['replays']} replays, L2 flushed before each; "
-        "floor = bytes / copy bandwidth; % = floor / median"
+        f"step times: median [min-max] of {r['replays']} "
+        + ("replays, L2 flushed before each; " if r["gpu"] else "eager runs; ")
+        + "floor = bytes / copy bandwidth; % = floor / median"
+    )
+    lines.append(
+        "attn err: the baseline's attention block vs the reference on identical inputs (largest over layers); "
+        "out err: the step's hidden states, baseline vs executor (amplified where an expert choice flips); "
+        "routed: layers whose expert choices agree"
     )
     head = (
         f"{'context':>7} {'routing':<10} {'experts/L':>9} {'GB':>7} {'floor us':>9} | "
-        f"{'baseline us [min-max]':<26} {'%':>5} | {'executor us [min-max]':<26} {'%':>5} | {'base/exec':>9} {'rel err':>8}"
+        f"{'baseline us [min-max]':<26} {'%':>5} | {'executor us [min-max]':<26} {'%':>5} | {'base/exec':>9} "
+        f"{'attn err':>8} {'out err':>8} {'routed':>6}"
     )
     lines += [head, "-" * len(head)]
     for run in r["runs"]:
@@ -84,7 +91,8 @@ def table(record: dict[str, Any]) -> str:
             f"{run['context']:>7} {run['routing']:<10} {experts:>9.1f} {run['bytes'] / 1e9:>7.3f} "
             f"{_us(run['floor_s']):>9} | {span(b):<26} {100 * b['fraction_of_floor']:>4.1f}% | "
             f"{span(e):<26} {100 * e['fraction_of_floor']:>4.1f}% | {run['speedup_baseline_over_executor']:>9.3f} "
-            f"{run['check']['relative_error_baseline_vs_executor']:>8.1e}"
+            f"{run['check']['attention_relative_error']:>8.1e} {run['check']['relative_error_baseline_vs_executor']:>8.1e} "
+            f"{run['check']['layers_routed_alike']:>3}/{len(run['distinct_experts']):<2}"
             + ("" if run["check"]["finite"] else "  NOT FINITE")
         )
     for run in r["runs"]:

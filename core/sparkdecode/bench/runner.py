@@ -161,6 +161,7 @@ def run(
         baseline = TorchBaseline(weights, baseline_cache, tokens, positions, context, use_flashinfer)
         baseline_attention = baseline.attention_impl
 
+        attention_error = baseline.attention_error()
         progress(f"context {context}: capturing the executor's step")
         executor_step = timer.capture(functools.partial(executor.run, step, input_ids=tokens))
         progress(f"context {context}: capturing the baseline's step")
@@ -184,6 +185,9 @@ def run(
                 ids, source = baseline_ids, "torch baseline"
             distinct = [int(torch.unique(t).numel()) for t in ids]
             baseline_distinct = [int(torch.unique(t).numel()) for t in baseline_ids]
+            alike = sum(
+                torch.equal(a.sort(-1).values, c.sort(-1).values) for a, c in zip(ids, baseline_ids, strict=True)
+            )
 
             progress(f"{label}: timing {replays} replays of each step")
             t_base = timer.time(baseline_step, replays)
@@ -214,7 +218,16 @@ def run(
                     "distinct_experts": distinct,
                     "routing_read_from": source,
                     "baseline_distinct_experts": baseline_distinct,
-                    "check": {"relative_error_baseline_vs_executor": rel, "finite": finite},
+                    "check": {
+                        # The attention block (o_proj partial) of the baseline against the
+                        # reference on identical inputs, the largest over the layers.
+                        "attention_relative_error": attention_error,
+                        # The step's hidden states, baseline against executor: the attention
+                        # differences are amplified wherever they flip an expert choice.
+                        "relative_error_baseline_vs_executor": rel,
+                        "layers_routed_alike": alike,
+                        "finite": finite,
+                    },
                     "bytes": total,
                     "floor_s": floor_s,
                     "baseline": {**t_base.as_dict(), "fraction_of_floor": floor_s / t_base.median_s},

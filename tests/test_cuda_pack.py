@@ -14,7 +14,7 @@ nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
 if nvrtc.nvrtc_unavailable() is not None:
     pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}", allow_module_level=True)
 
-from sparkdecode_cuda import boundary  # noqa: E402
+from sparkdecode_cuda import attention, boundary, moe  # noqa: E402
 
 
 @pytest.mark.parametrize("hidden", [1024, 4096, 8192])
@@ -33,6 +33,19 @@ def test_boundary_kernel_compiles_for_hopper(hidden, tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("width,experts", [(512, 16), (2048, 16), (4096, 256)])
+def test_moe_kernels_compile_for_hopper(width, experts, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    defines = {"WIDTH": width, "THREADS": width // boundary.ITEMS, "EXPERTS": experts}
+    assert nvrtc.compile_cubin(moe.SOURCE, "sm_90a", defines, moe.COMPILE_OPTIONS)[:4] == b"\x7fELF"
+
+
+def test_attention_kernels_compile_for_hopper(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    cubin = nvrtc.compile_cubin(attention.SOURCE, "sm_90a", {"HEAD_DIM": 64}, attention.COMPILE_OPTIONS)
+    assert cubin[:4] == b"\x7fELF"
+
+
 def test_compile_errors_name_the_source(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
     with pytest.raises(nvrtc.CompileError, match="boundary.cu"):
@@ -42,7 +55,13 @@ def test_compile_errors_name_the_source(tmp_path, monkeypatch):
 def test_unsupported_off_hopper():
     spec = ModelSpec.preset("tiny")
     cpu = detect(spec, device="cpu")
-    for cls in (boundary.CudaBoundary, boundary.CudaAttentionBoundary, boundary.CudaFinal):
+    for cls in (
+        boundary.CudaBoundary,
+        attention.CudaAttention,
+        boundary.CudaAttentionBoundary,
+        boundary.CudaFinal,
+        moe.CudaMoE,
+    ):
         assert cls.unsupported(cpu) == "needs a CUDA GPU"
         ampere = dataclasses.replace(cpu, device="cuda", capability=(8, 0))
         assert "SM90" in cls.unsupported(ampere)

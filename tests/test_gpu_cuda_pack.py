@@ -144,3 +144,116 @@ def test_executor_with_cuda_boundaries(graph):
         top2 = r.stock_logits.topk(2, dim=-1).values
         decided = (top2[:, 0] - top2[:, 1]) > 4 * diff
         assert torch.equal(r.executor_logits.argmax(-1)[decided], r.stock_logits.argmax(-1)[decided])
+
+
+moe_kernels = pytest.importorskip("sparkdecode_cuda.moe")
+
+
+@pytest.mark.parametrize("experts,top_k", [(16, 4), (256, 8)])
+@pytest.mark.parametrize("coarse", [False, True])
+def test_routing_kernel_is_bitwise(experts, top_k, coarse):
+    """Same fp32 operations in the same order: ids and weights equal the reference's bits."""
+    spec = dataclasses.replace(
+        ModelSpec.preset("muse-spark-open"), num_local_experts=experts, num_experts_per_tok=top_k
+    )
+    kernels = moe_kernels.MoEKernels(SimpleNamespace(spec=spec, device=torch.device("cuda")))
+    g = torch.Generator().manual_seed(experts + coarse)
+    logits = torch.randn(8, experts, generator=g)
+    if coarse:  # many exact ties
+        logits = torch.round(logits * 2) / 2
+    bias = torch.zeros(experts) if coarse else torch.randn(experts, generator=g) * 0.01
+    logits, bias = logits.cuda(), bias.cuda()
+    ids = torch.full((8, top_k), -1, dtype=torch.int32, device="cuda")
+    weights = torch.full((8, top_k), float("nan"), device="cuda")
+    kernels.route(logits, bias, 1.0, moe_kernels.RoutedTopk(ids, weights))
+    ref_ids, ref_weights = fn.route(logits, bias, top_k, 1.0)
+    torch.cuda.synchronize()
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(weights, ref_weights)
+
+
+@pytest.mark.parametrize("width,top_k", [(512, 4), (4096, 8)])
+def test_tail_and_norm_kernels(width, top_k):
+    spec = dataclasses.replace(ModelSpec.preset("muse-spark-open"), moe_hidden_size=width, num_experts_per_tok=top_k)
+    kernels = moe_kernels.MoEKernels(SimpleNamespace(spec=spec, device=torch.device("cuda")))
+    g = torch.Generator().manual_seed(width)
+    rows = (torch.randn(8, top_k, width, generator=g) * 2).to(torch.bfloat16).cuda()
+    weights = torch.rand(8, top_k, generator=g).cuda()
+    norm = (torch.randn(width, generator=g) * 0.1).to(torch.bfloat16).cuda()
+    out = torch.full((8, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.finish(rows, weights, norm, 1e-8, out)
+    one_ulp_close(out, fn.moe_tail(rows, weights, norm, 1e-8))
+    x = rows[:, 0]
+    normed = torch.full((8, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.pre_norm(x, norm, 1e-5, normed)
+    one_ulp_close(normed, fn.pre_norm(x, norm, 1e-5).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tp8-rank"])
+def test_cuda_moe_provider(shape):
+    """The block against reference.model.moe on the provider's own router logits: the
+    routing must be the reference's for those logits (bitwise), and the output close
+    (the two norms' one-ulp differences through the unpooler GEMM: 2e-2 relative)."""
+    from sparkdecode.weights import Sharding
+
+    if shape == "tiny":
+        spec, sharding = ModelSpec.preset("tiny", 1), None
+    else:
+        spec, sharding = ModelSpec.preset("muse-spark-open", 1), Sharding(8, 0, "tp")
+    weights = random_weights(spec, seed=1, device="cuda", sharding=sharding)
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=256, pins={"moe": "cuda.moe"}))
+    provider = executor.layers[0].moe
+    x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    provider.run(None, x)
+    got = executor.mailboxes[0].gather(8).clone()
+    ref_ids, ref_w = fn.route(provider.logits[:8], weights.layers[0].expert_bias, spec.top_k, 1.0)
+    assert torch.equal(provider.ids[:8], ref_ids)
+    assert torch.equal(provider.weights[:8], ref_w)
+    torch.testing.assert_close(provider.logits[:8], model.router_logits(weights.layers[0], x), rtol=1e-5, atol=1e-5)
+    ref = model.moe(spec, weights.layers[0], x, executor.collectives)
+    err = (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
+    assert err.max() < 2e-2, err
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tp8-rank"])
+@pytest.mark.parametrize("layer_index", [0, 1])  # sliding (RoPE, window), full (NoPE)
+def test_cuda_attention_provider(shape, layer_index):
+    """Against reference.model.attention on a copy of the same random cache, at a
+    context past the window and a page edge: the K/V written agree (V bitwise, K to
+    one ulp), the o_proj partial to 2e-2 relative per row (one-ulp differences in q,
+    k and the gated output through the softmax and o_proj)."""
+    from sparkdecode.reference.kvcache import PagedKVCache
+    from sparkdecode.weights import Sharding
+
+    if shape == "tiny":
+        spec, sharding = ModelSpec.preset("tiny", 2), None
+    else:
+        spec, sharding = ModelSpec.preset("muse-spark-open", 2), Sharding(8, 0, "tp")
+    weights = random_weights(spec, seed=3, device="cuda", sharding=sharding)
+    max_context = 4096
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=max_context, pins={"attention": "cuda.attention"}))
+    lw = weights.layers[layer_index]
+    caches = []
+    for _ in range(2):
+        cache = PagedKVCache(spec, 300, max_context, 8, "cuda", num_kv_heads=lw.num_kv_heads)
+        g = torch.Generator(device="cuda").manual_seed(9)
+        for t in cache.tensors:
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+        cache.begin_step(3000 - 8 - 3000 % 16 + 5, 8)  # rows crossing a page edge, far past the window
+        caches.append(cache)
+    executor.prepare_kv(caches[0].kv())
+    first = 3000 - 8 - 3000 % 16 + 5
+    positions = torch.arange(first, first + 8, device="cuda")
+    step = executor.plan(positions)
+    x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    partial = torch.full((8, spec.H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    executor.layers[layer_index].attention.run(step, x, partial)
+    table = weights.rope_table(lw.rope_theta, max_context) if lw.rope_theta > 0 else None
+    kv_ref = caches[1].kv()[layer_index]
+    ref = model.attention(spec, lw, x, positions, kv_ref, table, max_context)
+    torch.cuda.synchronize()
+    kv = caches[0].kv()[layer_index]
+    assert torch.equal(kv.v, kv_ref.v)
+    one_ulp_close(kv.k, kv_ref.k)
+    err = (partial.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
+    assert err.max() < 2e-2, err

@@ -7,8 +7,8 @@ One decode step of b rows (one request verifying q = b tokens):
 
 Each block is implemented by a provider class registered through the plug-in
 hooks (plugins.py) and chosen by the layout resolver (layout.py). Sub-ops that a
-block provider may take from elsewhere (``experts``, ``all_reduce``) are resolved
-the same way and handed over in ``BuildContext.ops``.
+block provider may take from elsewhere (``experts``, ``attention_core``,
+``all_reduce``) are resolved the same way and handed over in ``BuildContext.ops``.
 
 Shapes are per rank: b <= ``BuildContext.max_rows``; H hidden, P pooled width,
 E experts, k top-k (spec.py). Lifecycle of every provider:
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .weights import LayerWeights, ModelWeights
 
 BLOCKS = ("boundary", "attention", "attention_boundary", "moe", "final")
-SUB_OPS = ("experts", "all_reduce")
+SUB_OPS = ("experts", "attention_core", "all_reduce")
 KINDS = BLOCKS + SUB_OPS
 
 
@@ -156,7 +156,7 @@ class BuildContext:
     # mailboxes[i]: what layer i's MoE publishes and the boundary after it gathers
     # (layer i + 1's input boundary; the final boundary for the last layer).
     mailboxes: list[Mailbox]
-    # The resolved sub-op providers by kind (``experts``, ``all_reduce``).
+    # The resolved sub-op providers by kind (``experts``, ``attention_core``, ``all_reduce``).
     ops: dict[str, type[Provider]]
     # The reference transport of this rank (comm.Collectives): what the reference
     # providers' collectives run on; detached when a TP shard has no group.
@@ -249,6 +249,16 @@ class RoutedExpertsOp(Provider, Protocol):
     ranks hold under EP). Reads each selected expert's weights once."""
 
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None: ...
+
+
+class AttentionCoreOp(Provider, Protocol):
+    """Sub-op ``attention_core`` of layer l: the paged attention of the step's rows
+    over layer l's cache (``step.kv[l]``: causal within the step, the layer's window
+    on sliding layers, the whole context on full ones, softmax scale
+    ``spec.softmax_scale``): q bf16 [b, Hq, d] (normed and rotated, its K/V already
+    in the cache) into ``out`` bf16 [b, Hq, d]."""
+
+    def run(self, step: Step, q: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 class AllReduceOp(Provider, Protocol):

@@ -57,6 +57,10 @@ def i32(v: int) -> Arg:
     return Arg(int(v), ctypes.c_int)
 
 
+def i64(v: int) -> Arg:
+    return Arg(int(v), ctypes.c_longlong)
+
+
 def f32(v: float) -> Arg:
     return Arg(float(v), ctypes.c_float)
 

@@ -6,9 +6,11 @@ table in this pack's README lists them.
 
 from sparkdecode.plugins import hookimpl
 
+from .attention import CudaAttention
 from .boundary import CudaAttentionBoundary, CudaBoundary, CudaFinal
+from .moe import CudaMoE
 
-PROVIDERS: tuple[type, ...] = (CudaBoundary, CudaAttentionBoundary, CudaFinal)
+PROVIDERS: tuple[type, ...] = (CudaBoundary, CudaAttention, CudaAttentionBoundary, CudaMoE, CudaFinal)
 
 
 @hookimpl

@@ -77,6 +77,21 @@ def qkv_front(
     return q, gate
 
 
+def attention_core(
+    spec: ModelSpec, layer: LayerWeights, q: torch.Tensor, positions: torch.Tensor, kv: LayerKV, max_context: int
+) -> torch.Tensor:
+    """The paged attention of the step's rows: bf16 q [b, heads, d] -> bf16 [b, heads, d]."""
+    return fn.paged_attention(
+        q, positions, kv.k, kv.v, kv.group.block_table[0], layer.window, spec.softmax_scale, max_context
+    )
+
+
+def attention_out(spec: ModelSpec, layer: LayerWeights, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The o-norm with the sigmoid gate, then o_proj: this rank's bf16 partial [b, H]."""
+    o = fn.o_norm_gate(o, gate, spec.rms_norm_eps)
+    return fn.linear(o.reshape(o.shape[0], -1), layer.o_proj)
+
+
 def attention(
     spec: ModelSpec,
     layer: LayerWeights,
@@ -88,11 +103,7 @@ def attention(
 ) -> torch.Tensor:
     """The attention block: bf16 x [b, H] -> this rank's bf16 o_proj partial [b, H]."""
     q, gate = qkv_front(spec, layer, x, positions, kv, rope_table)
-    o = fn.paged_attention(
-        q, positions, kv.k, kv.v, kv.group.block_table[0], layer.window, spec.softmax_scale, max_context
-    )
-    o = fn.o_norm_gate(o, gate, spec.rms_norm_eps)
-    return fn.linear(o.reshape(x.shape[0], -1), layer.o_proj)
+    return attention_out(spec, layer, attention_core(spec, layer, q, positions, kv, max_context), gate)
 
 
 def attention_boundary(

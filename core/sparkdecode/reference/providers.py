@@ -68,6 +68,9 @@ class ReferenceAttention(_Reference):
         self.layer = ctx.layer(layer)
         theta = self.layer.rope_theta
         self.rope_table = ctx.weights.rope_table(theta, ctx.max_context) if theta > 0 else None
+        self.core = ctx.ops["attention_core"].build(ctx, layer)
+        shape = (ctx.max_rows, self.layer.num_heads, ctx.spec.head_dim)
+        self.o = ctx.scratch(f"attention_o_{self.layer.num_heads}", shape, torch.bfloat16)
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceAttention:
@@ -85,10 +88,31 @@ class ReferenceAttention(_Reference):
                 )
 
     def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
-        a = model.attention(
-            self.spec, self.layer, x, step.positions, step.kv[self.index], self.rope_table, self.max_context
-        )
-        partial.copy_(a)
+        q, gate = model.qkv_front(self.spec, self.layer, x, step.positions, step.kv[self.index], self.rope_table)
+        o = self.o[: x.shape[0]]
+        self.core.run(step, q, o)
+        partial.copy_(model.attention_out(self.spec, self.layer, o, gate))
+
+
+class ReferenceAttentionCore(_Reference):
+    """Sub-op ``attention_core``: the paged attention in torch over a fixed-size
+    gather of the cache (reference.functional.paged_attention)."""
+
+    block = "attention_core"
+    name = "reference.attention_core"
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        self.spec, self.index, self.max_context = ctx.spec, layer, ctx.max_context
+        self.layer = ctx.layer(layer)
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceAttentionCore:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def run(self, step: Step, q: torch.Tensor, out: torch.Tensor) -> None:
+        kv = step.kv[self.index]
+        out.copy_(model.attention_core(self.spec, self.layer, q, step.positions, kv, self.max_context))
 
 
 class ReferenceAttentionBoundary(_Reference):
@@ -219,6 +243,7 @@ PROVIDERS = (
     ReferenceAttentionBoundary,
     ReferenceMoE,
     ReferenceExperts,
+    ReferenceAttentionCore,
     ReferenceAllReduce,
     ReferenceFinal,
 )

@@ -57,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) boundary_kernel(
   }
   float* sr = stream + (long)row * H;
   if (mode != 1) {
-    const float inv = 1.0f / sqrtf(block_sum<THREADS>(sq, scratch) / (float)H + eps_post);
+    const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)H + eps_post);
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) v[i] *= inv;
   }
@@ -76,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) boundary_kernel(
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) ar[base + i] = v[i];
   }
-  const float inv = 1.0f / sqrtf(block_sum<THREADS>(sq, scratch) / (float)H + eps_next);
+  const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)H + eps_next);
   bf16_t* orow = out + (long)row * H;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) orow[base + i] = float_to_bf16(v[i] * inv * wn[i]);

@@ -1,0 +1,365 @@
+"""The deployment gate on vLLM's ``VllmConfig``.
+
+``decode_backend`` (``additional_config``) is ``auto`` (the stock decode, the
+default) or ``latency_specialized``; anything else raises. When the specialized
+decode is requested, ``check`` raises ``DeploymentError`` at start-up with one
+sentence per unmet requirement, after the TP ranks agree
+(``sparkdecode.deployment.agree``), so no rank proceeds alone. What it refuses:
+
+- serving lines (``serving_reasons``): a GPU that is not Hopper; a TP size the
+  executor does not build; pipeline parallelism; data parallelism, expert
+  parallelism other than EP = TP (or none: expert TP), round-robin expert
+  placement, EPLB; DBO; decode and prefill context parallelism; LoRA; sleep
+  mode; the V1 model runner (only the V2 runner asks the model for its
+  ModelState); torch.compile (a compiled forward would trace the executor);
+  deployments without separate FULL decode CUDA graphs; speculative decoding
+  other than DSpark with 7 tokens and no adaptive verification, no dynamic
+  token counts; a model dtype or KV cache dtype other than bf16; KV blocks other
+  than 16 tokens; KV transfer; batch-invariant mode; the MegaMoE backend;
+  quantized (NVFP4) checkpoints, which come with a later issue;
+- the text config (``ModelSpec`` validation);
+- the core gate on the ``Deployment`` this config makes: the executor's own
+  requirements, every block's providers (each provider's ``unsupported`` sees
+  the GPU, TP size, expert layout, KV dtype and block size) and the pins of
+  ``additional_config["decode_providers"]``.
+
+The KV cache's physical layout is resolved by vLLM's engine core after the model
+is built (``resolve_kv_cache_layout``), so it cannot be read here: the adapter
+checks each bound cache, and every provider's ``prepare_kv`` the views, in the
+ModelState's ``initialize_kv_cache``, before any step runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import deployment as core
+from ..deployment import DeploymentError
+from ..plugins import Registry
+from ..protocols import KINDS, Deployment
+from ..spec import ModelSpec, SpecError
+from . import LOGGER
+
+logger = logging.getLogger(LOGGER)
+
+# Hopper (H100, H200): the GPUs the project's kernels target and vLLM's SM90
+# Muse Spark path (bf16 experts kept in the checkpoint layout) serves.
+CAPABILITIES = ((9, 0),)
+DRAFT_TOKENS = 7  # DSpark drafts; a verify step carries 1 + 7 tokens
+KV_BLOCK_SIZE = 16
+SEPARATE_DECODE_GRAPHS = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the gate fixed for a deployment it accepts."""
+
+    deployment: Deployment
+    pins: Mapping[str, str] = field(default_factory=dict)
+    q: int = 1 + DRAFT_TOKENS
+    max_context: int = 4096
+
+
+def requested(vllm_config: Any) -> bool:
+    """Whether ``latency_specialized`` is asked for (``auto``: False; else raises)."""
+    extra = vllm_config.additional_config
+    return core.decode_backend(extra if isinstance(extra, Mapping) else {}) == "latency_specialized"
+
+
+def pins(vllm_config: Any) -> dict[str, str]:
+    """``additional_config["decode_providers"]``: block or sub-op -> provider name."""
+    extra = vllm_config.additional_config
+    value = extra.get("decode_providers", {}) if isinstance(extra, Mapping) else {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise DeploymentError(
+            f'additional_config["decode_providers"] must map a block to a provider name, got {value!r}'
+        )
+    unknown = sorted(set(value) - set(KINDS))
+    if unknown:
+        raise DeploymentError(
+            f'additional_config["decode_providers"] names {", ".join(unknown)}, which are not blocks or sub-ops '
+            f"(those are {', '.join(KINDS)})"
+        )
+    return dict(value)
+
+
+def platform_capability() -> tuple[int, int] | None:
+    """This process's GPU (major, minor), None without one."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return None
+    cap = current_platform.get_device_capability()
+    return None if cap is None else (cap.major, cap.minor)
+
+
+def platform_gpu_name() -> str | None:
+    from vllm.platforms import current_platform
+
+    return current_platform.get_device_name() if current_platform.is_cuda() else None
+
+
+def kv_dtype(vllm_config: Any) -> torch.dtype | str:
+    """The KV cache's element type: the model dtype under ``auto``."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype == "auto":
+        return vllm_config.model_config.dtype
+    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}.get(str(cache_dtype), str(cache_dtype))
+
+
+def serving_reasons(vllm_config: Any, capability: tuple[int, int] | None) -> list[str]:
+    """Every line of the serving configuration the specialized decode cannot take,
+    each a sentence; empty when all hold. Reads the config only."""
+    from vllm import envs
+    from vllm.config import CompilationMode
+
+    par, model, cache = vllm_config.parallel_config, vllm_config.model_config, vllm_config.cache_config
+    comp, spec = vllm_config.compilation_config, vllm_config.speculative_config
+    tp = par.tensor_parallel_size
+    out: list[str] = []
+
+    def need(ok: bool, sentence: str) -> None:
+        if not ok:
+            out.append(sentence)
+
+    names = ", ".join(f"SM{a}{b}" for a, b in CAPABILITIES)
+    if capability is None:
+        out.append(f"No CUDA GPU is visible: the specialized decode runs on Hopper GPUs ({names}).")
+    else:
+        need(
+            tuple(capability) in CAPABILITIES,
+            f"This GPU is SM{capability[0]}{capability[1]}: the specialized decode runs on Hopper GPUs ({names}).",
+        )
+    need(
+        tp in core.TP_SIZES,
+        f"Tensor parallel size {tp} is not one the executor builds ({', '.join(map(str, core.TP_SIZES))}).",
+    )
+    need(
+        par.pipeline_parallel_size == 1,
+        f"Pipeline parallelism is on (pipeline_parallel_size={par.pipeline_parallel_size}): "
+        "the executor runs every layer of the backbone in one stage.",
+    )
+    need(
+        par.data_parallel_size == 1,
+        f"Data parallelism is on (data_parallel_size={par.data_parallel_size}): its experts would be shared "
+        "over DP x TP ranks, and the executor serves expert parallelism equal to TP or none.",
+    )
+    if par.enable_expert_parallel:
+        need(
+            par.expert_placement_strategy == "linear",
+            f"Expert placement is {par.expert_placement_strategy!r}: under EP each rank must hold one "
+            "contiguous range of experts (expert_placement_strategy='linear').",
+        )
+    need(not par.enable_eplb, "EPLB is on: the executor reads a fixed expert placement.")
+    need(
+        not par.use_ubatching,
+        "Dual-batch overlap (DBO, micro-batching) is on: the executor runs one batch of one request.",
+    )
+    need(
+        par.decode_context_parallel_size == 1,
+        f"Decode context parallelism is on (decode_context_parallel_size={par.decode_context_parallel_size}): "
+        "each rank must hold the whole KV cache of its heads.",
+    )
+    need(
+        par.prefill_context_parallel_size == 1,
+        f"Prefill context parallelism is on (prefill_context_parallel_size={par.prefill_context_parallel_size}): "
+        "each rank must hold the whole KV cache of its heads.",
+    )
+    need(vllm_config.lora_config is None, "LoRA is on: the executor reads the base weights only.")
+    need(not model.enable_sleep_mode, "Sleep mode is on: the executor holds views of weights that sleep would move.")
+    need(
+        vllm_config.use_v2_model_runner,
+        "vLLM runs the V1 model runner: only the V2 runner asks the model for its ModelState, which builds the "
+        "executor and binds the KV cache (set VLLM_USE_V2_MODEL_RUNNER=1, or drop what makes vLLM fall back).",
+    )
+    need(
+        comp.mode == CompilationMode.NONE,
+        f"torch.compile is on (compilation mode {getattr(comp.mode, 'name', comp.mode)}): a compiled forward "
+        "would trace the executor's loop; use compilation mode NONE (-cc.mode=0).",
+    )
+    graphs = comp.cudagraph_mode
+    graphs_name = getattr(graphs, "name", str(graphs))
+    need(
+        graphs is not None and graphs.decode_mode().name == "FULL" and graphs.separate_routine(),
+        f"CUDA graph mode is {graphs_name}: the executor runs only inside FULL decode graphs captured apart "
+        f"from mixed batches ({' or '.join(SEPARATE_DECODE_GRAPHS)}); eager (enforce-eager), PIECEWISE and "
+        "mixed-batch FULL graphs would run the stock forward or replay a verify graph for another batch.",
+    )
+    if spec is None:
+        out.append(
+            f"Speculative decoding is off: the specialized decode serves DSpark verify steps of 1 + "
+            f"{DRAFT_TOKENS} tokens (speculative method 'dspark', num_speculative_tokens {DRAFT_TOKENS})."
+        )
+    else:
+        need(spec.method == "dspark", f"The speculative method is {spec.method!r}: only 'dspark' is served.")
+        need(
+            spec.num_speculative_tokens == DRAFT_TOKENS,
+            f"num_speculative_tokens is {spec.num_speculative_tokens}: a verify step must carry 1 + "
+            f"{DRAFT_TOKENS} tokens.",
+        )
+        need(
+            not spec.enable_adaptive_verification,
+            "Adaptive verification is on: it verifies a varying number of tokens per request.",
+        )
+        need(
+            not spec.uses_dynamic_speculative_decoding(),
+            "Dynamic speculative decoding is on: the number of drafted tokens varies with the batch.",
+        )
+    need(
+        model.dtype == torch.bfloat16,
+        f"The model dtype is {model.dtype}: the executor's weights and activations are bf16.",
+    )
+    dtype = kv_dtype(vllm_config)
+    need(dtype == torch.bfloat16, f"The KV cache dtype is {dtype}: the executor reads a bf16 KV cache.")
+    need(
+        cache.block_size == KV_BLOCK_SIZE,
+        f"The KV cache block size is {cache.block_size}: the executor reads pages of {KV_BLOCK_SIZE} tokens.",
+    )
+    need(
+        vllm_config.kv_transfer_config is None,
+        "KV transfer (disaggregated serving) is on: its connector hooks run outside the executor.",
+    )
+    need(not envs.VLLM_BATCH_INVARIANT, "Batch-invariant mode is on (VLLM_BATCH_INVARIANT=1).")
+    need(
+        vllm_config.kernel_config.moe_backend != "deep_gemm_mega_moe",
+        "The MegaMoE backend (moe_backend='deep_gemm_mega_moe') repacks the experts and shards the stream.",
+    )
+    quant = vllm_config.quant_config if vllm_config.quant_config is not None else model.quantization
+    need(
+        quant is None,
+        f"The checkpoint is quantized ({_quant_name(quant)}): NVFP4 experts through vLLM come with a later issue "
+        "(on SM90 vLLM repacks them into Marlin tiles at load); serve a bf16 checkpoint.",
+    )
+    return out
+
+
+def _quant_name(quant: Any) -> str:
+    get_name = getattr(quant, "get_name", None)
+    return str(get_name()) if callable(get_name) else str(quant)
+
+
+def model_spec(vllm_config: Any) -> ModelSpec:
+    """The text model's spec from the served checkpoint's config (validated)."""
+    hf = vllm_config.model_config.hf_config
+    return ModelSpec.from_config(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
+
+
+def shards_projections(vllm_config: Any, capability: tuple[int, int] | None) -> tuple[bool, bool]:
+    """Whether vLLM's Muse Spark MoE column-shards the pooler and the unpooler over
+    TP at decode batches (its ``shard_pooler`` / ``shard_unpooler``): only with
+    replicated tokens over TP > 1, by default on SM100 and newer, or as the text
+    config's ``muse_spark_tep_shard_pooler`` / ``_unpooler`` says."""
+    from vllm import envs
+
+    par = vllm_config.parallel_config
+    text = vllm_config.model_config.hf_text_config
+    replicated = (
+        par.tensor_parallel_size > 1
+        and vllm_config.kernel_config.moe_backend != "deep_gemm_mega_moe"
+        and not par.use_sequence_parallel_moe
+        and par.data_parallel_size == 1
+        and not envs.VLLM_BATCH_INVARIANT
+    )
+    default = replicated and capability is not None and tuple(capability) >= (10, 0)
+    return (
+        bool(replicated and getattr(text, "muse_spark_tep_shard_pooler", default)),
+        bool(replicated and getattr(text, "muse_spark_tep_shard_unpooler", default)),
+    )
+
+
+def make_deployment(
+    vllm_config: Any,
+    spec: ModelSpec,
+    capability: tuple[int, int] | None,
+    gpu_name: str | None = None,
+    q: int = 1 + DRAFT_TOKENS,
+) -> Deployment:
+    """The core's ``Deployment`` of this serving configuration (what providers read)."""
+    par = vllm_config.parallel_config
+    shard_pooler, shard_unpooler = shards_projections(vllm_config, capability)
+    dtype = kv_dtype(vllm_config)
+    return Deployment(
+        spec=spec,
+        tp=par.tensor_parallel_size,
+        device="cuda" if capability is not None else "cpu",
+        capability=None if capability is None else tuple(capability),
+        gpu_name=gpu_name,
+        expert_format="bf16",
+        kv_dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
+        kv_block_size=vllm_config.cache_config.block_size,
+        max_rows=q,
+        max_context=vllm_config.model_config.max_model_len,
+        expert_parallel="ep" if par.enable_expert_parallel else "tp",
+        shard_pooler=shard_pooler,
+        shard_unpooler=shard_unpooler,
+        libraries=core.installed_libraries(),
+    )
+
+
+def unsupported(
+    vllm_config: Any,
+    capability: tuple[int, int] | None = None,
+    gpu_name: str | None = None,
+    registry: Registry | None = None,
+) -> list[str]:
+    """Every reason this rank cannot run the specialized decode (empty: none):
+    the serving lines, then the text config, then the core gate (the executor,
+    the providers, the pins). Reads the config and this process's GPU only."""
+    reasons = serving_reasons(vllm_config, capability)
+    try:
+        spec = model_spec(vllm_config)
+    except SpecError as e:
+        return [*reasons, f"The text config is not one the executor takes: {e}."]
+    try:
+        chosen = pins(vllm_config)
+    except DeploymentError as e:
+        return [*reasons, f"{e}."]
+    reason = core.unsupported(make_deployment(vllm_config, spec, capability, gpu_name), registry, chosen)
+    if reason is not None:
+        reasons.append(f"{reason[0].upper()}{reason[1:]}.")
+    return reasons
+
+
+def check(
+    vllm_config: Any,
+    group: Any = None,
+    capability: tuple[int, int] | None | str = "detect",
+    gpu_name: str | None = None,
+    registry: Registry | None = None,
+) -> Settings | None:
+    """None for the stock decode; the settings when the specialized decode is
+    requested and every rank of ``group`` can run it; else ``DeploymentError`` on
+    every rank, naming each unmet requirement (this rank's, or the first failing
+    rank's). Collective over ``group`` when requested."""
+    if not requested(vllm_config):
+        logger.info("sparkdecode: decode_backend=auto: Muse Spark runs vLLM's stock decode")
+        return None
+    if capability == "detect":
+        capability, gpu_name = platform_capability(), platform_gpu_name()
+    reasons = unsupported(vllm_config, capability, gpu_name, registry)
+    reason = core.agree(" ".join(reasons) if reasons else None, group)
+    if reason is not None:
+        raise DeploymentError(
+            "decode_backend=latency_specialized cannot serve this deployment: "
+            f"{reason} (decode_backend=auto serves it with vLLM's stock decode)"
+        )
+    spec = model_spec(vllm_config)
+    settings = Settings(
+        deployment=make_deployment(vllm_config, spec, capability, gpu_name),
+        pins=pins(vllm_config),
+        max_context=vllm_config.model_config.max_model_len,
+    )
+    logger.info(
+        "sparkdecode: decode_backend=latency_specialized: the specialized decode is on "
+        "(TP%d, %s experts, DSpark verify steps of %d tokens, pins %s)",
+        settings.deployment.tp,
+        "EP" if settings.deployment.expert_parallel == "ep" else "expert-TP",
+        settings.q,
+        dict(settings.pins) or "none",
+    )
+    return settings

@@ -1,0 +1,227 @@
+"""Fixtures of the vLLM integration's tests (imported by conftest.py only where
+vLLM is installed): a tiny Muse Spark checkpoint and DSpark draft on disk, real
+``VllmConfig`` objects, vLLM's distributed state over gloo, and the model built
+and loaded by vLLM's own loader and ``load_weights`` on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from vllm.platforms import current_platform
+from vllm.platforms.interface import DeviceCapability
+
+from sparkdecode.checkpoint import save_checkpoint
+from sparkdecode.spec import ModelSpec
+from sparkdecode.weights import random_weights
+
+MAX_CONTEXT = 512
+SEED = 11
+# DSpark's aux layers are its target layer ids + 1: layer 1's input stream and
+# the final stream (num_layers), so both kinds of aux output are exercised.
+DRAFT_TARGET_LAYERS = (0, 3)
+
+_platform = type(current_platform)
+_platform.get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(9, 0))
+_platform.support_static_graph_mode = classmethod(lambda cls: True)
+
+
+def tiny_spec() -> ModelSpec:
+    return ModelSpec.preset("tiny")
+
+
+def write_multimodal_config(directory: Path, spec: ModelSpec, quantization: dict | None = None) -> None:
+    """The config.json vLLM reads for ``MuseSparkForConditionalGeneration``: the
+    text model of ``spec`` with the smallest vision and audio towers its config
+    classes accept (their weights are absent: vLLM leaves them as allocated)."""
+    text = spec.to_config()
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    config: dict[str, Any] = {
+        "architectures": ["MuseSparkForConditionalGeneration"],
+        "model_type": "muse_spark",
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "hidden_act": "gelu",
+            "layer_types": ["full_attention"],
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+            "patch_size": 14,
+            "patch_temporal": 2,
+            "merge_size": 2,
+            "layer_norm_eps": 1e-5,
+            "pos_emb_height": 4,
+            "pos_emb_width": 4,
+        },
+        "audio_config": {
+            "hidden_act": "gelu",
+            "num_hidden_layers": 1,
+            "patch_sizes": [4],
+            "depths": [1],
+            "hidden_sizes": [32],
+            "out_hidden_size": spec.H,
+            "conv_kernel_size": 3,
+            "mlp_ratio": 2,
+            "rms_norm_eps": 1e-5,
+        },
+        "projector_hidden_size": 64,
+        "out_hidden_size": 32 * 2**2,
+    }
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Muse Spark checkpoint written by the core (HF names, HF Q/K order,
+    the router unfolded), with the multimodal config vLLM serves."""
+    directory = tmp_path_factory.mktemp("muse-spark-tiny")
+    spec = tiny_spec()
+    save_checkpoint(random_weights(spec, seed=SEED), directory)
+    write_multimodal_config(directory, spec)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DSpark draft config (no weights: only its config is read here)."""
+    directory = tmp_path_factory.mktemp("dspark-draft")
+    spec = tiny_spec()
+    config = {
+        "model_type": "muse_spark_dspark",
+        "architectures": ["MuseSparkDSparkModel"],
+        "hidden_size": spec.H,
+        "num_hidden_layers": 1,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "dspark_target_layer_ids": list(DRAFT_TARGET_LAYERS),
+        "torch_dtype": "bfloat16",
+    }
+    (directory / "config.json").write_text(json.dumps(config) + "\n")
+    return directory
+
+
+def iter_checkpoint(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in sorted(directory.glob("*.safetensors")):
+        yield from load_file(str(path)).items()
+
+
+MakeConfig = Callable[..., Any]
+
+
+@pytest.fixture(scope="session")
+def make_config(checkpoint: Path, draft: Path) -> MakeConfig:
+    """A real ``VllmConfig`` of the tiny checkpoint. The defaults are a deployment
+    the gate accepts (TP 1, DSpark 7, FULL_AND_PIECEWISE graphs, compilation mode
+    NONE, bf16 KV cache of 16-token blocks, latency_specialized); each keyword
+    group overrides one sub-config."""
+    from vllm.config import (
+        CacheConfig,
+        CompilationConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+
+    def make(
+        *,
+        model: dict | None = None,
+        parallel: dict | None = None,
+        compilation: dict | None = None,
+        cache: dict | None = None,
+        speculative: dict | None | bool = True,
+        additional: dict | None = None,
+        directory: Path | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        model_config = ModelConfig(
+            model=str(directory or checkpoint),
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            max_model_len=MAX_CONTEXT,
+            **(model or {}),
+        )
+        parallel_config = ParallelConfig(**(parallel or {}))
+        spec_config = None
+        if speculative is not None and speculative is not False:
+            settings = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 7}
+            settings.update(speculative if isinstance(speculative, dict) else {})
+            spec_config = SpeculativeConfig(
+                **settings, target_model_config=model_config, target_parallel_config=parallel_config
+            )
+        return VllmConfig(
+            model_config=model_config,
+            device_config=DeviceConfig(device="cpu"),
+            parallel_config=parallel_config,
+            compilation_config=CompilationConfig(
+                **{"mode": 0, "cudagraph_mode": "FULL_AND_PIECEWISE", **(compilation or {})}
+            ),
+            cache_config=CacheConfig(**{"block_size": 16, **(cache or {})}),
+            speculative_config=spec_config,
+            additional_config={"decode_backend": "latency_specialized", **(additional or {})},
+            **kwargs,
+        )
+
+    return make
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def distributed(make_config: MakeConfig) -> None:
+    """vLLM's distributed state for one process over gloo (TP 1)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    with set_current_vllm_config(make_config()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+
+
+def load_model(vllm_config: Any, directory: Path) -> Any:
+    """The served model as vLLM builds it: the class resolved by vLLM's registry
+    (the plug-in's subclass), built by the default loader's ``create_model``,
+    loaded by the model's own ``load_weights`` from the checkpoint, then every
+    MoE experts method's ``process_weights_after_loading`` (the SM90 path). The
+    loader's remaining post-processing is left out: on the CPU platform it repacks
+    bf16 linear weights for CPU GEMMs, which the CUDA platform does not."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(vllm_config):
+        loader = get_model_loader(vllm_config.load_config)
+        with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+            model = loader.create_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        model.load_weights(iter_checkpoint(directory))
+        for module in model.modules():
+            if type(module).__name__ == "MuseSparkRoutedExperts":
+                module.quant_method.process_weights_after_loading(module)
+    return model.eval()

@@ -6,6 +6,7 @@ and loaded by vLLM's own loader and ``load_weights`` on the CPU."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import socket
 from collections.abc import Callable, Iterator
@@ -14,9 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+import vllm.plugins
 from safetensors.torch import load_file
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import MultipleOf
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from sparkdecode.checkpoint import save_checkpoint
 from sparkdecode.spec import ModelSpec
@@ -31,6 +35,19 @@ DRAFT_TARGET_LAYERS = (0, 3)
 _platform = type(current_platform)
 _platform.get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(9, 0))
 _platform.support_static_graph_mode = classmethod(lambda cls: True)
+# The CPU platform's own config rewrites (DBO off, CPU compilation settings) are not
+# the GPU's: leave configs as given. The modules are still built by its backends.
+_platform.check_and_update_config = classmethod(lambda cls, vllm_config: None)
+_platform.is_sleep_mode_available = lambda self: True
+
+# The CPU attention backend's kernel pages are multiples of 32 tokens; FlashAttention
+# on Hopper takes multiples of 16, and vLLM sizes the sliding-window layers' KV
+# blocks by that (16 where --block-size is 16). Give the CPU backend Hopper's.
+CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(lambda kv_cache_spec=None: [MultipleOf(16)])
+
+# As every vLLM process does at start, before any config resolves an architecture
+# (vLLM caches the resolved model class per checkpoint path).
+vllm.plugins.load_general_plugins()
 
 
 def tiny_spec() -> ModelSpec:
@@ -124,8 +141,19 @@ def iter_checkpoint(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 MakeConfig = Callable[..., Any]
 
 
-@pytest.fixture(scope="session")
-def make_config(checkpoint: Path, draft: Path) -> MakeConfig:
+def build_config(
+    checkpoint: Path,
+    draft: Path,
+    *,
+    model: dict | None = None,
+    parallel: dict | None = None,
+    compilation: dict | None = None,
+    cache: dict | None = None,
+    speculative: dict | None | bool = True,
+    additional: dict | None = None,
+    directory: Path | None = None,
+    **kwargs: Any,
+) -> Any:
     """A real ``VllmConfig`` of the tiny checkpoint. The defaults are a deployment
     the gate accepts (TP 1, DSpark 7, FULL_AND_PIECEWISE graphs, compilation mode
     NONE, bf16 KV cache of 16-token blocks, latency_specialized); each keyword
@@ -140,49 +168,63 @@ def make_config(checkpoint: Path, draft: Path) -> MakeConfig:
         VllmConfig,
     )
 
-    def make(
-        *,
-        model: dict | None = None,
-        parallel: dict | None = None,
-        compilation: dict | None = None,
-        cache: dict | None = None,
-        speculative: dict | None | bool = True,
-        additional: dict | None = None,
-        directory: Path | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        model_config = ModelConfig(
-            model=str(directory or checkpoint),
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            max_model_len=MAX_CONTEXT,
+    model_config = ModelConfig(
+        **{
+            "model": str(directory or checkpoint),
+            "skip_tokenizer_init": True,
+            "dtype": "bfloat16",
+            "max_model_len": MAX_CONTEXT,
             **(model or {}),
+        }
+    )
+    parallel_config = ParallelConfig(**(parallel or {}))
+    spec_config = None
+    if speculative is not None and speculative is not False:
+        settings = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 7}
+        settings.update(speculative if isinstance(speculative, dict) else {})
+        spec_config = SpeculativeConfig(
+            **settings, target_model_config=model_config, target_parallel_config=parallel_config
         )
-        parallel_config = ParallelConfig(**(parallel or {}))
-        spec_config = None
-        if speculative is not None and speculative is not False:
-            settings = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 7}
-            settings.update(speculative if isinstance(speculative, dict) else {})
-            spec_config = SpeculativeConfig(
-                **settings, target_model_config=model_config, target_parallel_config=parallel_config
-            )
-        return VllmConfig(
-            model_config=model_config,
-            device_config=DeviceConfig(device="cpu"),
-            parallel_config=parallel_config,
-            compilation_config=CompilationConfig(
-                **{"mode": 0, "cudagraph_mode": "FULL_AND_PIECEWISE", **(compilation or {})}
-            ),
-            cache_config=CacheConfig(**{"block_size": 16, **(cache or {})}),
-            speculative_config=spec_config,
-            additional_config={"decode_backend": "latency_specialized", **(additional or {})},
-            **kwargs,
-        )
-
-    return make
+    return VllmConfig(
+        model_config=model_config,
+        device_config=DeviceConfig(device="cpu"),
+        parallel_config=parallel_config,
+        compilation_config=CompilationConfig(
+            **{"mode": 0, "cudagraph_mode": "FULL_AND_PIECEWISE", **(compilation or {})}
+        ),
+        cache_config=CacheConfig(**{"block_size": 16, **(cache or {})}),
+        speculative_config=spec_config,
+        additional_config={"decode_backend": "latency_specialized", **(additional or {})},
+        **kwargs,
+    )
 
 
-def _free_port() -> int:
+@pytest.fixture(scope="session")
+def make_config(checkpoint: Path, draft: Path) -> MakeConfig:
+    """``build_config`` of the session's checkpoint and draft."""
+    return functools.partial(build_config, checkpoint, draft)
+
+
+def gate_rank(rank: int, world: int, port: int, checkpoint: Path, draft: Path, capabilities: list, out: Path) -> None:
+    """One rank of a TP group that runs ``gate.check`` over gloo with its own GPU
+    capability; writes what it got (the settings' TP, or the error) to ``out``."""
+    import torch.distributed as dist
+
+    from sparkdecode.deployment import DeploymentError
+    from sparkdecode.vllm import gate
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    config = build_config(checkpoint, draft)
+    try:
+        settings = gate.check(config, group=dist.group.WORLD, capability=tuple(capabilities[rank]))
+        result = f"ok TP{settings.deployment.tp}"
+    except DeploymentError as e:
+        result = f"error {e}"
+    (out / f"rank{rank}").write_text(result)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
     with contextlib.closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -199,7 +241,7 @@ def distributed(make_config: MakeConfig) -> None:
             world_size=1,
             rank=0,
             local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
             backend="gloo",
         )
         ensure_model_parallel_initialized(1, 1)
@@ -225,3 +267,39 @@ def load_model(vllm_config: Any, directory: Path) -> Any:
             if type(module).__name__ == "MuseSparkRoutedExperts":
                 module.quant_method.process_weights_after_loading(module)
     return model.eval()
+
+
+class HostBlockTables:
+    """What the ModelState reads of the V2 runner's ``BlockTables`` (its per-group
+    input block tables, [max_reqs, max_blocks] int32), without the pinned host
+    buffers the real one allocates, which need a CUDA driver."""
+
+    def __init__(self, num_groups: int, max_reqs: int, max_blocks: int):
+        self.input_block_tables = [torch.zeros(max_reqs, max_blocks, dtype=torch.int32) for _ in range(num_groups)]
+
+
+def kv_cache_setup(vllm_config: Any, layout: str, memory: int = 64 * 2**20) -> Any:
+    """vLLM's KV-cache config of the served model (its own specs, grouping and
+    sizing) and the caches allocated and bound to the attention layers in the
+    physical ``layout`` (a ``KVCacheLayout`` name), as the engine core and the
+    worker do. Returns the ``KVCacheConfig`` and the attention groups."""
+    from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.worker.gpu.attn_utils import init_attn_backend, init_kv_cache
+
+    vllm_config.cache_config.kv_cache_layout = layout
+    with set_current_vllm_config(vllm_config):
+        layers = get_layers_from_vllm_config(vllm_config, Attention)
+        specs = {name: layer.get_kv_cache_spec(vllm_config) for name, layer in layers.items()}
+        groups = get_global_kv_cache_groups(vllm_config, [specs])
+        kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [memory], groups)[0]
+        attn_groups, _, kernel_block_sizes = init_attn_backend(kv_cache_config, vllm_config, torch.device("cpu"))
+        init_kv_cache(
+            vllm_config.compilation_config.static_forward_context,
+            kv_cache_config,
+            torch.device("cpu"),
+            kernel_block_sizes,
+            vllm_config,
+        )
+    return kv_cache_config, attn_groups

@@ -221,7 +221,7 @@ def sharding_of(backbone: Any, tp: int, rank: int, expert_parallel: bool) -> Sha
     return Sharding(
         tp=tp,
         rank=rank,
-        expert_parallel="ep" if expert_parallel else "tp",
+        expert_parallel="ep" if expert_parallel or tp == 1 else "tp",
         shard_pooler=shard_pooler,
         shard_unpooler=shard_unpooler,
     )
@@ -314,6 +314,14 @@ def bind_kv(
         if name not in group_of:
             raise AdapterError(f"{name}: in no KV-cache group")
         g = group_of[name]
+        block_size = kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
+        if block_size != KV_BLOCK_SIZE:
+            # vLLM sizes sliding-window groups by what the attention backend runs,
+            # not by --block-size: the executor's block tables count 16-token pages.
+            raise AdapterError(
+                f"{name}: its KV-cache group {g} has blocks of {block_size} tokens; the executor reads pages "
+                f"of {KV_BLOCK_SIZE} (the attention backend chose the block size)"
+            )
         if groups[g] is None:
             groups[g] = KVGroupMetadata(
                 block_table=torch.zeros(1, block_table_widths[g], dtype=torch.int32, device=device),

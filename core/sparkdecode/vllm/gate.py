@@ -18,10 +18,10 @@ sentence per unmet requirement, after the TP ranks agree
   than 16 tokens; KV transfer; batch-invariant mode; the MegaMoE backend;
   quantized (NVFP4) checkpoints, which come with a later issue;
 - the text config (``ModelSpec`` validation);
-- the core gate on the ``Deployment`` this config makes: the executor's own
-  requirements, every block's providers (each provider's ``unsupported`` sees
-  the GPU, TP size, expert layout, KV dtype and block size) and the pins of
-  ``additional_config["decode_providers"]``.
+- once those hold, the core gate on the ``Deployment`` this config makes: the
+  executor's own requirements, every block's providers (each provider's
+  ``unsupported`` sees the GPU, TP size, expert layout, KV dtype and block
+  size) and the pins of ``additional_config["decode_providers"]``.
 
 The KV cache's physical layout is resolved by vLLM's engine core after the model
 is built (``resolve_kv_cache_layout``), so it cannot be read here: the adapter
@@ -294,7 +294,8 @@ def make_deployment(
         kv_block_size=vllm_config.cache_config.block_size,
         max_rows=q,
         max_context=vllm_config.model_config.max_model_len,
-        expert_parallel="ep" if par.enable_expert_parallel else "tp",
+        # Whole experts per rank under EP (and at TP 1), an I-slice of each otherwise.
+        expert_parallel="ep" if par.enable_expert_parallel or par.tensor_parallel_size == 1 else "tp",
         shard_pooler=shard_pooler,
         shard_unpooler=shard_unpooler,
         libraries=core.installed_libraries(),
@@ -313,16 +314,14 @@ def unsupported(
     reasons = serving_reasons(vllm_config, capability)
     try:
         spec = model_spec(vllm_config)
-    except SpecError as e:
-        return [*reasons, f"The text config is not one the executor takes: {e}."]
-    try:
         chosen = pins(vllm_config)
-    except DeploymentError as e:
-        return [*reasons, f"{e}."]
+    except (SpecError, DeploymentError) as e:
+        what = "The text config is not one the executor takes" if isinstance(e, SpecError) else "The pins"
+        return [*reasons, f"{what}: {e}."]
+    if reasons:  # the core gate repeats some serving lines (TP size, KV dtype and block size)
+        return reasons
     reason = core.unsupported(make_deployment(vllm_config, spec, capability, gpu_name), registry, chosen)
-    if reason is not None:
-        reasons.append(f"{reason[0].upper()}{reason[1:]}.")
-    return reasons
+    return [] if reason is None else [f"{reason[0].upper()}{reason[1:]}."]
 
 
 def check(

@@ -151,7 +151,7 @@ class VllmDecode:
         if intermediate_tensors is not None:
             return self.outcome(b, "a pipeline stage's input")
         if capturing is None:
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            capturing = stream_capturing()
         if not capturing:
             return self.outcome(b, "outside a FULL CUDA graph capture")
         if runtime_mode is None:
@@ -198,6 +198,11 @@ class VllmDecode:
         rows = inputs_embeds if normed else self.backbone.embed_tokens(input_ids)
         hidden, aux = self.executor.run(step, inputs_embeds=rows)
         return (hidden, aux) if aux else hidden
+
+
+def stream_capturing() -> bool:
+    """Whether this forward is being captured into a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _runtime_mode() -> str | None:

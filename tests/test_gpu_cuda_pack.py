@@ -239,12 +239,13 @@ def test_cuda_attention_provider(shape, layer_index):
         g = torch.Generator(device="cuda").manual_seed(9)
         for t in cache.tensors:
             t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
-        cache.begin_step(3000 - 8 - 3000 % 16 + 5, 8)  # rows crossing a page edge, far past the window
+        host = cache.begin_step(3000 - 8 - 3000 % 16 + 5, 8)  # rows crossing a page edge, far past the window
         caches.append(cache)
     executor.prepare_kv(caches[0].kv())
     first = 3000 - 8 - 3000 % 16 + 5
     positions = torch.arange(first, first + 8, device="cuda")
     step = executor.plan(positions)
+    executor.prepare_step(host)  # the attention core's host work, where it has any
     x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
     partial = torch.full((8, spec.H), float("nan"), dtype=torch.bfloat16, device="cuda")
     executor.layers[layer_index].attention.run(step, x, partial)

@@ -25,7 +25,7 @@ from .comm import Collectives, ColumnMailbox, LocalMailbox
 from .deployment import detect, require
 from .layout import Layout, resolve
 from .plugins import Registry, discover
-from .protocols import SUB_OPS, BuildContext, Deployment, KVGroupMetadata, LayerKV, Mailbox, Step
+from .protocols import SUB_OPS, BuildContext, Deployment, HostStep, KVGroupMetadata, LayerKV, Mailbox, Step
 from .weights import ModelWeights
 
 logger = logging.getLogger(__name__)
@@ -289,6 +289,11 @@ class SpecializedDecode:
         first = self.config.max_context - rows
         positions = torch.arange(first, first + rows, device=device)
         step = Step(self.config.q, rows, positions, kv, False)
+        host = HostStep(first_position=first, rows=rows, context_len=self.config.max_context)
+        for provider in built + ([final] if final else []):
+            hook = getattr(provider, "prepare_step", None)
+            if hook is not None:
+                hook(host)
         stream = torch.randn(rows, spec.H, device=device)
         x = torch.empty(rows, spec.H, dtype=torch.bfloat16, device=device)
         partial, xf, out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)

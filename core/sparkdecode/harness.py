@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .executor import SpecializedDecode
+from .protocols import HostStep
 from .reference.kvcache import PagedKVCache
 from .reference.model import ReferenceModel
 
@@ -119,11 +120,11 @@ class DecodeHarness:
         _sync(device)
         stock_seconds = time.perf_counter() - start
 
-        self.executor_cache.begin_step(first, self.q)
+        host = self.executor_cache.begin_step(first, self.q)
         self.positions.copy_(torch.arange(first, first + self.q, device=device))
         self.tokens.copy_(tokens)
         start = time.perf_counter()
-        hidden, aux = self._run_executor()
+        hidden, aux = self._run_executor(host)
         _sync(device)
         executor_seconds = time.perf_counter() - start
         executor_hidden = hidden.clone()
@@ -147,7 +148,9 @@ class DecodeHarness:
             accepted,
         )
 
-    def _run_executor(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _run_executor(self, host: HostStep) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # The providers' host work for this step (a library's plan), before any replay.
+        self.executor.prepare_step(host)
         if self.graph is not None:
             self.graph.replay()
             assert self.outputs is not None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sparkdecode.protocols import BuildContext, Deployment, LayerKV, Step
+from sparkdecode.protocols import BuildContext, Deployment, HostStep, LayerKV, Step
 
 from .boundary import _Cuda
 from .launch import Kernel, f32, i32, i64, ptr
@@ -69,6 +69,13 @@ class CudaAttention(_Cuda):
                 raise ValueError(f"layer {self.index}: {name} cache rows are not contiguous (strides {t.stride()})")
         if layer.k.stride() != layer.v.stride():
             raise ValueError(f"layer {self.index}: K and V caches have different strides")
+        self.core.prepare_kv(kv)
+
+    def prepare_step(self, host: HostStep) -> None:
+        """The core's host work for the step, where it has any."""
+        hook = getattr(self.core, "prepare_step", None)
+        if hook is not None:
+            hook(host)
 
     def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
         b, kv = x.shape[0], step.kv[self.index]

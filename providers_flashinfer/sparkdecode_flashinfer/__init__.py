@@ -1,1 +1,4 @@
-"""sparkdecode-flashinfer: providers over FlashInfer on SM90: the verify-step attention core (XQA decode, paged prefill candidates) and the one-shot all-reduce."""
+"""sparkdecode-flashinfer: providers over FlashInfer 0.7.2 on SM90: the verify
+step's attention core (``flashinfer.xqa``: XQA in speculative mode, read from
+device buffers; ``flashinfer.fa2``: the paged prefill, planned on the host before
+each step). See README.md."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..executor import DecodeConfig, SpecializedDecode
+from ..protocols import HostStep
 from .baseline import TorchBaseline, flashinfer_version
 from .configs import ROUTINGS, ROWS, BenchConfig
 from .floor import block_bytes, copy_bandwidth
@@ -156,6 +157,8 @@ def run(
         step = executor.plan(positions)
         if step is None:
             raise RuntimeError("the executor declined the verify step (run with --log INFO for why)")
+        # The providers' host work (a library's plan) for the one step every replay repeats.
+        executor.prepare_step(HostStep(first_position=first, rows=ROWS, context_len=context))
 
         progress(f"context {context}: planning the torch baseline")
         baseline = TorchBaseline(weights, baseline_cache, tokens, positions, context, use_flashinfer)

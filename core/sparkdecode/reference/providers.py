@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..plugins import hookimpl
-from ..protocols import BuildContext, Deployment, ExpertsInput, LayerKV, RoutedTopk, Step
+from ..protocols import BuildContext, Deployment, ExpertsInput, HostStep, LayerKV, RoutedTopk, Step
 from . import functional as fn
 from . import model
 
@@ -86,6 +86,13 @@ class ReferenceAttention(_Reference):
                     f"layer {self.index}: {name} cache {tuple(t.shape)} {t.dtype} is not bf16 "
                     f"[pages, block_size, {expected[0]}, {expected[1]}]"
                 )
+        self.core.prepare_kv(kv)
+
+    def prepare_step(self, host: HostStep) -> None:
+        """The core's host work for the step, where it has any."""
+        hook = getattr(self.core, "prepare_step", None)
+        if hook is not None:
+            hook(host)
 
     def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
         q, gate = model.qkv_front(self.spec, self.layer, x, step.positions, step.kv[self.index], self.rope_table)

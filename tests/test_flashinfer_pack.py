@@ -1,0 +1,164 @@
+"""providers_flashinfer on the CPU: the pack loads and explains itself without
+FlashInfer (CI does not install it), says why off Hopper or with another FlashInfer,
+and its page-table cut for sliding layers (computed on the device in the graph)
+agrees with the host formula and never names a released page."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparkdecode.deployment import detect
+from sparkdecode.layout import resolve
+from sparkdecode.plugins import discover
+from sparkdecode.protocols import KVGroupMetadata, LayerKV
+from sparkdecode.reference.kvcache import BLOCK_SIZE, NULL_PAGE, PagedKVCache
+from sparkdecode.spec import ModelSpec
+from sparkdecode_flashinfer import pages, plugin, support
+from sparkdecode_flashinfer.prefill import FlashInferPrefill
+from sparkdecode_flashinfer.xqa import FlashInferXqa, causal_mask
+
+PROVIDERS = (FlashInferXqa, FlashInferPrefill)
+
+
+def hopper(spec: ModelSpec | None = None, **changes) -> object:
+    d = detect(spec or ModelSpec.preset("tiny"), device="cpu")
+    libraries = {**d.libraries, "flashinfer": "0.7.2.post1"}
+    return dataclasses.replace(d, device="cuda", capability=(9, 0), libraries=libraries, **changes)
+
+
+def test_pack_imports_without_flashinfer():
+    """The plug-in module (and so discovery) never imports FlashInfer."""
+    code = "import sys, sparkdecode_flashinfer.plugin; assert 'flashinfer' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert plugin.PROVIDERS == PROVIDERS
+
+
+@pytest.mark.parametrize("cls", PROVIDERS)
+def test_unsupported_reasons(cls):
+    d = hopper()
+    assert cls.unsupported(d) is None
+    assert cls.unsupported(detect(ModelSpec.preset("tiny"), device="cpu")) == "needs a CUDA GPU"
+    missing = dataclasses.replace(d, libraries={**d.libraries, "flashinfer": None})
+    assert cls.unsupported(missing) == "FlashInfer is not installed (pip install flashinfer-python==0.7.2.post1)"
+    for capability in ((8, 0), (10, 0)):
+        reason = cls.unsupported(dataclasses.replace(d, capability=capability))
+        assert "SM90" in reason and f"SM{capability[0]}{capability[1]}" in reason
+    other = dataclasses.replace(d, libraries={**d.libraries, "flashinfer": "0.6.1"})
+    assert "FlashInfer 0.6.1" in cls.unsupported(other) and "0.7.2.post1" in cls.unsupported(other)
+    assert "bf16" in cls.unsupported(dataclasses.replace(d, kv_dtype=torch.float8_e4m3fn))
+
+
+def test_unsupported_shapes():
+    spec = ModelSpec.preset("tiny")
+    assert "block size 8" in FlashInferXqa.unsupported(hopper(kv_block_size=8))
+    assert "40 rows" in FlashInferXqa.unsupported(hopper(max_rows=40))
+    odd = hopper(dataclasses.replace(spec, head_dim=72, hidden_size=1152))
+    assert "head_dim 72" in FlashInferXqa.unsupported(odd)
+    assert "head_dim 72" in FlashInferPrefill.unsupported(odd)
+    assert FlashInferXqa.unsupported(hopper(dataclasses.replace(spec, head_dim=128, hidden_size=2048))) is None
+
+
+def test_discovered_and_reported_on_the_cpu():
+    """Registered through the entry point; on this machine the reference core serves
+    and the report says why the pack's do not."""
+    registry = discover()
+    names = {p.name: p for p in registry.providers}
+    assert names["flashinfer.xqa"].pack == "flashinfer"
+    assert names["flashinfer.fa2"].block == "attention_core"
+    layout = resolve(registry, detect(ModelSpec.preset("tiny"), device="cpu"))
+    choice = layout.choices["attention_core"]
+    assert choice.chosen.name == "reference.attention_core"
+    reasons = {c.name: c.reason for c in choice.candidates}
+    assert reasons["flashinfer.xqa"] == reasons["flashinfer.fa2"] == "needs a CUDA GPU"
+
+
+def test_causal_mask_words():
+    words = causal_mask(32).view(torch.uint8).reshape(32, 4)
+    for row in range(32):
+        bits = [(int(words[row, j // 8]) >> (j % 8)) & 1 for j in range(32)]
+        assert bits == [1] * (row + 1) + [0] * (31 - row)
+
+
+def sliding_spec() -> ModelSpec:
+    return dataclasses.replace(ModelSpec.preset("tiny", 2), sliding_window=40)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_visible_pages_follow_the_cache(rows):
+    """Over steps that grow the context by 1..rows tokens, cross pages and the window:
+    the device cut equals the host formula, names no released page up to the
+    shortened length, and keeps every key some query of the step sees."""
+    spec = sliding_spec()
+    cache = PagedKVCache(spec, 64, 512, 8)
+    sliding = cache.layer_kv(0)
+    assert sliding.window == 40
+    visible = pages.VisiblePages(sliding.group, sliding.window, BLOCK_SIZE)
+    g = torch.Generator().manual_seed(rows)
+    first = 0
+    while first + rows <= 500:
+        host = cache.begin_step(first, rows)
+        visible.update(rows)
+        context = host.context_len
+        cut = pages.first_visible_page(context, rows, 40, BLOCK_SIZE)
+        assert cut * BLOCK_SIZE <= max(first - 40 + 1, 0)  # every visible key is kept
+        length = int(visible.seq_lens)
+        assert length == context - cut * BLOCK_SIZE
+        used = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+        table = sliding.group.block_table[0]
+        assert torch.equal(visible.pages[0, :used], table[cut : cut + used])
+        assert (visible.pages[0, :used] != NULL_PAGE).all()
+        first += int(torch.randint(1, rows + 1, (1,), generator=g))
+
+
+def kv_entry(table: torch.Tensor, window: int | None) -> LayerKV:
+    group = KVGroupMetadata(table, torch.zeros(1, dtype=torch.int32), torch.zeros(8, dtype=torch.int64))
+    return LayerKV(torch.empty(0), torch.empty(0), group, window)
+
+
+class Context:
+    """Stands in for a BuildContext (the registry keys on its identity only)."""
+
+
+def test_shared_groups_owner_and_lifetime():
+    """The lowest built layer of each group owns it, whatever order prepare_kv comes
+    in; the registry lives as long as its BuildContext."""
+    full, sliding = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32)
+    kv = tuple(kv_entry(full if i % 4 == 1 else sliding, None if i % 4 == 1 else 40) for i in range(8))
+    ctx = Context()
+    shared = pages.shared_groups(ctx, "flashinfer.test")
+    assert pages.shared_groups(ctx, "flashinfer.test") is shared
+    assert pages.shared_groups(ctx, "flashinfer.other") is not shared
+    shared.layers.update({2, 3, 5, 6})  # a build of some layers only
+    assert [shared.owner(kv, i) for i in (6, 3, 2, 5)] == [2, 2, 2, 5]
+    made = []
+    first = shared.group(kv[3], lambda: made.append(1) or object())
+    assert shared.group(kv[6], lambda: made.append(1) or object()) is first and made == [1]
+    assert shared.group(kv[5], object) is not first
+    keys = [k for k in pages._SHARED if k[0] == id(ctx)]
+    assert len(keys) == 2
+    del ctx
+    gc.collect()
+    assert not any(k in pages._SHARED for k in keys)
+
+
+def test_check_cache_names_the_problem():
+    kvt = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    ok = LayerKV(kvt[0], kvt[1], kv_entry(table, None).group, None)
+    support.check_cache("x", 0, ok, 2, 64, 16)
+    with pytest.raises(ValueError, match="not bf16"):
+        support.check_cache("x", 0, ok._replace(k=kvt[0].float()), 2, 64, 16)
+    with pytest.raises(ValueError, match=r"\[pages, 32, 2, 64\]"):
+        support.check_cache("x", 0, ok, 2, 64, 32)
+    page_major = torch.zeros(16, 4, 2, 64, dtype=torch.bfloat16).transpose(0, 1)
+    with pytest.raises(ValueError, match="different strides"):
+        support.check_cache("x", 0, ok._replace(v=page_major), 2, 64, 16)
+    strided = torch.zeros(4, 16, 2, 96, dtype=torch.bfloat16)[..., :64]
+    with pytest.raises(ValueError, match="strides"):
+        support.check_cache("x", 0, ok._replace(k=strided, v=strided), 2, 64, 16)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparkdecode.draft.providers import DRAFT_PROVIDERS
 from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.layout import LayoutError, resolve
 from sparkdecode.plugins import GROUP, Registry, discover
@@ -150,7 +151,7 @@ def test_skipped_packs_are_logged(installed: Path, caplog: pytest.LogCaptureFixt
     eps = [ep for ep in importlib.metadata.entry_points(group=GROUP) if ep.name in ("broken", "badclass")]
     with caplog.at_level(logging.WARNING, logger="sparkdecode.plugins"):
         registry = discover(entry_points=eps)
-    assert [r.name for r in registry.providers] == [cls.name for cls in PROVIDERS]
+    assert [r.name for r in registry.providers] == [cls.name for cls in PROVIDERS + DRAFT_PROVIDERS]
     assert {name for name, _ in registry.broken} == {"broken", "badclass"}
     logged = caplog.text
     assert "skipped provider pack broken" in logged

@@ -21,12 +21,12 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .plugins import Registered, Registry
-from .protocols import BLOCKS, KINDS, Deployment
+from .protocols import ALL_KINDS, BLOCKS, KINDS, Deployment
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +148,16 @@ def resolve(
     pins: Mapping[str, str] | None = None,
     measure: Measure | None = None,
     cache_dir: Path | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> Layout:
-    """The provider of every kind the deployment needs (see the module docstring)."""
+    """The provider of every kind the deployment needs (see the module docstring);
+    ``kinds`` resolves those instead (the draft executor: ``DRAFT_KINDS``). Pins of
+    kinds outside them are left for the other layout."""
     pins = dict(pins or {})
-    kinds = needed_kinds(deployment)
+    kinds = needed_kinds(deployment) if kinds is None else tuple(kinds)
     for kind in pins:
-        if kind not in KINDS:
-            raise LayoutError(f"pin for unknown block {kind!r}; blocks: {', '.join(KINDS)}")
+        if kind not in ALL_KINDS:
+            raise LayoutError(f"pin for unknown block {kind!r}; blocks: {', '.join(ALL_KINDS)}")
     table = {kind: _candidates(kind, registry, deployment) for kind in kinds}
     choices: dict[str, Choice] = {}
     for kind in kinds:

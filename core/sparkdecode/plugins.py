@@ -19,7 +19,7 @@ from types import ModuleType
 
 import pluggy
 
-from .protocols import KINDS
+from .protocols import ALL_KINDS
 
 PROJECT = "sparkdecode"
 GROUP = "sparkdecode.providers"
@@ -36,9 +36,10 @@ class HookSpecs:
     @hookspec
     def sparkdecode_providers(self) -> Sequence[type]:
         """The provider classes this pack registers: each declares ``block`` (one of
-        ``protocols.KINDS``), ``name`` (``pack.provider``), ``priority`` (int) and the
-        class methods ``unsupported(deployment)`` and ``build(ctx, layer)``. Register
-        only providers that work: one not done is not returned."""
+        ``protocols.ALL_KINDS``: the target's kinds and the draft's), ``name``
+        (``pack.provider``), ``priority`` (int) and the class methods
+        ``unsupported(deployment)`` and ``build(ctx, layer)``. Register only
+        providers that work: one not done is not returned."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ def invalid_provider(cls: object) -> str | None:
     if not isinstance(cls, type):
         return f"{cls!r} is not a class"
     block = getattr(cls, "block", None)
-    if block not in KINDS:
-        return f"{cls.__qualname__}.block is {block!r}, not one of {', '.join(KINDS)}"
+    if block not in ALL_KINDS:
+        return f"{cls.__qualname__}.block is {block!r}, not one of {', '.join(ALL_KINDS)}"
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or "." not in name:
         return f"{cls.__qualname__}.name must be 'pack.provider', got {name!r}"
@@ -101,15 +102,26 @@ def _entry_points() -> Iterable[importlib.metadata.EntryPoint]:
     return importlib.metadata.entry_points(group=GROUP)
 
 
+class _CoreReference:
+    """The core's reference providers as one plug-in: the target's blocks
+    (``reference.providers``) and the DSpark draft's (``draft.providers``)."""
+
+    @hookimpl
+    def sparkdecode_providers(self) -> Sequence[type]:
+        from .draft.providers import DRAFT_PROVIDERS
+        from .reference import providers as reference
+
+        return tuple(reference.sparkdecode_providers()) + DRAFT_PROVIDERS
+
+
 def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> Registry:
     """Register the core's reference providers and every installed pack."""
     from . import __version__
-    from .reference import providers as reference
 
     manager = pluggy.PluginManager(PROJECT)
     manager.add_hookspecs(HookSpecs)
     registry = Registry()
-    sources: list[tuple[str, ModuleType, str, str]] = [("reference", reference, PROJECT, __version__)]
+    sources: list[tuple[str, ModuleType | object, str, str]] = [("reference", _CoreReference(), PROJECT, __version__)]
     for ep in _entry_points() if entry_points is None else entry_points:
         dist = ep.dist
         try:

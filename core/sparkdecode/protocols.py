@@ -40,6 +40,18 @@ if TYPE_CHECKING:
 BLOCKS = ("boundary", "attention", "attention_boundary", "moe", "final")
 SUB_OPS = ("experts", "attention_core", "all_reduce")
 KINDS = BLOCKS + SUB_OPS
+# The DSpark draft's blocks (draft/protocols.py): a second layout over the same
+# registry, resolved by the draft executor alone (the target needs none of them).
+DRAFT_KINDS = (
+    "draft_context",
+    "draft_boundary",
+    "draft_attention",
+    "draft_attention_boundary",
+    "draft_mlp",
+    "draft_final",
+    "markov",
+)
+ALL_KINDS = KINDS + DRAFT_KINDS
 
 
 class KVGroupMetadata(NamedTuple):

@@ -1,7 +1,8 @@
 """A paged KV cache for one request, grouped as vLLM groups it.
 
 Pages of ``BLOCK_SIZE`` tokens; one KV-cache group for the full-attention layers
-and one for the sliding ones, each with its own pages and block table. Page 0 is
+and one per sliding window size (the target has one; a DSpark draft may have
+several), each with its own pages and block table. Page 0 is
 the null page: never handed out, and what a sliding group's block table points
 to once a page has left the window (vLLM's null block). The metadata the step
 reads lives in device buffers of a fixed size that ``begin_step`` refills, so a
@@ -56,7 +57,8 @@ class PagedKVCache:
         ]
         self.groups: list[_Group] = []
         self.layer_group: list[int] = [0] * spec.num_layers
-        for window in (None, spec.sliding_window):
+        windows = sorted({w for w in map(spec.window, range(spec.num_layers)) if w is not None})
+        for window in (None, *windows):
             layers = [i for i in range(spec.num_layers) if spec.window(i) == window]
             if not layers:
                 continue

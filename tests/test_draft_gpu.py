@@ -1,0 +1,113 @@
+"""The draft step on a CUDA GPU: the executor (whatever providers the resolver
+picks: the reference, or a pack's where installed and faster) against the
+reference draft step, eagerly and in one CUDA graph replayed over steps whose
+buffers change; at the tiny widths and at the real ones. Skipped without a GPU.
+
+Bounds. With the same random numbers (vLLM's hash of seed, step and position) the
+tokens must be identical. The reference providers run the reference's own torch
+ops, so they must match it bit for bit. A pack's kernels compute the same bf16
+GEMMs and norms in another accumulation order, so the bf16 hidden states and
+logits may land one rounding apart: logits within two bf16 ulps plus 1/32, the
+probabilities (softmax of logits / T, T = 1) within 10% relative, which is what a
+logit error of that size moves them by at most.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkdecode.draft.executor import DraftConfig, DraftDecode
+from sparkdecode.draft.floor import draft_step_bytes
+from sparkdecode.draft.harness import DraftHarness
+from sparkdecode.draft.model import ReferenceDraft
+from sparkdecode.draft.spec import DraftSpec
+from sparkdecode.draft.weights import random_draft_weights
+from sparkdecode.plugins import discover
+from sparkdecode.spec import ModelSpec
+from sparkdecode.weights import ModelWeights
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def target_stub(spec: ModelSpec, seed: int = 0) -> ModelWeights:
+    """The target tensors a draft reads (embedding, LM head) on the GPU, no layers."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    embed = torch.empty(spec.vocab_size, spec.hidden_size, dtype=torch.bfloat16, device="cuda")
+    lm_head = torch.empty_like(embed)
+    for rows in range(0, spec.vocab_size, 16384):  # no full-size fp32 temporary
+        part = slice(rows, rows + 16384)
+        embed[part] = torch.randn(embed[part].shape, generator=g, device="cuda")
+        lm_head[part] = torch.randn(lm_head[part].shape, generator=g, device="cuda") * spec.hidden_size**-0.5
+    return ModelWeights(
+        spec=spec,
+        embed=embed,
+        layers=[],
+        final_norm=torch.ones(spec.hidden_size, dtype=torch.bfloat16, device="cuda"),
+        lm_head=lm_head,
+    )
+
+
+def run_rounds(weights, max_context: int, prompt_len: int, rounds: int, graph: bool, seed: int = 0):
+    executor = DraftDecode(weights, DraftConfig(max_context=max_context), registry=discover())
+    harness = DraftHarness(
+        ReferenceDraft(weights, max_context), executor, max_prompt=prompt_len, seed=seed, graph=graph
+    )
+    prompt = torch.randint(0, weights.spec.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+    harness.prefill(prompt.cuda())
+    reference_only = all(c.chosen.pack == "reference" for c in executor.layout.choices.values())
+    results = []
+    for _ in range(rounds):
+        result = harness.step()
+        results.append(result)
+        harness.verify(result)
+    return executor, harness, results, reference_only
+
+
+def check(result, reference_only: bool) -> None:
+    assert result.tokens_agree, (result.reference.tokens, result.executor.tokens)
+    assert torch.isfinite(result.executor.logits.float()).all()
+    if reference_only:
+        assert torch.equal(result.reference.logits, result.executor.logits)
+        assert torch.equal(result.reference.probs, result.executor.probs)
+        return
+    ref, ex = result.reference.logits.float(), result.executor.logits.float()
+    ulp = ref.abs().clamp_min(2.0**-126) * 2.0**-7
+    assert ((ref - ex).abs() <= 2 * ulp + 1 / 32).all(), result.logits_diff
+    assert result.probs_rel_diff <= 0.1
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("prompt_len", [5, 70])
+def test_tiny_draft_step_on_gpu(graph, prompt_len):
+    """One graph captured at the first step and replayed over 16 steps that grow the
+    context by 1..8 rows, cross pages and the sliding layer's window."""
+    target = target_stub(ModelSpec.preset("tiny"))
+    weights = random_draft_weights(DraftSpec.preset("tiny"), target, seed=1)
+    executor, harness, results, reference_only = run_rounds(weights, 1024, prompt_len, 16, graph)
+    for result in results:
+        check(result, reference_only)
+    assert harness.reference_cache.positions[0].item() >= prompt_len + 15
+    if graph:
+        assert harness.graph is not None
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_real_width_draft_step_on_gpu(layers):
+    """The draft at the widths vLLM's code implies (H 8192, 128 / 16 heads of 64,
+    MLP 8192, Markov rank 256, vocabulary 202048, sliding window 2048) with one or
+    two layers, a 3000-token prompt (the window is full), in a CUDA graph."""
+    target_spec = ModelSpec.preset("muse-spark-open")
+    target = target_stub(target_spec)
+    spec = DraftSpec.preset("muse-spark-open", target=target_spec, num_layers=layers)
+    weights = random_draft_weights(spec, target, seed=2)
+    assert weights.lm_head is target.lm_head
+    executor, harness, results, reference_only = run_rounds(weights, 8192, 3000, 6, graph=True)
+    for result in results:
+        check(result, reference_only)
+    # The floor of this step, for the record: the LM head alone is 3.3 GB.
+    assert draft_step_bytes(weights, 3008) > target.lm_head.numel() * 2
+    print(executor.layout.table())

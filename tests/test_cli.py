@@ -42,8 +42,10 @@ def test_check_names_what_is_unsupported(capsys):
     assert "tensor parallel size 3" in capsys.readouterr().out
     assert main(["check", "--preset", "tiny", "--max-context", "1024", "--pin", "moe=nope.moe"]) == 1
     assert "'nope.moe'" in capsys.readouterr().out
-    assert main(["check", "--preset", "tiny", "--max-context", "1024", "--expert-format", "nvfp4"]) == 1
-    assert "expert format nvfp4" in capsys.readouterr().out
+    assert main(["check", "--preset", "tiny", "--max-context", "1024", "--expert-format", "nvfp4"]) == 0
+    assert "reference.experts_nvfp4" in capsys.readouterr().out
+    assert main(["check", "--preset", "tiny", "--max-context", "1024", "--expert-format", "int3"]) == 1
+    assert "expert format 'int3'" in capsys.readouterr().out
 
 
 def test_bad_spec_is_a_clean_error(capsys, tmp_path):

@@ -80,7 +80,9 @@ def cache_files(directory: Path) -> list[Path]:
 def test_needed_kinds_at_tp1_and_tp2() -> None:
     assert "all_reduce" not in needed_kinds(DEPLOYMENT)
     assert "all_reduce" in needed_kinds(Deployment(spec=DEPLOYMENT.spec, tp=2))
-    assert set(needed_kinds(DEPLOYMENT)) == set(KINDS) - {"all_reduce"}
+    assert set(needed_kinds(DEPLOYMENT)) == set(KINDS) - {"all_reduce", "experts_nvfp4"}
+    nvfp4 = Deployment(spec=DEPLOYMENT.spec, expert_format="nvfp4")
+    assert {"experts", "experts_nvfp4"} <= set(needed_kinds(nvfp4))  # edge layers stay bf16
 
 
 def test_highest_priority_wins_without_measure() -> None:

@@ -20,6 +20,7 @@ from .layout import LayoutError, resolve
 from .plugins import Registry, discover
 from .protocols import Deployment
 from .spec import ModelSpec
+from .weights import EXPERT_FORMATS
 
 BACKENDS = ("auto", "latency_specialized")
 TP_SIZES = (1, 2, 4, 8)
@@ -112,6 +113,8 @@ def requirements(d: Deployment) -> list[str]:
         out.append(
             f"expert TP over {d.tp} ranks: moe_intermediate_size {s.moe_intermediate_size} does not split evenly"
         )
+    if d.expert_format not in EXPERT_FORMATS:
+        out.append(f"expert format {d.expert_format!r} (supported: {', '.join(EXPERT_FORMATS)})")
     if d.kv_dtype != torch.bfloat16:
         out.append(f"KV cache dtype {d.kv_dtype} (bf16 only)")
     if d.kv_block_size != 16:

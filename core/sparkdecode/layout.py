@@ -84,9 +84,13 @@ class Layout:
 
 
 def needed_kinds(deployment: Deployment) -> tuple[str, ...]:
-    """The kinds a deployment needs: every block, the routed experts, and the
-    all-reduce transport where there is more than one rank."""
-    return tuple(k for k in KINDS if k != "all_reduce" or deployment.tp > 1)
+    """The kinds a deployment needs: every block, the routed experts (bf16, and NVFP4
+    where the checkpoint has NVFP4 layers), the attention core, and the all-reduce
+    transport where there is more than one rank."""
+    skip = {"all_reduce"} if deployment.tp == 1 else set()
+    if deployment.expert_format != "nvfp4":
+        skip.add("experts_nvfp4")
+    return tuple(k for k in KINDS if k not in skip)
 
 
 def default_cache_dir() -> Path:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .weights import LayerWeights, ModelWeights
 
 BLOCKS = ("boundary", "attention", "attention_boundary", "moe", "final")
-SUB_OPS = ("experts", "attention_core", "all_reduce")
+SUB_OPS = ("experts", "experts_nvfp4", "attention_core", "all_reduce")
 KINDS = BLOCKS + SUB_OPS
 # The DSpark draft's blocks (draft/protocols.py): a second layout over the same
 # registry, resolved by the draft executor alone (the target needs none of them).
@@ -256,9 +256,10 @@ class FinalProvider(Provider, Protocol):
 
 
 class RoutedExpertsOp(Provider, Protocol):
-    """Sub-op ``experts`` of layer l: writes each route's expert output into ``rows``
-    bf16 [b, k, P] (this rank's partial sum under expert TP; zeros for experts other
-    ranks hold under EP). Reads each selected expert's weights once."""
+    """Sub-op ``experts`` (bf16 experts) or ``experts_nvfp4`` (NVFP4 experts) of layer
+    l: writes each route's expert output into ``rows`` bf16 [b, k, P] (this rank's
+    partial sum under expert TP; zeros for experts other ranks hold under EP). Reads
+    each selected expert's weights once."""
 
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None: ...
 

@@ -13,10 +13,24 @@ from typing import Any
 
 import torch
 
+from . import nvfp4
 from .reference import functional as fn
 from .spec import ModelSpec
 
-EXPERT_FORMATS = ("bf16",)
+EXPERT_FORMATS = ("bf16", "nvfp4")
+
+
+@dataclass
+class Nvfp4Scales:
+    """The scales of NVFP4 experts (nvfp4.py), per rank."""
+
+    w13_scale: torch.Tensor  # e4m3 [E_local, 2I_local, P / 16]
+    w13_global: torch.Tensor  # fp32 [E_local, 2]: gate's, up's global decode scale
+    w2_scale: torch.Tensor  # e4m3 [E_local, P, I_local / 16]
+    w2_global: torch.Tensor  # fp32 [E_local]
+    # The activation scales the checkpoint carries (unused by weight-only kernels).
+    w13_input_scale: torch.Tensor | None = None  # fp32 [E_local, 2]
+    w2_input_scale: torch.Tensor | None = None  # fp32 [E_local]
 
 
 @dataclass
@@ -24,9 +38,11 @@ class ExpertWeights:
     """The routed experts this rank holds.
 
     ``format`` names the storage: ``bf16`` (w13 bf16 [E_local, 2I_local, P], gate
-    rows first; w2 bf16 [E_local, P, I_local]). Under EP a rank holds the whole
-    experts ``first_expert .. first_expert + E_local - 1``; under expert TP every
-    expert with an I-slice (``intermediate_slice``, this rank's rows of I).
+    rows first; w2 bf16 [E_local, P, I_local]) or ``nvfp4`` (w13 uint8
+    [E_local, 2I_local, P / 2], w2 uint8 [E_local, P, I_local / 2], two e2m1 codes a
+    byte, with ``nvfp4`` scales). Under EP a rank holds the whole experts
+    ``first_expert .. first_expert + E_local - 1``; under expert TP every expert
+    with an I-slice (``intermediate_slice``, this rank's rows of I).
     """
 
     format: str
@@ -34,14 +50,61 @@ class ExpertWeights:
     w2: torch.Tensor
     first_expert: int = 0
     intermediate_slice: tuple[int, int] | None = None
+    nvfp4: Nvfp4Scales | None = None
 
     def __post_init__(self) -> None:
         if self.format not in EXPERT_FORMATS:
             raise ValueError(f"expert format {self.format!r} is not one of {EXPERT_FORMATS}")
+        if (self.format == "nvfp4") != (self.nvfp4 is not None):
+            raise ValueError("NVFP4 experts need their scales, and only they have them")
 
     @property
     def num_local(self) -> int:
         return self.w13.shape[0]
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 (w13, w2) of every expert held: the weights themselves for bf16;
+        for NVFP4 a new dequantized copy (gate and up rows with their own global
+        scales), as the reference computes with them."""
+        if self.nvfp4 is None:
+            return self.w13, self.w2
+        s = self.nvfp4
+        gate, up = self.w13.chunk(2, dim=1)
+        gate_scale, up_scale = s.w13_scale.chunk(2, dim=1)
+        w13 = torch.cat(
+            [
+                nvfp4.dequantize(gate, gate_scale, s.w13_global[:, 0]),
+                nvfp4.dequantize(up, up_scale, s.w13_global[:, 1]),
+            ],
+            dim=1,
+        )
+        return w13, nvfp4.dequantize(self.w2, s.w2_scale, s.w2_global)
+
+
+def quantize_experts(experts: ExpertWeights, chunk: int = 16) -> ExpertWeights:
+    """NVFP4 (ModelOpt's formula, nvfp4.quantize) of bf16 experts: gate, up and down
+    each with its own global scale per expert, ``chunk`` experts at a time so no
+    full-size fp32 temporary is made."""
+    if experts.format != "bf16":
+        raise ValueError(f"quantize_experts takes bf16 experts, got {experts.format}")
+    num, rows13, width = experts.w13.shape
+    inter = rows13 // 2
+    dev = experts.w13.device
+    w13 = torch.empty(num, rows13, width // 2, dtype=torch.uint8, device=dev)
+    w13_scale = torch.empty(num, rows13, width // nvfp4.BLOCK, dtype=torch.float8_e4m3fn, device=dev)
+    w13_global = torch.empty(num, 2, dtype=torch.float32, device=dev)
+    w2 = torch.empty(num, width, experts.w2.shape[2] // 2, dtype=torch.uint8, device=dev)
+    w2_scale = torch.empty(num, width, experts.w2.shape[2] // nvfp4.BLOCK, dtype=torch.float8_e4m3fn, device=dev)
+    w2_global = torch.empty(num, dtype=torch.float32, device=dev)
+    for start in range(0, num, chunk):
+        part = slice(start, min(start + chunk, num))
+        for half, rows in enumerate((slice(0, inter), slice(inter, rows13))):
+            codes, scale, glob = nvfp4.quantize(experts.w13[part, rows])
+            w13[part, rows], w13_scale[part, rows], w13_global[part, half] = codes, scale, glob
+        w2[part], w2_scale[part], w2_global[part] = nvfp4.quantize(experts.w2[part])
+    ones = torch.ones(num, 2, dtype=torch.float32, device=dev)
+    scales = Nvfp4Scales(w13_scale, w13_global, w2_scale, w2_global, ones, ones[:, 0].clone())
+    return ExpertWeights("nvfp4", w13, w2, experts.first_expert, experts.intermediate_slice, scales)
 
 
 @dataclass
@@ -231,6 +294,7 @@ def random_weights(
     device: torch.device | str = "cpu",
     keep_unfolded_router: bool = True,
     sharding: Sharding | None = None,
+    expert_format: str = "bf16",
 ) -> ModelWeights:
     """Seeded random weights for any spec, scaled so the activations stay O(1)
     through any number of layers: projections N(0, 1/fan_in) (their inputs are
@@ -242,7 +306,12 @@ def random_weights(
     With a ``sharding`` of more than one rank, only that rank's shard is drawn (for
     benchmarks of one rank at the real widths): the replicated tensors are the same
     on every rank, the sharded ones are that rank's part of some full model. To
-    shard one known full model, draw it at TP 1 and use ``shard_weights``."""
+    shard one known full model, draw it at TP 1 and use ``shard_weights``.
+
+    ``expert_format="nvfp4"``: the routed experts of every layer but the first and
+    the last (the edge layers) quantized with ModelOpt's formula, as released."""
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert format {expert_format!r} is not one of {EXPERT_FORMATS}")
     sharding = sharding or Sharding()
     sharding.check(spec)
     dev = torch.device(device)
@@ -295,6 +364,8 @@ def random_weights(
         )
         if not keep_unfolded_router:
             layer.router_unfolded = None
+        if expert_format == "nvfp4" and 0 < index < spec.num_layers - 1:
+            layer.experts = quantize_experts(layer.experts)
         layers.append(layer)
     return ModelWeights(
         spec=spec,
@@ -313,15 +384,7 @@ def shard_layer(spec: ModelSpec, layer: LayerWeights, sharding: Sharding) -> Lay
     q, kv = spec.q_size, spec.kv_size
     rows = layer.qkvg.split([q, kv, kv, q])
     qkvg = torch.cat([r[sharding.part(r.shape[0])] for r in rows]).contiguous()
-    e = layer.experts
-    if sharding.expert_parallel == "ep":
-        part = sharding.part(spec.E)
-        experts = ExpertWeights(e.format, e.w13[part].contiguous(), e.w2[part].contiguous(), part.start)
-    else:
-        part = sharding.part(spec.I)
-        gate, up = e.w13.split([spec.I, spec.I], dim=1)
-        w13 = torch.cat([gate[:, part], up[:, part]], dim=1).contiguous()
-        experts = ExpertWeights(e.format, w13, e.w2[:, :, part].contiguous(), 0, (part.start, part.stop))
+    experts = _shard_experts(spec, layer.experts, sharding)
     return replace(
         layer,
         qkvg=qkvg,
@@ -332,6 +395,33 @@ def shard_layer(spec: ModelSpec, layer: LayerWeights, sharding: Sharding) -> Lay
         num_heads=spec.num_attention_heads // sharding.tp,
         num_kv_heads=spec.num_key_value_heads // sharding.tp,
     )
+
+
+def _shard_experts(spec: ModelSpec, e: ExpertWeights, sharding: Sharding) -> ExpertWeights:
+    """EP: this rank's whole experts. Expert TP: every expert's I-slice: W13's gate and
+    up rows of the slice, W2's columns of it (packed NVFP4: its bytes and its scale
+    blocks; the global scales stay per expert)."""
+    q = e.nvfp4
+    if sharding.expert_parallel == "ep":
+        part = sharding.part(spec.E)
+        scales = None
+        if q is not None:
+            scales = Nvfp4Scales(*(None if t is None else t[part].contiguous() for t in vars(q).values()))
+        return ExpertWeights(e.format, e.w13[part].contiguous(), e.w2[part].contiguous(), part.start, None, scales)
+    part = sharding.part(spec.I)
+
+    def rows13(t: torch.Tensor) -> torch.Tensor:
+        gate, up = t.chunk(2, dim=1)
+        return torch.cat([gate[:, part], up[:, part]], dim=1).contiguous()
+
+    def cols(t: torch.Tensor, per: int) -> torch.Tensor:
+        return t[:, :, part.start // per : part.stop // per].contiguous()
+
+    scales = None
+    if q is not None:
+        scales = replace(q, w13_scale=rows13(q.w13_scale), w2_scale=cols(q.w2_scale, nvfp4.BLOCK))
+    w2 = cols(e.w2, 2 if q is not None else 1)
+    return ExpertWeights(e.format, rows13(e.w13), w2, 0, (part.start, part.stop), scales)
 
 
 def shard_weights(weights: ModelWeights, sharding: Sharding) -> ModelWeights:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk, Step
+from sparkdecode.reference.providers import experts_kind
 
 from .boundary import ITEMS, _Cuda
 from .launch import Kernel, f32, i32, ptr
@@ -93,7 +94,7 @@ class CudaMoE(_Cuda):
         self.layer = ctx.layer(layer)
         self.collectives = ctx.collectives
         self.kernels = MoEKernels(ctx)
-        self.experts = ctx.ops["experts"].build(ctx, layer)
+        self.experts = ctx.ops[experts_kind(self.layer)].build(ctx, layer)
         self.all_reduce = ctx.ops["all_reduce"].build(ctx, None) if ctx.tp > 1 else None
         rows = ctx.max_rows
         self.logits = ctx.scratch("cuda_moe_logits", (rows, spec.E), torch.float32)

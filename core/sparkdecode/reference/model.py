@@ -153,8 +153,8 @@ def moe(spec: ModelSpec, layer: LayerWeights, xf: torch.Tensor, collectives: Col
     columns when the unpooler is column-sharded)."""
     ids, weights = fn.route(router_logits(layer, xf), layer.expert_bias, spec.top_k, spec.routed_scaling_factor)
     h = pool(spec, layer, xf, collectives)
-    e = layer.experts
-    rows = fn.expert_rows(h, ids, e.w13, e.w2, e.first_expert)
+    w13, w2 = layer.experts.dequantized()
+    rows = fn.expert_rows(h, ids, w13, w2, layer.experts.first_expert)
     m = moe_tail(spec, layer, rows, weights, collectives.all_reduce)
     return fn.linear(m, layer.unpooler)
 

@@ -13,6 +13,7 @@ import torch
 
 from ..plugins import hookimpl
 from ..protocols import BuildContext, Deployment, ExpertsInput, HostStep, LayerKV, RoutedTopk, Step
+from ..weights import LayerWeights
 from . import functional as fn
 from . import model
 
@@ -153,7 +154,7 @@ class ReferenceMoE(_Reference):
         spec = self.spec = ctx.spec
         self.layer = ctx.layer(layer)
         self.collectives = ctx.collectives
-        self.experts = ctx.ops["experts"].build(ctx, layer)
+        self.experts = ctx.ops[experts_kind(self.layer)].build(ctx, layer)
         self.all_reduce = ctx.ops["all_reduce"].build(ctx, None) if ctx.tp > 1 else None
         self.rows = ctx.scratch("moe_rows", (ctx.max_rows, spec.top_k, spec.P), torch.bfloat16)
         self.mailbox = ctx.mailboxes[layer]
@@ -180,20 +181,24 @@ class ReferenceMoE(_Reference):
         self.mailbox.publish(b).copy_(fn.linear(m, layer.unpooler))
 
 
+def experts_kind(layer: LayerWeights) -> str:
+    """The sub-op that serves this layer's routed experts: ``experts`` for bf16,
+    ``experts_nvfp4`` for NVFP4 (the released checkpoint's layers 1..60)."""
+    return "experts_nvfp4" if layer.experts.format == "nvfp4" else "experts"
+
+
 class ReferenceExperts(_Reference):
-    """Sub-op ``experts``: each route's SwiGLU expert in torch, bf16 weights."""
+    """Sub-op ``experts``: each route's SwiGLU expert in torch (two grouped GEMMs),
+    bf16 weights."""
 
     block = "experts"
     name = "reference.experts"
+    format = "bf16"
 
     def __init__(self, ctx: BuildContext, layer: int):
         self.experts = ctx.layer(layer).experts
-
-    @classmethod
-    def unsupported(cls, deployment: Deployment) -> str | None:
-        if deployment.expert_format != "bf16":
-            return f"expert format {deployment.expert_format} (bf16 only)"
-        return None
+        if self.experts.format != self.format:
+            raise ValueError(f"layer {layer}: {self.name} serves {self.format} experts, not {self.experts.format}")
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceExperts:
@@ -202,7 +207,17 @@ class ReferenceExperts(_Reference):
 
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         e = self.experts
-        rows.copy_(fn.expert_rows(inputs.x, topk.ids, e.w13, e.w2, e.first_expert))
+        w13, w2 = e.dequantized()
+        rows.copy_(fn.expert_rows(inputs.x, topk.ids, w13, w2, e.first_expert))
+
+
+class ReferenceExpertsNvfp4(ReferenceExperts):
+    """Sub-op ``experts_nvfp4``: the NVFP4 experts dequantized to bf16 (nvfp4.py, as
+    vLLM defines it), then as ``reference.experts``."""
+
+    block = "experts_nvfp4"
+    name = "reference.experts_nvfp4"
+    format = "nvfp4"
 
 
 class ReferenceAllReduce(_Reference):
@@ -250,6 +265,7 @@ PROVIDERS = (
     ReferenceAttentionBoundary,
     ReferenceMoE,
     ReferenceExperts,
+    ReferenceExpertsNvfp4,
     ReferenceAttentionCore,
     ReferenceAllReduce,
     ReferenceFinal,

@@ -300,3 +300,44 @@ def test_weights_are_not_modified(target, weights):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert weights.lm_head is target.lm_head and weights.lm_head_is_target
     assert replace(weights.spec, mask_token_id=3).mask_token_id == 3
+
+
+def test_long_contexts_are_stored_eagerly_as_the_reference_stores_them(weights):
+    """A prompt's context rows (more than a step's 8) go through ``store_context``,
+    the reference math outside any graph."""
+    harness = make_harness(weights, prompt_len=48)
+    executor, cache = harness.executor, harness.executor_cache.clone()
+    reference = harness.reference_cache.clone()
+    aux = [
+        torch.randn(40, weights.spec.target_hidden_size, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    ]
+    for c in (cache, reference):
+        c.begin_step(48, 40, 40)
+    executor.store_context(aux, cache.context_positions[:40], cache.kv(), cache.context_slots(40))
+    harness.draft.context(aux, reference.context_positions[:40], reference.kv(), reference.context_slots(40))
+    for a, b in zip(cache.kv(), reference.kv()):
+        assert torch.equal(a.k.view(torch.int16), b.k.view(torch.int16))
+
+
+def test_floor_counts_every_weight_once_and_the_markov_projection_per_step(weights):
+    from sparkdecode.draft.floor import draft_block_bytes, draft_step_bytes
+
+    blocks = {b.name: b.bytes for b in draft_block_bytes(weights, context=200)}
+    assert list(blocks)[0] == "draft_context" and list(blocks)[-1] == "markov"
+    w2 = weights.markov_w2.numel() * 2
+    assert blocks["markov"] == weights.lm_head.numel() * 2 + 7 * (w2 + weights.spec.markov_rank * 2)
+    # Layer 0 slides (window 64: 70 keys seen by the block), layer 1 reads the whole context.
+    kv_row = 2 * weights.spec.num_key_value_heads * weights.spec.head_dim * 2
+    assert blocks["draft_attention.0"] - blocks["draft_attention.1"] == (70 - 200) * kv_row
+    assert draft_step_bytes(weights, 200) == sum(blocks.values())
+
+
+def test_bench_record_on_the_cpu(weights):
+    """The draft step's record (on the CPU: eager, a smoke figure)."""
+    from sparkdecode.draft.bench import bench_draft_step
+
+    record = bench_draft_step(weights, context=100, name="draft-tiny", replays=2)
+    assert record["kind"] == "draft_step" and record["graph"] is False and record["context"] == 100
+    assert set(record["layout"]) == set(DRAFT_KINDS)
+    assert record["step"]["count"] == 2 and record["floor"]["bytes"] == sum(record["floor"]["blocks"].values())
+    assert 0 < record["floor"]["fraction"]

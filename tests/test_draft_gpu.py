@@ -111,3 +111,24 @@ def test_real_width_draft_step_on_gpu(layers):
     # The floor of this step, for the record: the LM head alone is 3.3 GB.
     assert draft_step_bytes(weights, 3008) > target.lm_head.numel() * 2
     print(executor.layout.table())
+
+
+@pytest.mark.parametrize("context", [4096, 32768])
+def test_real_width_draft_step_time_and_floor(context):
+    """The whole real-width draft (5 layers) timed in a CUDA graph against its floor;
+    with SPARKDECODE_DRAFT_RECORD set to a directory (bench/results), the record is
+    written there."""
+    import os
+    from pathlib import Path
+
+    from sparkdecode.bench.report import write
+    from sparkdecode.draft.bench import bench_draft_step
+
+    target_spec = ModelSpec.preset("muse-spark-open")
+    weights = random_draft_weights(DraftSpec.preset("muse-spark-open"), target_stub(target_spec), seed=3)
+    record = bench_draft_step(weights, context, name=f"draft-real-L5-ctx{context}", registry=discover())
+    assert record["graph"] and 0 < record["floor"]["fraction"] <= 1.0
+    print(record["step"], record["floor"]["seconds"], record["floor"]["fraction"], record["layout"])
+    out = os.environ.get("SPARKDECODE_DRAFT_RECORD")
+    if out:
+        print(write(record, Path(out)))

@@ -23,6 +23,7 @@ logits. The math is vLLM 0.33's (``model`` states it with its rounding points).
 | ``gate`` | ``draft_requirements`` / ``draft_unsupported``: the gate's draft sentences |
 | ``harness`` | the reference draft and the executor side by side over draft / verify rounds |
 | ``floor`` | the bytes one draft step must read |
+| ``bench`` | the draft step's time (a CUDA graph, L2 flushed) against its floor: a record |
 """
 
 from .executor import DraftConfig, DraftDecode

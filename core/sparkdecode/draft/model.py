@@ -19,8 +19,9 @@ query block (N = 7 rows, tokens [a, m, ..., m], m = mask_token_id, positions P+1
     [q | k | v | g] = x @ W_qkv^T                           bf16 (g only with the o-gate)
     q, k = bf16(rms_per_head(q)), bf16(rms_per_head(k))
     q = bf16(q * tau(positions))                            global layers with temperature tuning only
-    q, k = RoPE(q, k, positions)                            fused kernel: fp32 from bf16, one rounding
-                                                            (tuned layers: the bf16 rotary op)
+    q, k = RoPE(q, k, positions)                            fused kernel: fp32 from bf16, one rounding, the
+                                                            layer's fp32 table (layer 0's: bf16-rounded);
+                                                            tuned layers: the bf16 rotary op
     write k, v at the query slots
     o  = causal paged attention (window on sliding layers, scale head_dim^-0.5 * s)
     o  = o_norm_gate(o, g)
@@ -47,6 +48,15 @@ context keys after each of the rotary op's bf16 products and sums; silu before i
 product; base + bias; the transformed logits to bf16 (vLLM scatters them into its
 bf16 draft-logits buffer before sampling). The attention is fp32 softmax over bf16
 operands, its output rounded (as the target's reference).
+
+Choices where vLLM's Python source does not settle the numerics (its compiled
+kernels do): the fused QK-norm + RoPE kernel rotates in fp32 and rounds once (as
+the target's reference assumes for the same kernel), and reads whatever table its
+layer's rotary module holds; the context path's ``forward_cuda`` replaces layer 0's
+table with a bf16 copy before any graph is captured, so layer 0's queries rotate
+with bf16-rounded cos/sin (``DraftSpec.query_rope_table_bf16``). The rotary op on
+bf16 (``rope_gptj_bf16``) rounds every product and sum, as its scalar_t arithmetic
+does. ``silu_and_mul`` rounds silu before the product, as its kernel does.
 """
 
 from __future__ import annotations

@@ -85,4 +85,6 @@ def test_the_v2_runner_resolves_the_model_state(make_config, checkpoint, distrib
     assert type(model) is SparkDecodeMuseSpark
     expected = DefaultModelState if backend == "auto" else SparkDecodeModelState
     assert resolve_model_state_cls(config, model) is expected
+    assert model.sparkdecode is None  # built by the ModelState, after the weights load
+    assert (model.sparkdecode_settings is None) == (backend == "auto")
     assert issubclass(SparkDecodeModelState, DefaultModelState)

@@ -30,6 +30,7 @@ import pytest
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.config.compilation import CUDAGraphMode
+from vllm.models.muse_spark import MuseSparkForConditionalGeneration
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_states import init_model_state
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
@@ -293,3 +294,21 @@ def test_a_verify_graph_never_replays_for_another_batch(served: Served) -> None:
         RuntimeError, match="the FULL graph of 8 tokens runs the executor, but this batch is 2 requests"
     ):
         decode.prepare_step(two, CUDAGraphMode.FULL, tables, slots, for_capture=False)
+
+
+def test_forward_falls_through_to_stock(served: Served, monkeypatch) -> None:
+    """Where the plan gives no step, the subclass's forward is the stock forward,
+    called with the same arguments."""
+    bind(served, "LBNHC")
+    calls = []
+
+    def stock(self, *args, **kwargs):
+        calls.append((args, kwargs))
+        return "stock"
+
+    monkeypatch.setattr(MuseSparkForConditionalGeneration, "forward", stock)
+    positions = torch.arange(Q)
+    embeds = torch.zeros(Q, served.state.decode.spec.H, dtype=torch.bfloat16)
+    assert served.model(None, positions, None, inputs_embeds=embeds) == "stock"  # not inside a capture
+    ((args, kwargs),) = calls
+    assert args[0] is None and args[1] is positions and args[3] is embeds and kwargs == {}

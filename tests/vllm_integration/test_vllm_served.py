@@ -35,7 +35,15 @@ from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_states import init_model_state
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
-from vllm_support import DRAFT_TARGET_LAYERS, MAX_CONTEXT, HostBlockTables, kv_cache_setup, load_model
+from vllm_support import (
+    DRAFT_TARGET_LAYERS,
+    MAX_CONTEXT,
+    HostBlockTables,
+    free_port,
+    kv_cache_setup,
+    load_model,
+    tp_rank_weights,
+)
 
 from sparkdecode.checkpoint import load_checkpoint
 from sparkdecode.layout import needed_kinds
@@ -312,3 +320,16 @@ def test_forward_falls_through_to_stock(served: Served, monkeypatch) -> None:
     assert served.model(None, positions, None, inputs_embeds=embeds) == "stock"  # not inside a capture
     ((args, kwargs),) = calls
     assert args[0] is None and args[1] is positions and args[3] is embeds and kwargs == {}
+
+
+def test_the_adapter_at_tp2(checkpoint: Path, draft: Path, tmp_path: Path) -> None:
+    """Two ranks over gloo, each building and loading the model with vLLM at TP 2
+    (EP, then expert TP): each rank's adapter weights equal the core's cut of the
+    checkpoint for that rank (attention heads, o_proj columns, the experts: whole
+    experts from vLLM's expert map under EP, I-slices under expert TP)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(tp_rank_weights, args=(2, free_port(), checkpoint, draft, tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        for mode in ("ep", "expert-tp"):
+            assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)

@@ -303,3 +303,56 @@ def kv_cache_setup(vllm_config: Any, layout: str, memory: int = 64 * 2**20) -> A
             vllm_config,
         )
     return kv_cache_config, attn_groups
+
+
+def tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path) -> None:
+    """One rank of a TP-2 deployment built and loaded by vLLM (over gloo), under EP
+    and under expert TP: the adapter's ``ModelWeights`` of this rank against the
+    core's own cut of the checkpoint (``shard_weights``), tensor by tensor.
+    Writes ``ok`` or the first difference to ``out/rank{rank}-{mode}``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    from sparkdecode.checkpoint import load_checkpoint
+    from sparkdecode.vllm import adapter
+    from sparkdecode.weights import Sharding, shard_weights
+
+    for ep in (True, False):
+        mode = "ep" if ep else "expert-tp"
+        config = build_config(
+            checkpoint,
+            draft,
+            parallel={"tensor_parallel_size": world, "enable_expert_parallel": ep},
+            additional={"decode_backend": "auto"},
+        )
+        if ep:
+            with set_current_vllm_config(config):
+                init_distributed_environment(
+                    world_size=world,
+                    rank=rank,
+                    local_rank=rank,
+                    distributed_init_method=f"tcp://127.0.0.1:{port}",
+                    backend="gloo",
+                )
+                ensure_model_parallel_initialized(world, 1)
+        model = load_model(config, checkpoint)
+        spec = tiny_spec()
+        try:
+            sharding = adapter.sharding_of(model.model, world, rank, ep)
+            ours = adapter.model_weights(spec, model.model, model.lm_head, sharding)
+            theirs = shard_weights(
+                load_checkpoint(checkpoint), Sharding(tp=world, rank=rank, expert_parallel="ep" if ep else "tp")
+            )
+            result = "ok"
+            assert ours.sharding == theirs.sharding, (ours.sharding, theirs.sharding)
+            assert torch.equal(ours.final_norm, theirs.final_norm), "final_norm"
+            for mine, ref in zip(ours.layers, theirs.layers, strict=True):
+                for name in ("qkvg", "o_proj", "router", "expert_bias", "pooler", "unpooler", "attn_alpha", "ffn_beta"):
+                    assert torch.equal(getattr(mine, name), getattr(ref, name)), (mine.index, name)
+                a, b = mine.experts, ref.experts
+                assert (a.first_expert, a.intermediate_slice) == (b.first_expert, b.intermediate_slice), (a, b)
+                assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2), (mine.index, "experts")
+                assert (mine.num_heads, mine.num_kv_heads) == (ref.num_heads, ref.num_kv_heads)
+        except AssertionError as e:
+            result = f"differs: {e}"
+        (out / f"rank{rank}-{mode}").write_text(result)

@@ -96,6 +96,7 @@ REFUSED = [
     ("graphs-piecewise", {"compilation": {"cudagraph_mode": "PIECEWISE"}}, "CUDA graph mode is PIECEWISE"),
     ("graphs-full-mixed", {"compilation": {"cudagraph_mode": "FULL"}}, "CUDA graph mode is FULL"),
     ("enforce-eager", {"model": {"enforce_eager": True}}, "CUDA graph mode is NONE"),
+    ("capture-sizes", {"compilation": {"cudagraph_capture_sizes": [16, 32]}}, "capture sizes [16, 32] leave out 8"),
     ("no-spec", {"speculative": None}, "Speculative decoding is off"),
     ("spec-3-tokens", {"speculative": {"num_speculative_tokens": 3}}, "num_speculative_tokens is 3"),
     ("adaptive", {"speculative": {"enable_adaptive_verification": True}}, "Adaptive verification is on"),

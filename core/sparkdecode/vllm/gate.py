@@ -12,7 +12,8 @@ sentence per unmet requirement, after the TP ranks agree
   placement, EPLB; DBO; decode and prefill context parallelism; LoRA; sleep
   mode; the V1 model runner (only the V2 runner asks the model for its
   ModelState); torch.compile (a compiled forward would trace the executor);
-  deployments without separate FULL decode CUDA graphs; speculative decoding
+  deployments without separate FULL decode CUDA graphs, or whose capture sizes
+  leave out the verify step's 8 tokens; speculative decoding
   other than DSpark with 7 tokens and no adaptive verification, no dynamic
   token counts; a model dtype or KV cache dtype other than bf16; KV blocks other
   than 16 tokens; KV transfer; batch-invariant mode; the MegaMoE backend;
@@ -189,6 +190,12 @@ def serving_reasons(vllm_config: Any, capability: tuple[int, int] | None) -> lis
         f"CUDA graph mode is {graphs_name}: the executor runs only inside FULL decode graphs captured apart "
         f"from mixed batches ({' or '.join(SEPARATE_DECODE_GRAPHS)}); eager (enforce-eager), PIECEWISE and "
         "mixed-batch FULL graphs would run the stock forward or replay a verify graph for another batch.",
+    )
+    sizes = list(comp.cudagraph_capture_sizes or ())
+    need(
+        not sizes or 1 + DRAFT_TOKENS in sizes,
+        f"The CUDA graph capture sizes {sizes} leave out {1 + DRAFT_TOKENS} tokens: one request's verify step "
+        "would replay a larger graph, captured for several requests, which runs the stock forward.",
     )
     if spec is None:
         out.append(

@@ -59,9 +59,9 @@ CASES = {
 }
 
 
-def spawn(tp: int, tmp_path, gate: bool) -> list[dict]:
+def spawn(tp: int, tmp_path, gate: bool, backend: str = "gloo") -> list[dict]:
     init = f"file://{tmp_path / 'store'}"
-    mp.spawn(tp_worker.main, args=(tp, init, str(tmp_path), CASES[tp], gate), nprocs=tp, join=True)
+    mp.spawn(tp_worker.main, args=(tp, init, str(tmp_path), CASES[tp], gate, backend), nprocs=tp, join=True)
     return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(tp)]
 
 
@@ -72,7 +72,19 @@ def relative_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tensor_parallel(tp, tmp_path):
-    ranks = spawn(tp, tmp_path, gate=tp == 2)
+    check(tp, spawn(tp, tmp_path, gate=tp == 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_on_gpus(tp, tmp_path):
+    """The same checks with one rank per GPU over NCCL (the reference transport)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    check(tp, spawn(tp, tmp_path, gate=tp == 2, backend="nccl"))
+
+
+def check(tp: int, ranks: list[dict]) -> None:
     for index, case in enumerate(CASES[tp]):
         runs = [r["variants"][index] for r in ranks]
         for run in runs:  # the executor is the stock forward, rank by rank

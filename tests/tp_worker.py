@@ -36,9 +36,9 @@ def make_spec(preset: str, smooth: bool) -> ModelSpec:
     return dataclasses.replace(spec, num_experts_per_tok=spec.num_local_experts) if smooth else spec
 
 
-def run_variant(rank: int, tp: int, variant: dict) -> dict:
+def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict:
     spec = make_spec(variant["preset"], variant["smooth"])
-    full = random_weights(spec, seed=variant["seed"])
+    full = random_weights(spec, seed=variant["seed"], device=device)
     sharding = Sharding(tp, rank, variant["experts"], variant["shard_pooler"], variant["shard_unpooler"])
     shard = shard_weights(full, sharding)
     group = dist.group.WORLD
@@ -56,6 +56,7 @@ def run_variant(rank: int, tp: int, variant: dict) -> dict:
         executor = SpecializedDecode(shard, config, group=group)
         harness = DecodeHarness(ReferenceModel(shard, MAX_CONTEXT, group), executor, PROMPT, seed=variant["seed"])
         prompt = torch.randint(0, spec.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
+        prompt = prompt.to(device)
         harness.prefill(prompt)
         steps = [harness.verify() for _ in range(STEPS)]
     finally:
@@ -72,7 +73,7 @@ def run_variant(rank: int, tp: int, variant: dict) -> dict:
     }
     if rank == 0 and variant["compare_tp1"]:
         model = ReferenceModel(full, MAX_CONTEXT)
-        cache = PagedKVCache(spec, MAX_CONTEXT // 16 + 2, MAX_CONTEXT, PROMPT)
+        cache = PagedKVCache(spec, MAX_CONTEXT // 16 + 2, MAX_CONTEXT, PROMPT, device)
         model.step(cache, prompt, 0)
         hidden, logits = [], []
         for s in steps:
@@ -83,10 +84,10 @@ def run_variant(rank: int, tp: int, variant: dict) -> dict:
     return out
 
 
-def gate_disagreement(rank: int, tp: int) -> str:
+def gate_disagreement(rank: int, tp: int, device: torch.device) -> str:
     """Rank 1 alone cannot serve the deployment; every rank must raise its reason."""
     spec = ModelSpec.preset("tiny", 2)
-    shard = shard_weights(random_weights(spec, seed=0), Sharding(tp, rank))
+    shard = shard_weights(random_weights(spec, seed=0, device=device), Sharding(tp, rank))
     max_context = 10**6 if rank == 1 else MAX_CONTEXT
     try:
         SpecializedDecode(shard, DecodeConfig(max_context=max_context), group=dist.group.WORLD)
@@ -95,13 +96,27 @@ def gate_disagreement(rank: int, tp: int) -> str:
     return "built"
 
 
-def main(rank: int, tp: int, init: str, out_dir: str, variants: list[dict], gate: bool) -> None:
+def to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def main(rank: int, tp: int, init: str, out_dir: str, variants: list[dict], gate: bool, backend: str = "gloo") -> None:
+    """One rank: gloo on the CPU, or NCCL with this rank on GPU ``rank``."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=tp)
     try:
-        results = {"variants": [run_variant(rank, tp, v) for v in variants]}
+        results = {"variants": [run_variant(rank, tp, v, device) for v in variants]}
         if gate:
-            results["gate"] = gate_disagreement(rank, tp)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+            results["gate"] = gate_disagreement(rank, tp, device)
+        torch.save(to_cpu(results), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

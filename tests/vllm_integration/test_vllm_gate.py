@@ -226,6 +226,15 @@ def test_pins(make_config: MakeConfig) -> None:
     assert "must map a block to a provider name" in found
 
 
+def test_draft_pins_are_left_to_the_draft(make_config: MakeConfig) -> None:
+    from sparkdecode.protocols import DRAFT_KINDS
+
+    draft_kind = DRAFT_KINDS[0]
+    config = make_config(additional={"decode_providers": {draft_kind: "somepack.draft", "moe": "reference.moe"}})
+    assert reasons(config) == []
+    assert dict(gate.check(config, capability=HOPPER).pins) == {"moe": "reference.moe"}
+
+
 def test_every_kind_can_be_pinned_to_the_reference(make_config: MakeConfig) -> None:
     config = make_config()
     deployment = gate.check(config, capability=HOPPER).deployment

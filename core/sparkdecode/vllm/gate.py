@@ -42,7 +42,7 @@ import torch
 from .. import deployment as core
 from ..deployment import DeploymentError
 from ..plugins import Registry
-from ..protocols import KINDS, Deployment
+from ..protocols import ALL_KINDS, KINDS, Deployment
 from ..spec import ModelSpec, SpecError
 from . import LOGGER
 
@@ -73,20 +73,27 @@ def requested(vllm_config: Any) -> bool:
 
 
 def pins(vllm_config: Any) -> dict[str, str]:
-    """``additional_config["decode_providers"]``: block or sub-op -> provider name."""
+    """``additional_config["decode_providers"]``: block or sub-op -> provider name
+    (the target's kinds; the DSpark draft's kinds are accepted and left to its own
+    executor)."""
     extra = vllm_config.additional_config
     value = extra.get("decode_providers", {}) if isinstance(extra, Mapping) else {}
     if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise DeploymentError(
             f'additional_config["decode_providers"] must map a block to a provider name, got {value!r}'
         )
-    unknown = sorted(set(value) - set(KINDS))
+    unknown = sorted(set(value) - set(ALL_KINDS))
     if unknown:
         raise DeploymentError(
             f'additional_config["decode_providers"] names {", ".join(unknown)}, which are not blocks or sub-ops '
-            f"(those are {', '.join(KINDS)})"
+            f"(those are {', '.join(ALL_KINDS)})"
         )
     return dict(value)
+
+
+def target_pins(chosen: Mapping[str, str]) -> dict[str, str]:
+    """The pins of the target backbone's kinds (what its executor resolves)."""
+    return {kind: name for kind, name in chosen.items() if kind in KINDS}
 
 
 def platform_capability() -> tuple[int, int] | None:
@@ -327,7 +334,8 @@ def unsupported(
         return [*reasons, f"{what}: {e}."]
     if reasons:  # the core gate repeats some serving lines (TP size, KV dtype and block size)
         return reasons
-    reason = core.unsupported(make_deployment(vllm_config, spec, capability, gpu_name), registry, chosen)
+    deployment = make_deployment(vllm_config, spec, capability, gpu_name)
+    reason = core.unsupported(deployment, registry, target_pins(chosen))
     return [] if reason is None else [f"{reason[0].upper()}{reason[1:]}."]
 
 
@@ -357,7 +365,7 @@ def check(
     spec = model_spec(vllm_config)
     settings = Settings(
         deployment=make_deployment(vllm_config, spec, capability, gpu_name),
-        pins=pins(vllm_config),
+        pins=target_pins(pins(vllm_config)),
         max_context=vllm_config.model_config.max_model_len,
     )
     logger.info(

@@ -171,7 +171,7 @@ def test_measure_picks_fastest_and_reports_times(tmp_path: Path) -> None:
     for text in ("quick.attention: 10.0 us", "slow.attention: 50.0 us", "base.attention: 30.0 us"):
         assert text in table
     [path] = cache_files(tmp_path)
-    assert path.name == f"{cache_key(DEPLOYMENT, reg, {})}.json"
+    assert path.name == f"{cache_key(DEPLOYMENT, reg, {})}-rank0.json"
     record = json.loads(path.read_text())
     assert record["chosen"] == {"attention": "quick.attention"}
     assert record["seconds"]["attention"]["slow.attention"] == pytest.approx(50e-6)
@@ -225,7 +225,7 @@ def test_cache_is_keyed_by_deployment(tmp_path: Path) -> None:
 def test_corrupt_cache_ignored_and_rebuilt(tmp_path: Path, caplog: pytest.LogCaptureFixture, garbage: bytes) -> None:
     reg = registry(provider("quick.attention", "attention"))
     timer = Timer({"base.attention": 2.0, "quick.attention": 1.0})
-    path = tmp_path / f"{cache_key(DEPLOYMENT, reg, {})}.json"
+    path = tmp_path / f"{cache_key(DEPLOYMENT, reg, {})}-rank0.json"
     path.write_bytes(garbage)
     with caplog.at_level(logging.WARNING, logger="sparkdecode.layout"):
         layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
@@ -264,7 +264,7 @@ def test_cache_missing_a_contested_kind_is_stale(tmp_path: Path, caplog: pytest.
     # Another contested kind appears: the cache lacks it, so it is stale.
     reg = registry(provider("quick.attention", "attention"), provider("quick.final", "final"))
     [path] = cache_files(tmp_path)
-    path.rename(tmp_path / f"{cache_key(DEPLOYMENT, reg, {})}.json")
+    path.rename(tmp_path / f"{cache_key(DEPLOYMENT, reg, {})}-rank0.json")
     timer.seconds.update({"base.final": 1.0, "quick.final": 2.0})
     with caplog.at_level(logging.WARNING, logger="sparkdecode.layout"):
         layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
@@ -295,3 +295,32 @@ def test_cached_provider_now_unsupported_is_stale(tmp_path: Path, caplog: pytest
     assert (layout.choices["attention"].chosen.name, layout.choices["attention"].how) == ("other.attention", "measured")
     assert sorted(timer.calls) == [("attention", "base.attention"), ("attention", "other.attention")]
     assert "quick.attention: needs libquick" in layout.table()
+
+
+def test_ranks_measure_together_or_not_at_all(tmp_path: Path) -> None:
+    """Measurement is collective over the ranks: each rank keeps its own cache file,
+    and a cache is used only when every rank's is (``agree``); one rank without a
+    usable cache makes every rank measure again."""
+    reg = registry(
+        provider("quick.attention", "attention", 1),
+        provider("slow.attention", "attention", 2),
+    )
+    times = {"base.attention": 30.0, "quick.attention": 10.0, "slow.attention": 50.0}
+    for rank in (0, 1):
+        resolve(reg, DEPLOYMENT, measure=Timer(times), cache_dir=tmp_path, rank=rank)
+    assert sorted(p.name for p in cache_files(tmp_path)) == [
+        f"{cache_key(DEPLOYMENT, reg, {})}-rank0.json",
+        f"{cache_key(DEPLOYMENT, reg, {})}-rank1.json",
+    ]
+    seen: list[bool] = []
+
+    def others_have_none(ok: bool) -> bool:
+        seen.append(ok)
+        return False
+
+    timer = Timer(times)
+    layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path, rank=0, agree=others_have_none)
+    assert seen == [True]  # this rank's cache was usable, another rank's was not
+    assert layout.choices["attention"].how == "measured" and timer.calls
+    layout = resolve(reg, DEPLOYMENT, measure=Timer(times), cache_dir=tmp_path, rank=1, agree=lambda ok: ok)
+    assert layout.choices["attention"].how == "cached"

@@ -95,7 +95,15 @@ class SpecializedDecode:
         self.registry = registry if registry is not None else discover()
         require(self.deployment, self.registry, config.pins, group)
         measure_fn = self._measure if measure and self.device.type == "cuda" else None
-        self.layout: Layout = resolve(self.registry, self.deployment, config.pins, measure_fn, cache_dir)
+        self.layout: Layout = resolve(
+            self.registry,
+            self.deployment,
+            config.pins,
+            measure_fn,
+            cache_dir,
+            rank=self.rank,
+            agree=self._all_ranks if group is not None else None,
+        )
         self.buffers: dict[str, torch.Tensor] = {}
         self.kv: tuple[LayerKV, ...] | None = None
         self.logged: set[str] = set()
@@ -264,6 +272,15 @@ class SpecializedDecode:
         if final_aux is not None:
             aux_out.append(final_aux)
         return output, aux_out
+
+    def _all_ranks(self, ok: bool) -> bool:
+        """True only if ``ok`` on every rank of the group (a MIN all-reduce)."""
+        import torch.distributed as dist
+
+        device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def _measure(self, kind: str, cls: type, layout: Mapping[str, type]) -> float:
         """Seconds per replay of one whole layer (boundary, attention, attention

@@ -153,10 +153,17 @@ def resolve(
     measure: Measure | None = None,
     cache_dir: Path | None = None,
     kinds: Sequence[str] | None = None,
+    rank: int = 0,
+    agree: Callable[[bool], bool] | None = None,
 ) -> Layout:
     """The provider of every kind the deployment needs (see the module docstring);
     ``kinds`` resolves those instead (the draft executor: ``DRAFT_KINDS``). Pins of
-    kinds outside them are left for the other layout."""
+    kinds outside them are left for the other layout.
+
+    Over several ranks, ``measure`` is collective (its times are combined over the
+    ranks), so every rank must measure or none: each rank keeps its own cache file
+    (``rank``), and ``agree`` (True only if every rank says True) decides whether
+    the caches are used."""
     pins = dict(pins or {})
     kinds = needed_kinds(deployment) if kinds is None else tuple(kinds)
     for kind in pins:
@@ -190,16 +197,22 @@ def resolve(
     if measure is None or not contested:
         return Layout(choices)
 
-    path = (cache_dir or default_cache_dir()) / f"{cache_key(deployment, registry, pins)}.json"
+    path = (cache_dir or default_cache_dir()) / f"{cache_key(deployment, registry, pins)}-rank{rank}.json"
     cached = _load_cache(path)
-    if cached is not None:
-        stale = [k for k in contested if k not in cached or not _is_supported(table[k], cached[k])]
-        if not stale:
-            for kind in contested:
-                reg = next(r for r, _ in table[kind] if r.name == cached[kind])
-                choices[kind] = Choice(kind, reg, "cached", choices[kind].candidates)
-            return Layout(choices)
+    stale = (
+        [] if cached is None else [k for k in contested if k not in cached or not _is_supported(table[k], cached[k])]
+    )
+    if cached is not None and stale:
         logger.warning("sparkdecode: the layout cache %s is stale (%s); measuring again", path, ", ".join(stale))
+    usable = cached is not None and not stale
+    if agree is not None:
+        usable = agree(usable)
+    if usable:
+        assert cached is not None
+        for kind in contested:
+            reg = next(r for r, _ in table[kind] if r.name == cached[kind])
+            choices[kind] = Choice(kind, reg, "cached", choices[kind].candidates)
+        return Layout(choices)
 
     for kind in contested:
         best: tuple[float, Registered] | None = None

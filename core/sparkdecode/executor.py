@@ -226,7 +226,7 @@ class SpecializedDecode:
             a.k.data_ptr() != c.k.data_ptr() or a.v.data_ptr() != c.v.data_ptr() for a, c in zip(kv, self.kv)
         ):
             return self._outcome(b, "metadata over a KV cache other than the bound one")
-        if not all(_metadata_ok(layer.group, b) for layer in kv):
+        if not all(metadata_ok(layer.group, b) for layer in kv):
             return self._outcome(b, "attention metadata in a form the providers do not take")
         return self._outcome(b, None, Step(self.config.q, b, positions, kv, normed_embeddings))
 
@@ -351,7 +351,9 @@ class SpecializedDecode:
         return seconds
 
 
-def _metadata_ok(group: KVGroupMetadata, b: int) -> bool:
+def metadata_ok(group: KVGroupMetadata, b: int) -> bool:
+    """Whether a KV group's metadata has the form the providers take for b rows:
+    int32 [1, n] block table, int32 [1] sequence length, int64 slots for b rows."""
     table, lens, slots = group.block_table, group.seq_lens, group.slot_mapping
     return (
         table.dtype == torch.int32

@@ -148,6 +148,20 @@ class Mailbox(Protocol):
     def gather(self, b: int) -> torch.Tensor: ...
 
 
+def scratch_buffer(
+    buffers: dict[str, torch.Tensor], device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """``buffers[name]``, allocated on ``device`` at the first ask; a later ask for
+    another shape or dtype is an error naming both."""
+    buffer = buffers.get(name)
+    if buffer is None:
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        buffers[name] = buffer
+    if tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype:
+        raise ValueError(f"buffer {name!r} is {tuple(buffer.shape)} {buffer.dtype}, asked for {shape} {dtype}")
+    return buffer
+
+
 @dataclass
 class BuildContext:
     """What ``Provider.build`` receives, once, after the weights are loaded."""
@@ -179,13 +193,7 @@ class BuildContext:
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An executor-owned buffer shared by every layer, allocated at the first ask."""
-        buffer = self.buffers.get(name)
-        if buffer is None:
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            self.buffers[name] = buffer
-        if tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype:
-            raise ValueError(f"buffer {name!r} is {tuple(buffer.shape)} {buffer.dtype}, asked for {shape} {dtype}")
-        return buffer
+        return scratch_buffer(self.buffers, self.device, name, shape, dtype)
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..deployment import DeploymentError, detect
+from ..executor import metadata_ok
 from ..layout import Layout, default_cache_dir, resolve
 from ..plugins import Registry, discover
 from ..protocols import DRAFT_KINDS, KVGroupMetadata, LayerKV
@@ -191,7 +192,7 @@ class DraftDecode:
             a.k.data_ptr() != b.k.data_ptr() or a.v.data_ptr() != b.v.data_ptr() for a, b in zip(kv, self.kv)
         ):
             return self._outcome("metadata over a KV cache other than the bound one")
-        if not all(_metadata_ok(layer.group, c + n) for layer in kv):
+        if not all(metadata_ok(layer.group, c + n) for layer in kv):
             return self._outcome("draft metadata in a form the providers do not take")
         step = DraftStep(c, n, context_positions, positions, kv, anchor, seed, temperature)
         return self._outcome(None, step)
@@ -322,20 +323,6 @@ def _spec_digest(spec: DraftSpec) -> str:
     import hashlib
 
     return hashlib.sha256(spec.key().encode()).hexdigest()[:16]
-
-
-def _metadata_ok(group: KVGroupMetadata, rows: int) -> bool:
-    table, lens, slots = group.block_table, group.seq_lens, group.slot_mapping
-    return (
-        table.dtype == torch.int32
-        and table.dim() == 2
-        and table.shape[0] == 1
-        and lens.dtype == torch.int32
-        and tuple(lens.shape) == (1,)
-        and slots.dtype == torch.int64
-        and slots.dim() == 1
-        and slots.shape[0] >= rows
-    )
 
 
 def _measurement_kv(spec: DraftSpec, max_context: int, rows: int, device: torch.device) -> tuple[LayerKV, ...]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
-from ..protocols import Deployment, LayerKV
+from ..protocols import Deployment, LayerKV, scratch_buffer
 
 if TYPE_CHECKING:
     from .spec import DraftSpec
@@ -78,13 +78,7 @@ class DraftBuildContext:
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An executor-owned buffer shared by every layer, allocated at the first ask."""
-        buffer = self.buffers.get(name)
-        if buffer is None:
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            self.buffers[name] = buffer
-        if tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype:
-            raise ValueError(f"buffer {name!r} is {tuple(buffer.shape)} {buffer.dtype}, asked for {shape} {dtype}")
-        return buffer
+        return scratch_buffer(self.buffers, self.device, name, shape, dtype)
 
 
 class DraftProvider(Protocol):

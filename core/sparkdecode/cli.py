@@ -20,7 +20,8 @@ from .spec import ModelSpec, SpecError
 from .weights import random_weights
 
 
-def _pins(values: list[str]) -> dict[str, str]:
+def parse_pins(values: list[str]) -> dict[str, str]:
+    """``--pin BLOCK=PROVIDER`` values as a kind -> provider map."""
     pins = {}
     for value in values:
         kind, sep, name = value.partition("=")
@@ -50,7 +51,7 @@ def demo(args: argparse.Namespace) -> int:
         max_rows=8,
         max_context=args.max_context,
         aux_layers=(0, spec.num_layers // 2, spec.num_layers),
-        pins=_pins(args.pin),
+        pins=parse_pins(args.pin),
     )
     executor = SpecializedDecode(weights, config)
     print(executor.layout.table())
@@ -108,7 +109,7 @@ def check(args: argparse.Namespace) -> int:
             print(f"unsupported: {reason}")
         return 1
     try:
-        layout = resolve(discover(), deployment, _pins(args.pin))
+        layout = resolve(discover(), deployment, parse_pins(args.pin))
     except LayoutError as e:
         print(f"unsupported: {e}")
         return 1

@@ -148,6 +148,17 @@ class Mailbox(Protocol):
     def gather(self, b: int) -> torch.Tensor: ...
 
 
+def check_kv_form(where: str, kv: LayerKV, kv_heads: int, head_dim: int) -> None:
+    """Raise unless ``kv``'s K and V are bf16 [pages, block_size, kv_heads, head_dim]
+    views (any strides); ``where`` names the layer in the message."""
+    for name, t in (("K", kv.k), ("V", kv.v)):
+        if t.dtype != torch.bfloat16 or t.dim() != 4 or tuple(t.shape[2:]) != (kv_heads, head_dim):
+            raise ValueError(
+                f"{where}: {name} cache {tuple(t.shape)} {t.dtype} is not bf16 "
+                f"[pages, block_size, {kv_heads}, {head_dim}]"
+            )
+
+
 def scratch_buffer(
     buffers: dict[str, torch.Tensor], device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:

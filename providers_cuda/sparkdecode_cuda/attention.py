@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sparkdecode.protocols import BuildContext, Deployment, HostStep, LayerKV, Step
+from sparkdecode.protocols import BuildContext, Deployment, HostStep, LayerKV, Step, check_kv_form
 
 from .boundary import _Cuda
 from .launch import Kernel, f32, i32, i64, ptr
@@ -59,12 +59,8 @@ class CudaAttention(_Cuda):
 
     def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
         layer = kv[self.index]
+        check_kv_form(f"layer {self.index}", layer, self.kv_heads, HEAD_DIM)
         for name, t in (("K", layer.k), ("V", layer.v)):
-            if t.dtype != torch.bfloat16 or t.dim() != 4 or tuple(t.shape[2:]) != (self.kv_heads, HEAD_DIM):
-                raise ValueError(
-                    f"layer {self.index}: {name} cache {tuple(t.shape)} {t.dtype} is not bf16 "
-                    f"[pages, block_size, {self.kv_heads}, {HEAD_DIM}]"
-                )
             if t.stride(3) != 1:
                 raise ValueError(f"layer {self.index}: {name} cache rows are not contiguous (strides {t.stride()})")
         if layer.k.stride() != layer.v.stride():

@@ -56,17 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _pins(values: list[str]) -> dict[str, str]:
-    pins = {}
-    for value in values:
-        kind, sep, name = value.partition("=")
-        if not sep or not kind or not name:
-            raise SystemExit(f"--pin takes BLOCK=PROVIDER, got {value!r}")
-        pins[kind] = name
-    return pins
-
-
 def main(args: argparse.Namespace) -> int:
+    from ..cli import parse_pins  # cli imports this module to register the subcommand
+
     if args.plot_from is not None:
         record = json.loads(args.plot_from.read_text())
         try:
@@ -108,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
         block_replays=args.block_replays,
         blocks=not args.no_blocks,
         seed=args.seed,
-        pins=_pins(args.pin),
+        pins=parse_pins(args.pin),
         command=command,
         progress=Progress(cfg.name, quiet=args.quiet),
     )

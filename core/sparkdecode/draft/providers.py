@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..protocols import Deployment, LayerKV
+from ..protocols import Deployment, LayerKV, check_kv_form
 from . import model
 from .protocols import DraftBuildContext, DraftStep
 
@@ -96,14 +96,7 @@ class ReferenceDraftAttention(_Reference):
         return cls(ctx, layer)
 
     def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
-        k, v = kv[self.index].k, kv[self.index].v
-        expected = (self.layer.num_kv_heads, self.spec.head_dim)
-        for name, t in (("K", k), ("V", v)):
-            if t.dtype != torch.bfloat16 or t.dim() != 4 or tuple(t.shape[2:]) != expected:
-                raise ValueError(
-                    f"draft layer {self.index}: {name} cache {tuple(t.shape)} {t.dtype} is not bf16 "
-                    f"[pages, block_size, {expected[0]}, {expected[1]}]"
-                )
+        check_kv_form(f"draft layer {self.index}", kv[self.index], self.layer.num_kv_heads, self.spec.head_dim)
         if kv[self.index].window != self.layer.window:
             raise ValueError(
                 f"draft layer {self.index}: bound to a cache group of window {kv[self.index].window}, "

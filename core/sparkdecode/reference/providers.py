@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..plugins import hookimpl
-from ..protocols import BuildContext, Deployment, ExpertsInput, HostStep, LayerKV, RoutedTopk, Step
+from ..protocols import BuildContext, Deployment, ExpertsInput, HostStep, LayerKV, RoutedTopk, Step, check_kv_form
 from ..weights import LayerWeights
 from . import functional as fn
 from . import model
@@ -79,14 +79,7 @@ class ReferenceAttention(_Reference):
         return cls(ctx, layer)
 
     def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
-        k, v = kv[self.index].k, kv[self.index].v
-        expected = (self.layer.num_kv_heads, self.spec.head_dim)
-        for name, t in (("K", k), ("V", v)):
-            if t.dtype != torch.bfloat16 or t.dim() != 4 or tuple(t.shape[2:]) != expected:
-                raise ValueError(
-                    f"layer {self.index}: {name} cache {tuple(t.shape)} {t.dtype} is not bf16 "
-                    f"[pages, block_size, {expected[0]}, {expected[1]}]"
-                )
+        check_kv_form(f"layer {self.index}", kv[self.index], self.layer.num_kv_heads, self.spec.head_dim)
         self.core.prepare_kv(kv)
 
     def prepare_step(self, host: HostStep) -> None:

@@ -8,7 +8,7 @@ One decode step of b rows (one request verifying q = b tokens):
 Each block is implemented by a provider class registered through the plug-in
 hooks (plugins.py) and chosen by the layout resolver (layout.py). Sub-ops that a
 block provider may take from elsewhere (``experts``, ``attention_core``,
-``all_reduce``) are resolved the same way and handed over in ``BuildContext.ops``.
+``all_reduce``, ``linear``) are resolved the same way and handed over in ``BuildContext.ops``.
 
 Shapes are per rank: b <= ``BuildContext.max_rows``; H hidden, P pooled width,
 E experts, k top-k (spec.py). Lifecycle of every provider:
@@ -38,7 +38,9 @@ if TYPE_CHECKING:
     from .weights import LayerWeights, ModelWeights
 
 BLOCKS = ("boundary", "attention", "attention_boundary", "moe", "final")
-SUB_OPS = ("experts", "experts_nvfp4", "attention_core", "all_reduce")
+SUB_OPS = ("experts", "experts_nvfp4", "attention_core", "all_reduce", "linear")
+# The dense weights a ``linear`` sub-op serves (LayerWeights attribute names).
+LINEAR_WEIGHTS = ("qkvg", "o_proj", "router", "pooler", "unpooler")
 KINDS = BLOCKS + SUB_OPS
 # The DSpark draft's blocks (draft/protocols.py): a second layout over the same
 # registry, resolved by the draft executor alone (the target needs none of them).
@@ -193,7 +195,7 @@ class BuildContext:
     # mailboxes[i]: what layer i's MoE publishes and the boundary after it gathers
     # (layer i + 1's input boundary; the final boundary for the last layer).
     mailboxes: list[Mailbox]
-    # The resolved sub-op providers by kind (``experts``, ``attention_core``, ``all_reduce``).
+    # The resolved sub-op providers by kind (``experts``, ``attention_core``, ``all_reduce``, ``linear``).
     ops: dict[str, type[Provider]]
     # The reference transport of this rank (comm.Collectives): what the reference
     # providers' collectives run on; detached when a TP shard has no group.
@@ -298,3 +300,17 @@ class AllReduceOp(Provider, Protocol):
     group in place, in a fixed rank order, so every rank holds the same bits."""
 
     def run(self, x: torch.Tensor) -> None: ...
+
+
+class LinearOp(Provider, Protocol):
+    """Sub-op ``linear`` of layer l: the dense GEMMs of the step over that layer's
+    weights (``LINEAR_WEIGHTS``; ``build`` views, repacks or compiles all five).
+
+    ``run(name, x, out)`` computes ``out[b, N] = x[b, K] @ W^T`` for
+    ``W = getattr(ctx.layer(l), name)``, this rank's (TP-sharded) view: a
+    column-sharded pooler or unpooler just has fewer rows N. ``x`` is bf16 [b, K]
+    (b <= ``max_rows``, contiguous rows, any row stride); ``out`` is bf16 [b, N] for
+    the bf16 weights; for ``router`` (fp32 [E, H]) ``x`` is the bf16 MoE input, taken
+    to fp32, and ``out`` fp32 [b, E]. Capturable; allocates nothing."""
+
+    def run(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None: ...

@@ -1,8 +1,8 @@
 """The attention block around the resolved attention core (kernels/attention.cu):
 
-    QKV+gate GEMM (cuBLAS) -> qkv_front_kernel (QK norm, RoPE on sliding layers,
+    QKV+gate GEMM (the ``linear`` sub-op) -> qkv_front_kernel (QK norm, RoPE on sliding layers,
     K/V into the paged cache, q into its buffer) -> attention core (the ``attention_core``
-    sub-op: the reference's, or FlashInfer's) -> o_norm_gate_kernel -> o_proj (cuBLAS)
+    sub-op: the reference's, or FlashInfer's) -> o_norm_gate_kernel -> o_proj (the ``linear`` sub-op)
 
 Against the reference: the same fp32 operations per element; the per-head norms
 sum their 64 squares in another order, so a bf16 q, k or gated output may differ
@@ -42,13 +42,13 @@ class CudaAttention(_Cuda):
         self.gate_offset = (lw.num_heads + 2 * lw.num_kv_heads) * spec.head_dim
         self.rope = ctx.weights.rope_table(lw.rope_theta, ctx.max_context) if lw.rope_theta > 0 else None
         self.core = ctx.ops["attention_core"].build(ctx, layer)
+        self.linear = ctx.ops["linear"].build(ctx, layer)
         rows = ctx.max_rows
         self.qkvg = ctx.scratch(f"cuda_qkvg_{lw.qkvg.shape[0]}", (rows, lw.qkvg.shape[0]), torch.bfloat16)
         shape = (rows, lw.num_heads, spec.head_dim)
         self.q = ctx.scratch(f"cuda_q_{lw.num_heads}", shape, torch.bfloat16)
         self.o = ctx.scratch(f"attention_o_{lw.num_heads}", shape, torch.bfloat16)
         self.gated = ctx.scratch(f"cuda_gated_{lw.num_heads}", (rows, lw.num_heads * spec.head_dim), torch.bfloat16)
-        self.qkvg_t, self.o_proj_t = lw.qkvg.t(), lw.o_proj.t()
         self.front = Kernel(SOURCE, "qkv_front_kernel", ctx.device, {"HEAD_DIM": HEAD_DIM}, COMPILE_OPTIONS)
         self.gate = Kernel(SOURCE, "o_norm_gate_kernel", ctx.device, {"HEAD_DIM": HEAD_DIM}, COMPILE_OPTIONS)
 
@@ -76,7 +76,7 @@ class CudaAttention(_Cuda):
     def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
         b, kv = x.shape[0], step.kv[self.index]
         qkvg, q, o, gated = self.qkvg[:b], self.q[:b], self.o[:b], self.gated[:b]
-        torch.mm(x, self.qkvg_t, out=qkvg)
+        self.linear.run("qkvg", x, qkvg)
         s0, s1, s2, _ = kv.k.stride()
         self.front.launch(
             (b, self.heads + 2 * self.kv_heads, 1),
@@ -113,4 +113,4 @@ class CudaAttention(_Cuda):
                 f32(self.spec.rms_norm_eps),
             ],
         )
-        torch.mm(gated, self.o_proj_t, out=partial)
+        self.linear.run("o_proj", gated, partial)

@@ -1,6 +1,7 @@
-"""The MoE block with this pack's kernels (kernels/moe.cu) between cuBLAS GEMMs:
+"""The MoE block with this pack's kernels (kernels/moe.cu) between the GEMMs of the
+resolved ``linear`` sub-op:
 
-    router GEMM (fp32, cuBLAS) -> routing kernel -> pooler GEMM (bf16, cuBLAS)
+    router GEMM (fp32) -> routing kernel -> pooler GEMM (bf16)
     -> pre_expert_norm kernel -> routed experts (the resolved ``experts`` sub-op)
     -> [expert TP: all-reduce of the route rows] -> tail kernel
     -> [EP over ranks: all-reduce of m] -> unpooler GEMM into the next mailbox
@@ -96,17 +97,17 @@ class CudaMoE(_Cuda):
         self.kernels = MoEKernels(ctx)
         self.experts = ctx.ops[experts_kind(self.layer)].build(ctx, layer)
         self.all_reduce = ctx.ops["all_reduce"].build(ctx, None) if ctx.tp > 1 else None
+        self.linear = ctx.ops["linear"].build(ctx, layer)
         rows = ctx.max_rows
         self.logits = ctx.scratch("cuda_moe_logits", (rows, spec.E), torch.float32)
         self.ids = ctx.scratch("cuda_moe_ids", (rows, spec.top_k), torch.int32)
         self.weights = ctx.scratch("cuda_moe_weights", (rows, spec.top_k), torch.float32)
+        pooled = self.layer.pooler.shape[0]  # P, or this rank's P / tp columns
+        self.pooled = ctx.scratch(f"cuda_moe_pooled_{pooled}", (rows, pooled), torch.bfloat16)
         self.h = ctx.scratch("cuda_moe_h", (rows, spec.P), torch.bfloat16)
         self.rows = ctx.scratch("moe_rows", (rows, spec.top_k, spec.P), torch.bfloat16)
         self.m = ctx.scratch("cuda_moe_m", (rows, spec.P), torch.bfloat16)
         self.mailbox = ctx.mailboxes[layer]
-        self.router_t = self.layer.router.t()
-        self.pooler_t = self.layer.pooler.t()
-        self.unpooler_t = self.layer.unpooler.t()
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaMoE:
@@ -121,10 +122,11 @@ class CudaMoE(_Cuda):
     def run(self, step: Step, x: torch.Tensor) -> None:
         spec, layer, b = self.spec, self.layer, x.shape[0]
         logits = self.logits[:b]
-        torch.mm(x.float(), self.router_t, out=logits)
+        self.linear.run("router", x, logits)
         topk = RoutedTopk(self.ids[:b], self.weights[:b])
         self.kernels.route(logits, layer.expert_bias, spec.routed_scaling_factor, topk)
-        pooled = torch.mm(x, self.pooler_t)
+        pooled = self.pooled[:b]
+        self.linear.run("pooler", x, pooled)
         if pooled.shape[1] != spec.P:  # a column-sharded pooler
             pooled = self.collectives.gather_columns(pooled, spec.P)
         h = self.h[:b]
@@ -137,4 +139,4 @@ class CudaMoE(_Cuda):
         self.kernels.finish(rows, topk.weights, layer.post_expert_norm, spec.post_norm_eps, m)
         if layer.experts.num_local != spec.E:
             self._all_reduce(m)
-        torch.mm(m, self.unpooler_t, out=self.mailbox.publish(b))
+        self.linear.run("unpooler", m, self.mailbox.publish(b))

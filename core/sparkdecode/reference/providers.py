@@ -12,7 +12,17 @@ from __future__ import annotations
 import torch
 
 from ..plugins import hookimpl
-from ..protocols import BuildContext, Deployment, ExpertsInput, HostStep, LayerKV, RoutedTopk, Step, check_kv_form
+from ..protocols import (
+    LINEAR_WEIGHTS,
+    BuildContext,
+    Deployment,
+    ExpertsInput,
+    HostStep,
+    LayerKV,
+    RoutedTopk,
+    Step,
+    check_kv_form,
+)
 from ..weights import LayerWeights
 from . import functional as fn
 from . import model
@@ -231,6 +241,34 @@ class ReferenceAllReduce(_Reference):
         x.copy_(self.collectives.all_reduce(x))
 
 
+class ReferenceLinear(_Reference):
+    """Sub-op ``linear``: cuBLAS through ``torch.mm`` on the layer's weights, as the
+    blocks compute them (bf16 GEMMs with fp32 accumulation rounded to bf16; the
+    router's fp32 GEMM on the fp32 copy of ``x`` in an executor-owned buffer)."""
+
+    block = "linear"
+    name = "reference.linear"
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        lw = ctx.layer(layer)
+        self.weights_t = {name: getattr(lw, name).t() for name in LINEAR_WEIGHTS}
+        router = lw.router
+        self.x_fp32 = ctx.scratch(f"linear_x_fp32_{router.shape[1]}", (ctx.max_rows, router.shape[1]), torch.float32)
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceLinear:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def run(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        w_t = self.weights_t[name]
+        if w_t.dtype == torch.float32:
+            xf = self.x_fp32[: x.shape[0]]
+            xf.copy_(x)
+            x = xf
+        torch.mm(x, w_t, out=out)
+
+
 class ReferenceFinal(_Reference):
     block = "final"
     name = "reference.final"
@@ -261,6 +299,7 @@ PROVIDERS = (
     ReferenceExpertsNvfp4,
     ReferenceAttentionCore,
     ReferenceAllReduce,
+    ReferenceLinear,
     ReferenceFinal,
 )
 

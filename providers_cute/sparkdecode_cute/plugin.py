@@ -6,7 +6,9 @@ table in this pack's README lists them.
 
 from sparkdecode.plugins import hookimpl
 
-PROVIDERS: tuple[type, ...] = ()
+from .linear import CuteLinear
+
+PROVIDERS: tuple[type, ...] = (CuteLinear,)
 
 
 @hookimpl

@@ -1,0 +1,98 @@
+"""providers_cute on the CPU: the providers say why they do not apply without a
+Hopper GPU or the CuTe DSL (and resolve to the reference), and every GEMV kernel
+of the step compiles for sm_90a at TP1 and TP8-rank shapes of Muse Spark."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sparkdecode.deployment import detect
+from sparkdecode.layout import resolve
+from sparkdecode.plugins import discover
+from sparkdecode.spec import ModelSpec
+from sparkdecode_cute import common, plugin
+from sparkdecode_cute.linear import CuteLinear
+
+# Muse Spark's dense weights (H 8192, 128 q / 16 kv heads of 64, E 256, P 4096):
+# name -> (N, K, fp32) at TP1 and on one rank of TP8.
+TP1 = {
+    "qkvg": (2 * 8192 + 2 * 1024, 8192, False),
+    "o_proj": (8192, 8192, False),
+    "router": (256, 8192, True),
+    "pooler": (4096, 8192, False),
+    "unpooler": (8192, 4096, False),
+}
+TP8 = {
+    "qkvg": (2 * 1024 + 2 * 128, 8192, False),
+    "o_proj": (8192, 1024, False),
+    "router": (256, 8192, True),
+    "pooler": (4096, 8192, False),
+    "unpooler": (8192, 4096, False),
+    "pooler_tp8_columns": (512, 8192, False),
+    "unpooler_tp8_columns": (1024, 4096, False),
+}
+
+
+def _hopper(spec: ModelSpec, **changes):
+    cpu = detect(spec, device="cpu")
+    libraries = {**cpu.libraries, "cutlass": common.CUTLASS_DSL_VERSION}
+    return dataclasses.replace(cpu, device="cuda", capability=(9, 0), libraries=libraries, **changes)
+
+
+def test_registered():
+    assert CuteLinear in plugin.PROVIDERS
+
+
+def test_unsupported_reasons():
+    spec = ModelSpec.preset("tiny")
+    hopper = _hopper(spec)
+    assert CuteLinear.unsupported(hopper) is None
+    cpu = dataclasses.replace(hopper, device="cpu", capability=None)
+    assert CuteLinear.unsupported(cpu) == "needs a CUDA GPU"
+    ampere = dataclasses.replace(hopper, capability=(8, 0))
+    assert "SM80" in CuteLinear.unsupported(ampere)
+    blackwell = dataclasses.replace(hopper, capability=(10, 0))
+    assert "sm_90a" in CuteLinear.unsupported(blackwell)
+    missing = dataclasses.replace(hopper, libraries={**hopper.libraries, "cutlass": None})
+    assert "nvidia-cutlass-dsl==4.8.1" in CuteLinear.unsupported(missing)
+    other = dataclasses.replace(hopper, libraries={**hopper.libraries, "cutlass": "4.7.0"})
+    assert "4.7.0" in CuteLinear.unsupported(other)
+    assert "16 rows" in CuteLinear.unsupported(dataclasses.replace(hopper, max_rows=16))
+    odd = dataclasses.replace(
+        hopper, spec=dataclasses.replace(spec, hidden_size=1088, num_attention_heads=17, num_key_value_heads=1)
+    )
+    assert "hidden size 1088" in CuteLinear.unsupported(odd)
+
+
+def test_resolves_to_the_reference_without_a_gpu():
+    spec = ModelSpec.preset("tiny")
+    registry = discover()
+    layout = resolve(registry, detect(spec, device="cpu"))
+    assert layout.provider("linear").name == "reference.linear"
+    reasons = {c.name: c.reason for c in layout.choices["linear"].candidates}
+    assert reasons["cute.linear"] == "needs a CUDA GPU"
+
+
+@pytest.fixture(scope="module")
+def gemv():
+    return pytest.importorskip("sparkdecode_cute.gemv", reason="nvidia-cutlass-dsl is not installed")
+
+
+@pytest.mark.parametrize(
+    "deployment,name", [("tp1", name) for name in TP1] + [("tp8", name) for name in TP8], ids=lambda v: str(v)
+)
+def test_gemv_compiles_for_hopper(gemv, deployment, name):
+    n, k, fp32 = (TP1 if deployment == "tp1" else TP8)[name]
+    plan = gemv.plan_gemv(n, k, fp32, 8)
+    assert isinstance(plan, gemv.GemvPlan), plan
+    assert plan.ctas * plan.rows == n and plan.threads * plan.loads * plan.vector == k
+    assert gemv.compile_gemv(plan, "sm_90a") is not None
+
+
+def test_plan_reasons(gemv):
+    assert "K 1000" in gemv.plan_gemv(64, 1000, False, 8)
+    assert "9 rows" in gemv.plan_gemv(64, 1024, False, 9)
+    assert "16-byte" in gemv.plan_gemv(64, 1024, False, 8, w_stride=1030)
+    assert "loads per thread" in gemv.plan_gemv(64, 65536, False, 8)

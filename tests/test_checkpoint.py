@@ -15,8 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from sparkdecode.checkpoint import (
+    HF_QUANT_CONFIG_NAME,
     INDEX_NAME,
     CheckpointError,
+    Nvfp4Config,
     iter_checkpoint_names,
     load_checkpoint,
     save_checkpoint,
@@ -114,6 +116,11 @@ def assert_same_layer(a: LayerWeights, b: LayerWeights) -> None:
             assert (x.format, x.first_expert, x.intermediate_slice) == (y.format, y.first_expert, y.intermediate_slice)
             assert x.w13.dtype == y.w13.dtype and torch.equal(x.w13, y.w13)
             assert x.w2.dtype == y.w2.dtype and torch.equal(x.w2, y.w2)
+            assert (x.nvfp4 is None) == (y.nvfp4 is None)
+            for name, t in (vars(x.nvfp4) if x.nvfp4 is not None else {}).items():
+                u = getattr(y.nvfp4, name)
+                # e4m3 has no torch.equal kernel on the CPU: compare the bytes.
+                assert t.dtype == u.dtype and torch.equal(t.view(torch.uint8), u.view(torch.uint8)), name
         else:
             assert x == y, f.name
 
@@ -333,17 +340,6 @@ def test_unknown_language_model_tensor_is_named(sharded, tmp_path, name):
         load_checkpoint(directory)
 
 
-@pytest.mark.parametrize(
-    "suffix", ["gate_up_proj_weight_scale", "gate_up_proj_weight_scale_2", "down_proj_input_scale"]
-)
-def test_nvfp4_experts_are_refused(sharded, tmp_path, suffix):
-    name = f"{PREFIX}layers.1.mlp.experts.{suffix}"
-    directory = copy_checkpoint(sharded, tmp_path / "c")
-    add_tensors(directory, {name: torch.ones(1, dtype=torch.float32)})
-    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} .*NVFP4 experts are not supported"):
-        load_checkpoint(directory)
-
-
 def test_save_refuses_weights_it_cannot_write(weights, tmp_path):
     folded_only = dataclasses.replace(weights, layers=[dataclasses.replace(x) for x in weights.layers])
     folded_only.layers[1].router_unfolded = None
@@ -363,3 +359,181 @@ def test_other_quantized_tensors_are_refused(sharded, tmp_path):
     add_tensors(directory, {name: torch.ones(1, dtype=torch.float32)})
     with pytest.raises(CheckpointError, match=rf"{re.escape(name)} .*quantized weights are not supported"):
         load_checkpoint(directory)
+
+
+# ------------------------------------------------------------------- NVFP4 experts
+
+
+@pytest.fixture(scope="module")
+def q_weights() -> ModelWeights:
+    """Three layers: the middle one's experts NVFP4, the edge layers' bf16."""
+    return random_weights(ModelSpec.preset("tiny", 3), seed=8, expert_format="nvfp4")
+
+
+@pytest.fixture(scope="module")
+def q_ckpt(q_weights, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("q_ckpt")
+    save_checkpoint(q_weights, directory, shard_bytes=SHARD_BYTES)
+    return directory
+
+
+def edit_config(directory: Path, edit) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_nvfp4_round_trip_is_bit_identical(q_weights, q_ckpt):
+    spec = q_weights.spec
+    assert [x.experts.format for x in q_weights.layers] == ["bf16", "nvfp4", "bf16"]
+    config = json.loads((q_ckpt / "config.json").read_text())["quantization_config"]
+    assert config == {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "ignore": [
+            "lm_head",
+            f"{PREFIX}layers.*.self_attn*",
+            f"{PREFIX}layers.0.mlp.experts*",
+            f"{PREFIX}layers.2.mlp.experts*",
+        ],
+    }
+    assert sorted(weight_map(q_ckpt)) == sorted(iter_checkpoint_names(spec, nvfp4_layers=[1]))
+    E, P, I = spec.E, spec.P, spec.I  # noqa: E741, N806
+    expected = {
+        "gate_up_proj": (torch.uint8, [E, 2 * I, P // 2]),
+        "gate_up_proj_weight_scale": (torch.float8_e4m3fn, [E, 2 * I, P // 16]),
+        "gate_up_proj_weight_scale_2": (torch.float32, [E, 2]),
+        "gate_up_proj_input_scale": (torch.float32, [E, 2]),
+        "down_proj": (torch.uint8, [E, P, I // 2]),
+        "down_proj_weight_scale": (torch.float8_e4m3fn, [E, P, I // 16]),
+        "down_proj_weight_scale_2": (torch.float32, [E]),
+        "down_proj_input_scale": (torch.float32, [E]),
+    }
+    for suffix, (dtype, shape) in expected.items():
+        name = f"{PREFIX}layers.1.mlp.experts.{suffix}"
+        with safe_open(str(q_ckpt / weight_map(q_ckpt)[name]), framework="pt") as f:
+            t = f.get_tensor(name)
+        assert (t.dtype, list(t.shape)) == (dtype, shape), name
+    assert f"{PREFIX}layers.0.mlp.experts.gate_up_proj_weight_scale" not in weight_map(q_ckpt)
+    loaded = load_checkpoint(q_ckpt)
+    assert_same_weights(q_weights, loaded)
+    # The global scales stay apart: gate's and up's differ on random weights.
+    s = loaded.layers[1].experts.nvfp4
+    assert not torch.equal(s.w13_global[:, 0], s.w13_global[:, 1])
+
+
+def test_nvfp4_round_trip_gives_the_same_reference_outputs(q_weights, q_ckpt):
+    spec = q_weights.spec
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(0, spec.vocab_size, (24,), generator=g)
+    verify = torch.randint(0, spec.vocab_size, (8,), generator=g)
+    outputs = []
+    for w in (q_weights, load_checkpoint(q_ckpt)):
+        model = ReferenceModel(w, max_context=256)
+        cache = PagedKVCache(spec, num_pages=32, max_context=256, max_rows=32)
+        h1, _ = model.step(cache, prompt, 0)
+        h2, _ = model.step(cache, verify, 24)
+        outputs.append((h1, h2, model.logits(h2)))
+    for x, y in zip(*outputs):
+        assert torch.isfinite(x.float()).all() and torch.equal(x, y)
+
+
+def test_nvfp4_legacy_hf_quant_config(q_weights, q_ckpt, tmp_path):
+    directory = copy_checkpoint(q_ckpt, tmp_path / "c")
+    config = json.loads((directory / "config.json").read_text())
+    ignore = config.pop("quantization_config")["ignore"]
+    (directory / "config.json").write_text(json.dumps(config))
+    legacy = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "exclude_modules": ignore}}
+    (directory / HF_QUANT_CONFIG_NAME).write_text(json.dumps(legacy))
+    assert_same_weights(q_weights, load_checkpoint(directory))
+
+
+def test_nvfp4_missing_scale_is_named(q_ckpt, tmp_path):
+    name = f"{PREFIX}layers.1.mlp.experts.down_proj_weight_scale_2"
+    directory = copy_checkpoint(q_ckpt, tmp_path / "c")
+    rewrite_shard(directory, weight_map(directory)[name], lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} is missing"):
+        load_checkpoint(directory)
+
+
+@pytest.mark.parametrize(
+    ("suffix", "bad", "message"),
+    [
+        ("gate_up_proj_weight_scale", lambda t: t.float(), "dtype torch.float32, expected torch.float8_e4m3fn"),
+        ("gate_up_proj", lambda t: t.view(torch.int8), "dtype torch.int8, expected torch.uint8"),
+        ("gate_up_proj_weight_scale_2", lambda t: t[:, :1].contiguous(), "shape [16, 1], expected [16, 2]"),
+        ("down_proj", lambda t: torch.cat([t, t], -1), "shape [16, 512, 512], expected [16, 512, 256]"),
+    ],
+)
+def test_nvfp4_wrong_dtype_or_shape_is_named(q_ckpt, tmp_path, suffix, bad, message):
+    name = f"{PREFIX}layers.1.mlp.experts.{suffix}"
+    directory = copy_checkpoint(q_ckpt, tmp_path / "c")
+    rewrite_shard(directory, weight_map(directory)[name], lambda t: t.update({name: bad(t[name])}))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} .*{re.escape(message)}"):
+        load_checkpoint(directory)
+
+
+def test_nvfp4_tensors_of_an_excluded_layer_are_refused(q_ckpt, tmp_path):
+    directory = copy_checkpoint(q_ckpt, tmp_path / "c")
+    edit_config(directory, lambda c: c["quantization_config"]["ignore"].append(f"{PREFIX}layers.1.mlp.experts*"))
+    name = re.escape(f"{PREFIX}layers.1.mlp.experts.")
+    with pytest.raises(
+        CheckpointError, match=rf"{name}\S+ .*NVFP4 expert tensor, but the quantization config excludes layer 1"
+    ):
+        load_checkpoint(directory)
+
+
+def test_nvfp4_tensors_without_a_quantization_config_are_refused(q_ckpt, tmp_path):
+    directory = copy_checkpoint(q_ckpt, tmp_path / "c")
+    edit_config(directory, lambda c: c.pop("quantization_config"))
+    with pytest.raises(CheckpointError, match="NVFP4 expert tensor, but the checkpoint has no quantization config"):
+        load_checkpoint(directory)
+
+
+def test_nvfp4_layer_the_config_quantizes_but_stored_bf16_is_refused(sharded, tmp_path):
+    """A bf16 checkpoint whose config quantizes layer 1's experts: the scales are missing."""
+    directory = copy_checkpoint(sharded, tmp_path / "c")
+    spec = ModelSpec.from_config(directory)
+    edit_config(directory, lambda c: c.update(quantization_config=Nvfp4Config.for_layers(spec, [1]).to_config()))
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.gate_up_proj_weight_scale is missing"):
+        load_checkpoint(directory)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda q: q["ignore"].remove(f"{PREFIX}layers.*.self_attn*"),
+            "quantizes model.language_model.layers.0.self_attn.q_proj",
+        ),
+        (lambda q: q["ignore"].remove("lm_head"), "quantizes lm_head"),
+        (lambda q: q.update(quant_algo="FP8"), "quant_algo is 'FP8'"),
+        (lambda q: q.update(group_size=32), "group_size is 32"),
+        (lambda q: q.update(quant_method="compressed-tensors"), "quant_method is 'compressed-tensors'"),
+        (lambda q: q.update(ignore="lm_head"), "must be a list of names"),
+    ],
+)
+def test_nvfp4_config_errors_are_named(q_ckpt, tmp_path, edit, message):
+    directory = copy_checkpoint(q_ckpt, tmp_path / "c")
+    edit_config(directory, lambda c: edit(c["quantization_config"]))
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_checkpoint(directory)
+
+
+def test_nvfp4_exclusion_follows_vllm_matching():
+    config = Nvfp4Config(("lm_head", "model.language_model.layers.1.mlp.experts*", "*.self_attn.o_proj", "vision"))
+    assert config.excludes("model.language_model.layers.1.mlp.experts")  # path* names the path itself
+    assert not config.excludes("model.language_model.layers.12.mlp.experts")  # but not a longer number
+    assert config.excludes("model.language_model.layers.7.self_attn.o_proj")
+    assert config.excludes("model.vision_tower.x") and config.excludes("lm_head")  # contained in the name
+    assert not config.excludes("model.language_model.layers.7.self_attn.q_proj")
+
+
+def test_nvfp4_save_needs_the_input_scales(q_weights, tmp_path):
+    layers = [dataclasses.replace(x) for x in q_weights.layers]
+    e = layers[1].experts
+    layers[1].experts = dataclasses.replace(e, nvfp4=dataclasses.replace(e.nvfp4, w2_input_scale=None))
+    with pytest.raises(ValueError, match="layer 1: the NVFP4 experts have no w2_input_scale"):
+        save_checkpoint(dataclasses.replace(q_weights, layers=layers), tmp_path / "a")
+    assert not (tmp_path / "a").exists()

@@ -139,3 +139,13 @@ def test_nvfp4_changes_the_experts_math_only():
     deq = dataclasses.replace(q.layers[1].experts)
     w13, _ = deq.dequantized()
     assert (w13.float() - bf16.layers[1].experts.w13.float()).norm() / bf16.layers[1].experts.w13.float().norm() < 0.12
+
+
+def test_expert_tp_needs_whole_scale_blocks_per_rank():
+    spec = dataclasses.replace(ModelSpec.preset("tiny", 1), moe_intermediate_size=48)
+    experts = quantize_experts(random_weights(spec, seed=9).layers[0].experts)
+    full = random_weights(spec, seed=9)
+    full.layers[0].experts = experts
+    with pytest.raises(ValueError, match="each rank's 24 rows of I = 48 must be whole NVFP4 scale blocks of 16"):
+        shard_weights(full, Sharding(2, 0, "tp"))
+    assert shard_weights(full, Sharding(2, 1, "ep")).layers[0].experts.first_expert == 8  # EP cuts no block

@@ -8,18 +8,29 @@ back into ``ModelWeights`` through ``weights.make_layer``, which re-orders, fold
 and precomputes as vLLM does at load, so a save and a load give the same tensors
 bit for bit.
 
+NVFP4 experts (ModelOpt, nvfp4.py) are written and read as the released
+checkpoint stores them: per quantized layer the packed ``mlp.experts.gate_up_proj``
+and ``down_proj`` (uint8) with their ``_weight_scale`` (e4m3), ``_weight_scale_2``
+(fp32 global decode scales: [E, 2] gate's and up's for gate_up, [E] for down) and
+``_input_scale`` tensors. Which layers' experts are quantized comes from the
+quantization config (``Nvfp4Config``): ``config.json``'s ``quantization_config``
+(ModelOpt >= 0.31) or, without one, ``hf_quant_config.json`` (older ModelOpt).
+
 The loader is strict: a missing tensor, a tensor of the wrong shape or dtype, an
-unknown text-model tensor name or a quantized tensor raises ``CheckpointError``
-naming it; a missing or wrong config field raises ``SpecError``. Tensors of the
-vision and audio towers are ignored.
+unknown text-model tensor name, a quantized tensor the quantization config does
+not call for (or a config that quantizes what this loader reads as bf16) raises
+``CheckpointError`` naming it; a missing or wrong config field raises
+``SpecError``. Tensors of the vision and audio towers are ignored.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +38,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import nvfp4
 from .spec import ModelSpec
-from .weights import LayerWeights, ModelWeights, deinterleave_qk_rows, make_layer
+from .weights import LayerWeights, ModelWeights, Nvfp4Scales, deinterleave_qk_rows, make_layer
 
 BF16 = torch.bfloat16
 FP32 = torch.float32
+E4M3 = torch.float8_e4m3fn
+U8 = torch.uint8
 
 CONFIG_NAME = "config.json"
+HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
 INDEX_NAME = "model.safetensors.index.json"
 ARCHITECTURE = "MuseSparkForConditionalGeneration"
 MODEL_TYPE = "muse_spark"
@@ -68,18 +83,152 @@ QUANTIZED_SUFFIXES = (
 _QK = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 _LAYER_NAME = re.compile(r"layers\.(0|[1-9][0-9]*)\.(.+)")
 
+EXPERTS_MODULE = "mlp.experts"
+# The linear modules vLLM would quantize under a ModelOpt config unless it excludes
+# them (the router, pooler and unpooler are built unquantized): the config must
+# exclude them, for this loader reads them as bf16.
+_LAYER_LINEARS = tuple(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj"))
+NVFP4_ALGO = "NVFP4"
+
 
 class CheckpointError(ValueError):
     """A checkpoint directory that does not hold Muse Spark text-model weights as
     this module reads them (the message names the tensor or file at fault)."""
 
 
-def layer_tensor_table(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
+@dataclass(frozen=True)
+class Nvfp4Config:
+    """A ModelOpt NVFP4 quantization config: ``quant_algo`` NVFP4, blocks of 16, and
+    the modules it leaves unquantized (``ignore``, ModelOpt's ``exclude_modules``),
+    matched as vLLM's ``ModelOptQuantConfigBase.is_layer_excluded`` matches them:
+    a module is excluded by an entry equal to its name, contained in its name, or a
+    wildcard matching it (``path*`` meaning ``path`` and everything under it).
+    Module names are the checkpoint's (``model.language_model.layers.1.mlp.experts``)."""
+
+    ignore: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: Any, where: str) -> Nvfp4Config:
+        """From ``quantization_config`` (``{"quant_method": "modelopt", "quant_algo":
+        ..., "ignore" or "exclude_modules": [...]}``) or an ``hf_quant_config.json``
+        (``{"quantization": {"quant_algo": ..., "exclude_modules": [...]}}``)."""
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{where}: the quantization config must be a dict, got {config!r}")
+        if "quantization" in config:
+            body = config["quantization"]
+            if not isinstance(body, dict):
+                raise CheckpointError(f"{where}: 'quantization' must be a dict, got {body!r}")
+            ignore = body.get("exclude_modules", [])
+        else:
+            method = config.get("quant_method")
+            if not (isinstance(method, str) and method.lower().startswith("modelopt")):
+                raise CheckpointError(
+                    f"{where}: quant_method is {method!r}; this loader reads ModelOpt NVFP4 checkpoints only"
+                )
+            body = config
+            ignore = config.get("ignore", config.get("exclude_modules", []))
+        algo = body.get("quant_algo")
+        if not isinstance(algo, str) or algo.upper() != NVFP4_ALGO:
+            raise CheckpointError(f"{where}: quant_algo is {algo!r}; this loader reads {NVFP4_ALGO} only")
+        group = body.get("group_size", nvfp4.BLOCK)
+        if group != nvfp4.BLOCK:
+            raise CheckpointError(f"{where}: group_size is {group!r}; NVFP4 scales blocks of {nvfp4.BLOCK}")
+        if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+            raise CheckpointError(f"{where}: the excluded modules must be a list of names, got {ignore!r}")
+        return cls(tuple(ignore))
+
+    def to_config(self) -> dict[str, Any]:
+        """The ``quantization_config`` of ``config.json`` (ModelOpt >= 0.31's form)."""
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": NVFP4_ALGO,
+            "group_size": nvfp4.BLOCK,
+            "ignore": list(self.ignore),
+        }
+
+    @classmethod
+    def for_layers(cls, spec: ModelSpec, quantized: Collection[int], prefix: str = MULTIMODAL_PREFIX) -> Nvfp4Config:
+        """The config of a checkpoint whose routed experts are NVFP4 in the
+        ``quantized`` layers only (everything else bf16)."""
+        ignore = [LM_HEAD.removesuffix(".weight"), f"{prefix}layers.*.self_attn*"]
+        ignore += [f"{prefix}layers.{i}.{EXPERTS_MODULE}*" for i in range(spec.num_layers) if i not in quantized]
+        return cls(tuple(ignore))
+
+    def excludes(self, module: str) -> bool:
+        for entry in self.ignore:
+            if entry == module or entry in module:
+                return True
+            if entry.endswith("*") and not entry.endswith(".*"):
+                patterns: tuple[str, ...] = (entry[:-1], entry[:-1] + ".*")
+            else:
+                patterns = (entry,)
+            if any(fnmatchcase(module, p) for p in patterns):
+                return True
+        return False
+
+    def quantized_layers(self, spec: ModelSpec, prefix: str, where: str) -> frozenset[int]:
+        """The layers whose routed experts are NVFP4; raises where the config would
+        quantize a module this loader reads as bf16 (the attention projections,
+        the LM head)."""
+        for module in [LM_HEAD.removesuffix(".weight")] + [
+            f"{prefix}layers.{i}.{name}" for i in range(spec.num_layers) for name in _LAYER_LINEARS
+        ]:
+            if not self.excludes(module):
+                raise CheckpointError(
+                    f"{where}: the quantization config quantizes {module} (it is not among the excluded modules); "
+                    "this loader reads NVFP4 routed experts only, every other weight bf16"
+                )
+        return frozenset(i for i in range(spec.num_layers) if not self.excludes(f"{prefix}layers.{i}.{EXPERTS_MODULE}"))
+
+
+def read_quant_config(directory: Path, config: dict[str, Any]) -> Nvfp4Config | None:
+    """The checkpoint's NVFP4 config: ``config.json``'s ``quantization_config`` (top
+    level, or in ``text_config``), else ``hf_quant_config.json``; None for bf16."""
+    text = config.get("text_config")
+    for where, value in (
+        (f"{directory / CONFIG_NAME} quantization_config", config.get("quantization_config")),
+        (
+            f"{directory / CONFIG_NAME} text_config.quantization_config",
+            text.get("quantization_config") if isinstance(text, dict) else None,
+        ),
+    ):
+        if value is not None:
+            return Nvfp4Config.from_config(value, where)
+    legacy = directory / HF_QUANT_CONFIG_NAME
+    if legacy.is_file():
+        try:
+            value = json.loads(legacy.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{legacy} is not valid JSON: {e}") from e
+        return Nvfp4Config.from_config(value, str(legacy))
+    return None
+
+
+def nvfp4_expert_table(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
+    """The routed experts of an NVFP4 layer: checkpoint name suffix -> (key, shape,
+    dtype), the keys naming ``Nvfp4Scales`` fields (w13 and w2: the packed codes)."""
+    P, I, E, B = spec.P, spec.I, spec.E, nvfp4.BLOCK  # noqa: N806
+    return {
+        "mlp.experts.gate_up_proj": ("w13", (E, 2 * I, P // 2), U8),
+        "mlp.experts.gate_up_proj_weight_scale": ("w13_scale", (E, 2 * I, P // B), E4M3),
+        "mlp.experts.gate_up_proj_weight_scale_2": ("w13_global", (E, 2), FP32),
+        "mlp.experts.gate_up_proj_input_scale": ("w13_input_scale", (E, 2), FP32),
+        "mlp.experts.down_proj": ("w2", (E, P, I // 2), U8),
+        "mlp.experts.down_proj_weight_scale": ("w2_scale", (E, P, I // B), E4M3),
+        "mlp.experts.down_proj_weight_scale_2": ("w2_global", (E,), FP32),
+        "mlp.experts.down_proj_input_scale": ("w2_input_scale", (E,), FP32),
+    }
+
+
+def layer_tensor_table(
+    spec: ModelSpec, nvfp4_experts: bool = False
+) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
     """Per decoder layer: checkpoint name suffix (after ``layers.{l}.``) ->
-    (``make_layer`` key, shape, dtype), in the checkpoint's form."""
+    (``make_layer`` key, shape, dtype), in the checkpoint's form; with
+    ``nvfp4_experts`` the routed experts as ``nvfp4_expert_table``."""
     H, P, I, E = spec.H, spec.P, spec.I, spec.E
     q, kv = spec.q_size, spec.kv_size
-    return {
+    table = {
         "input_layernorm.weight": ("pre_qkv_norm", (H,), BF16),
         "self_attn.q_proj.weight": ("q_proj", (q, H), BF16),
         "self_attn.k_proj.weight": ("k_proj", (kv, H), BF16),
@@ -99,6 +248,15 @@ def layer_tensor_table(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...],
         "post_feedforward_layernorm.weight": ("post_ffn_norm", (H,), BF16),
         "post_feedforward_residual_gate.gate": ("ffn_gate", (H,), BF16),
     }
+    if not nvfp4_experts:
+        return table
+    out = {}
+    for suffix, entry in table.items():
+        if suffix == "mlp.experts.gate_up_proj":
+            out.update(nvfp4_expert_table(spec))
+        elif suffix != "mlp.experts.down_proj":
+            out[suffix] = entry
+    return out
 
 
 def global_tensor_table(
@@ -113,12 +271,14 @@ def global_tensor_table(
     }
 
 
-def iter_checkpoint_names(spec: ModelSpec, prefix: str = MULTIMODAL_PREFIX) -> Iterator[str]:
-    """Every tensor name of a checkpoint of ``spec``, in the order ``save_checkpoint``
-    writes them."""
+def iter_checkpoint_names(
+    spec: ModelSpec, prefix: str = MULTIMODAL_PREFIX, nvfp4_layers: Collection[int] = ()
+) -> Iterator[str]:
+    """Every tensor name of a checkpoint of ``spec`` (with NVFP4 experts in
+    ``nvfp4_layers``), in the order ``save_checkpoint`` writes them."""
     yield prefix + EMBED
     for index in range(spec.num_layers):
-        for suffix in layer_tensor_table(spec):
+        for suffix in layer_tensor_table(spec, index in nvfp4_layers):
             yield f"{prefix}layers.{index}.{suffix}"
     yield prefix + FINAL_NORM
     yield LM_HEAD
@@ -128,8 +288,10 @@ def iter_checkpoint_names(spec: ModelSpec, prefix: str = MULTIMODAL_PREFIX) -> I
 
 
 def save_checkpoint(weights: ModelWeights, directory: str | Path, shard_bytes: int = 2**30) -> None:
-    """Write ``weights`` (TP 1, bf16 experts, unfolded router kept) to ``directory``
-    as a Hugging Face checkpoint: ``config.json``, safetensors shards
+    """Write ``weights`` (TP 1, unfolded router kept; routed experts bf16 or NVFP4
+    with their scales) to ``directory`` as a Hugging Face checkpoint:
+    ``config.json`` (with the ``quantization_config`` of the NVFP4 layers when there
+    are any), safetensors shards
     ``model-0000i-of-0000N.safetensors`` of about ``shard_bytes`` each (a tensor
     larger than that gets a shard of its own) and ``model.safetensors.index.json``.
     Everything is checked before anything is written; a tensor is copied to the
@@ -149,7 +311,14 @@ def save_checkpoint(weights: ModelWeights, directory: str | Path, shard_bytes: i
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "text_config": weights.spec.to_config()}
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "text_config": weights.spec.to_config(),
+    }
+    quantized = [layer.index for layer in weights.layers if layer.experts.format == "nvfp4"]
+    if quantized:
+        config["quantization_config"] = Nvfp4Config.for_layers(weights.spec, quantized).to_config()
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
     head_dim = weights.spec.head_dim
@@ -181,10 +350,10 @@ def _save_entries(weights: ModelWeights) -> list[tuple[str, torch.Tensor, bool]]
     for name, tensor in zip(top, (weights.embed, weights.final_norm, weights.lm_head)):
         _check_source(name, tensor, *top[name])
     entries = [(prefix + EMBED, weights.embed, False)]
-    table = layer_tensor_table(spec)
     for position, layer in enumerate(weights.layers):
         if layer.index != position:
             raise ValueError(f"layer {position} of the weights has index {layer.index}")
+        table = layer_tensor_table(spec, layer.experts.format == "nvfp4")
         for suffix, tensor in _layer_sources(spec, layer).items():
             name = f"{prefix}layers.{position}.{suffix}"
             _, shape, dtype = table[suffix]
@@ -205,8 +374,6 @@ def _layer_sources(spec: ModelSpec, layer: LayerWeights) -> dict[str, torch.Tens
             "(router_unfolded is None; the folded router cannot be un-multiplied exactly)"
         )
     e = layer.experts
-    if e.format != "bf16":
-        raise ValueError(f"{where}: only bf16 experts can be saved, these are {e.format!r}")
     if e.first_expert != 0 or e.intermediate_slice is not None or e.num_local != spec.E:
         raise ValueError(
             f"{where}: only the full set of experts can be saved (TP 1), these are {e.num_local} experts "
@@ -220,6 +387,14 @@ def _layer_sources(spec: ModelSpec, layer: LayerWeights) -> dict[str, torch.Tens
     q, kv = spec.q_size, spec.kv_size
     _check_source(f"{where} qkvg", layer.qkvg, (2 * q + 2 * kv, spec.H), BF16)
     qkvg = layer.qkvg
+    experts: dict[str, torch.Tensor] = {"mlp.experts.gate_up_proj": e.w13, "mlp.experts.down_proj": e.w2}
+    if e.nvfp4 is not None:
+        tensors = {**vars(e.nvfp4), "w13": e.w13, "w2": e.w2}
+        experts = {}
+        for suffix, (key, _, _) in nvfp4_expert_table(spec).items():
+            if tensors[key] is None:
+                raise ValueError(f"{where}: the NVFP4 experts have no {key}, which the checkpoint stores ({suffix})")
+            experts[suffix] = tensors[key]
     return {
         "input_layernorm.weight": layer.pre_qkv_norm,
         "self_attn.q_proj.weight": qkvg[:q],
@@ -233,8 +408,7 @@ def _layer_sources(spec: ModelSpec, layer: LayerWeights) -> dict[str, torch.Tens
         "mlp.gate.e_score_correction_bias": layer.expert_bias,
         "mlp.pre_expert_proj.weight": layer.pooler,
         "mlp.pre_expert_norm.weight": layer.pre_expert_norm,
-        "mlp.experts.gate_up_proj": e.w13,
-        "mlp.experts.down_proj": e.w2,
+        **experts,
         "mlp.experts.post_expert_norm.weight": layer.post_expert_norm,
         "mlp.post_expert_proj.weight": layer.unpooler,
         "post_feedforward_layernorm.weight": layer.post_ffn_norm,
@@ -263,17 +437,20 @@ def load_checkpoint(
     every ``*.safetensors`` file, under ``model.language_model.`` or the text-only
     ``model.`` prefix; each is read alone, checked and copied to ``device`` (the
     weights never map the files). The unfolded router is kept, so the weights can
-    be saved again, into the same directory too."""
+    be saved again, into the same directory too. The routed experts of the layers
+    the quantization config quantizes are NVFP4 (packed codes and scales as stored,
+    the gate's and up's global scales apart), the others bf16."""
     directory = Path(directory)
     full_spec = ModelSpec.from_config(directory)
     spec = full_spec if num_layers is None else full_spec.with_layers(num_layers)
     locations = _tensor_locations(directory)
     prefix = _text_prefix(locations)
-    _check_names(locations, prefix, full_spec, directory)
+    quant = read_quant_config(directory, json.loads((directory / CONFIG_NAME).read_text()))
+    quantized = frozenset() if quant is None else quant.quantized_layers(full_spec, prefix, str(directory))
+    _check_names(locations, prefix, full_spec, directory, quantized, quant is not None)
 
-    table = layer_tensor_table(spec)
     top = global_tensor_table(spec, prefix)
-    for name in iter_checkpoint_names(spec, prefix):
+    for name in iter_checkpoint_names(spec, prefix, quantized):
         if name not in locations:
             raise CheckpointError(f"tensor {name} is missing from the checkpoint at {directory}")
 
@@ -282,10 +459,14 @@ def load_checkpoint(
         embed = read(prefix + EMBED, *top[prefix + EMBED])
         layers = []
         for index in range(spec.num_layers):
-            tensors = {
+            tensors: dict[str, Any] = {
                 key: read(f"{prefix}layers.{index}.{suffix}", shape, dtype)
-                for suffix, (key, shape, dtype) in table.items()
+                for suffix, (key, shape, dtype) in layer_tensor_table(spec, index in quantized).items()
             }
+            if index in quantized:
+                tensors["nvfp4"] = Nvfp4Scales(
+                    **{f: tensors.pop(f) for f in Nvfp4Scales.__dataclass_fields__}  # type: ignore[arg-type]
+                )
             layers.append(
                 make_layer(
                     spec,
@@ -346,30 +527,42 @@ def _text_prefix(locations: dict[str, Path]) -> str:
     return MULTIMODAL_PREFIX if any(n.startswith(MULTIMODAL_PREFIX) for n in locations) else TEXT_ONLY_PREFIX
 
 
-def _check_names(locations: dict[str, Path], prefix: str, spec: ModelSpec, directory: Path) -> None:
-    """Every tensor name is a text-model tensor of ``spec``, ``lm_head.weight`` or a
-    tensor of the towers (ignored); quantized tensors are refused by name."""
-    table = layer_tensor_table(spec)
+def _check_names(
+    locations: dict[str, Path],
+    prefix: str,
+    spec: ModelSpec,
+    directory: Path,
+    quantized: frozenset[int],
+    configured: bool,
+) -> None:
+    """Every tensor name is a text-model tensor of ``spec`` (the NVFP4 expert
+    tensors in the ``quantized`` layers only), ``lm_head.weight`` or a tensor of
+    the towers (ignored); other quantized tensors are refused by name."""
+    tables = {q: layer_tensor_table(spec, q) for q in (False, True)}
     for name in locations:
         if name.startswith(IGNORED_PREFIXES) or name == LM_HEAD:
             continue
+        rest = name[len(prefix) :] if name.startswith(prefix) else None
+        match = None if rest is None else _LAYER_NAME.fullmatch(rest)
+        layer = int(match[1]) if match else None
+        if match and layer is not None and layer < spec.num_layers and match[2] in tables[layer in quantized]:
+            continue
         last = name.rsplit(".", 1)[-1]
+        if match and layer is not None and layer < spec.num_layers and match[2] in tables[True]:
+            why = (
+                f"the checkpoint has no quantization config (config.json quantization_config or {HF_QUANT_CONFIG_NAME})"
+                if not configured
+                else f"the quantization config excludes layer {layer}'s experts"
+            )
+            raise CheckpointError(f"tensor {name} in {directory} is an NVFP4 expert tensor, but {why}")
         if last.endswith(QUANTIZED_SUFFIXES):
-            if ".mlp.experts." in name:
-                raise CheckpointError(
-                    f"tensor {name} in {directory} is an NVFP4 expert tensor: "
-                    "NVFP4 experts are not supported by this loader yet"
-                )
             raise CheckpointError(
                 f"tensor {name} in {directory} belongs to a quantized weight: quantized weights are not "
-                "supported by this loader (it reads bf16 weights with an fp32 router)"
+                "supported by this loader outside the NVFP4 routed experts (it reads bf16 weights with an fp32 "
+                "router)"
             )
-        rest = name[len(prefix) :] if name.startswith(prefix) else None
         if rest is not None:
             if rest in (EMBED, FINAL_NORM):
-                continue
-            match = _LAYER_NAME.fullmatch(rest)
-            if match and int(match[1]) < spec.num_layers and match[2] in table:
                 continue
         raise CheckpointError(
             f"unexpected tensor {name} in the checkpoint at {directory}: not a tensor of the Muse Spark text model "

@@ -248,7 +248,9 @@ def make_layer(
     """A layer from checkpoint-form tensors (Q/K rows in the HF order, router
     unfolded, raw gates): re-orders, folds and precomputes as vLLM does at load.
     The tensors may be one rank's shard (head counts follow the q/k rows; the
-    experts' ``first_expert`` and ``intermediate_slice`` ride along in ``tensors``)."""
+    experts' ``first_expert`` and ``intermediate_slice`` ride along in ``tensors``).
+    NVFP4 experts: ``w13`` / ``w2`` the packed codes and ``tensors["nvfp4"]`` their
+    ``Nvfp4Scales``."""
     q = interleave_qk_rows(q_proj, spec.head_dim)
     k = interleave_qk_rows(k_proj, spec.head_dim)
     attn_alpha, attn_beta = fn.gate_coefficients(tensors["attn_gate"], spec.residual_gate_temperature)
@@ -270,11 +272,12 @@ def make_layer(
         pooler=tensors["pooler"],
         pre_expert_norm=tensors["pre_expert_norm"],
         experts=ExpertWeights(
-            "bf16",
+            "bf16" if tensors.get("nvfp4") is None else "nvfp4",
             tensors["w13"],
             tensors["w2"],
             tensors.get("first_expert", 0),
             tensors.get("intermediate_slice"),
+            tensors.get("nvfp4"),
         ),
         post_expert_norm=tensors["post_expert_norm"],
         unpooler=tensors["unpooler"],
@@ -409,6 +412,11 @@ def _shard_experts(spec: ModelSpec, e: ExpertWeights, sharding: Sharding) -> Exp
             scales = Nvfp4Scales(*(None if t is None else t[part].contiguous() for t in vars(q).values()))
         return ExpertWeights(e.format, e.w13[part].contiguous(), e.w2[part].contiguous(), part.start, None, scales)
     part = sharding.part(spec.I)
+    if q is not None and (part.stop - part.start) % nvfp4.BLOCK:
+        raise ValueError(
+            f"expert TP {sharding.tp}: each rank's {part.stop - part.start} rows of I = {spec.I} must be whole "
+            f"NVFP4 scale blocks of {nvfp4.BLOCK} (W2's scales cut along I)"
+        )
 
     def rows13(t: torch.Tensor) -> torch.Tensor:
         gate, up = t.chunk(2, dim=1)

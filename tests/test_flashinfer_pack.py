@@ -1,7 +1,8 @@
 """providers_flashinfer on the CPU: the pack loads and explains itself without
-FlashInfer (CI does not install it), says why off Hopper or with another FlashInfer,
-and its page-table cut for sliding layers (computed on the device in the graph)
-agrees with the host formula and never names a released page."""
+FlashInfer (CI does not install it), says why off Hopper, with another FlashInfer
+or at TP 1, a detached rank's all-reduce builds without it, and its page-table cut
+for sliding layers (computed on the device in the graph) agrees with the host
+formula and never names a released page."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import gc
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ from sparkdecode.plugins import discover
 from sparkdecode.protocols import KVGroupMetadata, LayerKV
 from sparkdecode.reference.kvcache import BLOCK_SIZE, NULL_PAGE, PagedKVCache
 from sparkdecode.spec import ModelSpec
-from sparkdecode_flashinfer import pages, plugin, support
+from sparkdecode_flashinfer import allreduce, pages, plugin, support
+from sparkdecode_flashinfer.allreduce import FlashInferAllReduce
 from sparkdecode_flashinfer.prefill import FlashInferPrefill
 from sparkdecode_flashinfer.xqa import FlashInferXqa, causal_mask
 
@@ -36,7 +39,7 @@ def test_pack_imports_without_flashinfer():
     """The plug-in module (and so discovery) never imports FlashInfer."""
     code = "import sys, sparkdecode_flashinfer.plugin; assert 'flashinfer' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert plugin.PROVIDERS == PROVIDERS
+    assert plugin.PROVIDERS == (*PROVIDERS, FlashInferAllReduce)
 
 
 @pytest.mark.parametrize("cls", PROVIDERS)
@@ -62,6 +65,63 @@ def test_unsupported_shapes():
     assert "head_dim 72" in FlashInferXqa.unsupported(odd)
     assert "head_dim 72" in FlashInferPrefill.unsupported(odd)
     assert FlashInferXqa.unsupported(hopper(dataclasses.replace(spec, head_dim=128, hidden_size=2048))) is None
+
+
+def test_all_reduce_unsupported_reasons():
+    d = hopper(ModelSpec.preset("muse-spark-open"), tp=8)
+    assert FlashInferAllReduce.unsupported(d) is None
+    assert FlashInferAllReduce.unsupported(dataclasses.replace(d, tp=2)) is None
+    assert FlashInferAllReduce.unsupported(dataclasses.replace(d, tp=1)) == "TP 1: there is nothing to all-reduce"
+    assert "2, 4, 8 or 16 ranks" in FlashInferAllReduce.unsupported(dataclasses.replace(d, tp=3))
+    assert FlashInferAllReduce.unsupported(dataclasses.replace(d, device="cpu", capability=None)) == "needs a CUDA GPU"
+    missing = dataclasses.replace(d, libraries={**d.libraries, "flashinfer": None})
+    assert "FlashInfer is not installed" in FlashInferAllReduce.unsupported(missing)
+    assert "SM100" in FlashInferAllReduce.unsupported(dataclasses.replace(d, capability=(10, 0)))
+    # The all-reduce reads no KV cache.
+    assert FlashInferAllReduce.unsupported(dataclasses.replace(d, kv_dtype=torch.float8_e4m3fn)) is None
+
+
+def test_all_reduce_widths():
+    """The one-shot launch's row widths: 8 bf16 per thread, at most 1024 threads a
+    CTA in a power-of-two cluster of at most 8 that divides the row's threads."""
+    for width in (512, 1000, 1024, 4096, 8192, 65536):
+        assert allreduce.width_unsupported(width) is None
+    assert "8 bf16" in allreduce.width_unsupported(1004)
+    assert "more than 1024 threads" in allreduce.width_unsupported(8 * 1025)  # odd thread count: cluster 1
+    assert "more than 1024 threads" in allreduce.width_unsupported(65536 + 8 * 8)
+    spec = dataclasses.replace(ModelSpec.preset("tiny"), moe_hidden_size=1004)
+    assert "1004 elements" in FlashInferAllReduce.unsupported(hopper(spec, tp=2))
+
+
+def test_detached_all_reduce_builds_without_flashinfer():
+    """A TP shard with no group leaves its collectives out, as the reference
+    transport does, and imports nothing."""
+    spec = ModelSpec.preset("tiny")
+    d = hopper(spec, tp=2)
+    ctx = SimpleNamespace(tp=2, rank=1, group=None, deployment=d, spec=spec, max_rows=8)
+    op = FlashInferAllReduce.build(ctx, None)
+    x = torch.randn(3, spec.H).to(torch.bfloat16)
+    before = x.clone()
+    op.run(x)
+    assert torch.equal(x, before)
+    assert allreduce.capacity(ctx) == 8 * max(spec.H, spec.top_k * spec.P)
+    code = (
+        "import sys, types; from sparkdecode_flashinfer.allreduce import FlashInferAllReduce as A; "
+        "from sparkdecode.spec import ModelSpec; from sparkdecode.deployment import detect; "
+        "s = ModelSpec.preset('tiny'); "
+        "c = types.SimpleNamespace(tp=2, rank=0, group=None, deployment=detect(s), spec=s, max_rows=8); "
+        "A.build(c, None); assert 'flashinfer' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_all_reduce_reported_at_tp2_on_the_cpu():
+    registry = discover()
+    layout = resolve(registry, detect(ModelSpec.preset("tiny"), tp=2, device="cpu"))
+    choice = layout.choices["all_reduce"]
+    assert choice.chosen.name == "reference.all_reduce"
+    assert {c.name: c.reason for c in choice.candidates}["flashinfer.trtllm_all_reduce"] == "needs a CUDA GPU"
+    assert "all_reduce" not in resolve(registry, detect(ModelSpec.preset("tiny"), device="cpu")).choices
 
 
 def test_discovered_and_reported_on_the_cpu():
@@ -140,11 +200,11 @@ def test_shared_groups_owner_and_lifetime():
     first = shared.group(kv[3], lambda: made.append(1) or object())
     assert shared.group(kv[6], lambda: made.append(1) or object()) is first and made == [1]
     assert shared.group(kv[5], object) is not first
-    keys = [k for k in pages._SHARED if k[0] == id(ctx)]
+    keys = [k for k in support._PER_CONTEXT if k[0] == id(ctx)]
     assert len(keys) == 2
     del ctx
     gc.collect()
-    assert not any(k in pages._SHARED for k in keys)
+    assert not any(k in support._PER_CONTEXT for k in keys)
 
 
 def test_check_cache_names_the_problem():

@@ -25,13 +25,14 @@ owner, which the executor runs first), and every other layer of the group reads 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from sparkdecode.protocols import BuildContext, KVGroupMetadata, LayerKV
+
+from .support import per_context
 
 
 def first_visible_page(context: int, rows: int, window: int, page_size: int) -> int:
@@ -91,16 +92,8 @@ class SharedGroups:
         return state
 
 
-_SHARED: dict[tuple[int, str], SharedGroups] = {}
-
-
 def shared_groups(ctx: BuildContext, name: str) -> SharedGroups:
     """The ``SharedGroups`` of provider ``name`` among the builds from ``ctx`` (the
     executor builds every layer from one context; a measurement builds one layer from
     its own). Kept while ``ctx`` lives; the providers hold it after."""
-    key = (id(ctx), name)
-    shared = _SHARED.get(key)
-    if shared is None:
-        shared = _SHARED[key] = SharedGroups()
-        weakref.finalize(ctx, _SHARED.pop, key, None)
-    return shared
+    return per_context(ctx, f"groups:{name}", SharedGroups)

@@ -7,10 +7,11 @@ table in this pack's README lists them. Importing it never imports FlashInfer
 
 from sparkdecode.plugins import hookimpl
 
+from .allreduce import FlashInferAllReduce
 from .prefill import FlashInferPrefill
 from .xqa import FlashInferXqa
 
-PROVIDERS: tuple[type, ...] = (FlashInferXqa, FlashInferPrefill)
+PROVIDERS: tuple[type, ...] = (FlashInferXqa, FlashInferPrefill, FlashInferAllReduce)
 
 
 @hookimpl

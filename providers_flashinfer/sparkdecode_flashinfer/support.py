@@ -3,6 +3,10 @@ same answer on every rank; FlashInfer is never imported here)."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from sparkdecode.protocols import BuildContext, Deployment, LayerKV
@@ -13,8 +17,20 @@ FLASHINFER_VERSION = "0.7.2"
 FLASHINFER_PIN = "flashinfer-python==0.7.2.post1"
 
 
+T = TypeVar("T")
+_PER_CONTEXT: dict[tuple[int, str], Any] = {}
+
+
 def flashinfer_unsupported(d: Deployment) -> str | None:
-    """A Hopper GPU, FlashInfer 0.7.2 installed, bf16 K/V."""
+    """A Hopper GPU, FlashInfer 0.7.2 installed, bf16 K/V (the attention cores)."""
+    reason = flashinfer_gpu_unsupported(d)
+    if reason is None and d.kv_dtype != torch.bfloat16:
+        reason = f"KV cache in {d.kv_dtype}; the attention cores read bf16 K/V"
+    return reason
+
+
+def flashinfer_gpu_unsupported(d: Deployment) -> str | None:
+    """A Hopper GPU and FlashInfer 0.7.2 installed (every provider of the pack)."""
     if d.device != "cuda" or d.capability is None:
         return "needs a CUDA GPU"
     if d.capability[0] != 9:
@@ -25,9 +41,18 @@ def flashinfer_unsupported(d: Deployment) -> str | None:
         return f"FlashInfer is not installed (pip install {FLASHINFER_PIN})"
     if not version.startswith(FLASHINFER_VERSION):
         return f"FlashInfer {version} is installed; this pack is built against {FLASHINFER_PIN}"
-    if d.kv_dtype != torch.bfloat16:
-        return f"KV cache in {d.kv_dtype}; the attention cores read bf16 K/V"
     return None
+
+
+def per_context(ctx: BuildContext, name: str, make: Callable[[], T]) -> T:
+    """One object ``name`` shared by the builds from ``ctx`` (the executor builds every
+    layer from one context; a measurement builds from its own): made by ``make`` at
+    the first ask, forgotten when ``ctx`` goes (the providers hold it after)."""
+    key = (id(ctx), name)
+    if key not in _PER_CONTEXT:
+        _PER_CONTEXT[key] = make()
+        weakref.finalize(ctx, _PER_CONTEXT.pop, key, None)
+    return _PER_CONTEXT[key]
 
 
 def check_cache(name: str, layer: int, kv: LayerKV, kv_heads: int, head_dim: int, page_size: int) -> None:

@@ -1,0 +1,182 @@
+"""``flashinfer.trtllm_all_reduce``: the TP all-reduce on FlashInfer's TensorRT-LLM
+one-shot Lamport kernel.
+
+FlashInfer 0.7.2 keeps TensorRT-LLM's custom all-reduce as the ``kAllReduce``
+pattern of ``trtllm_allreduce_fusion`` (flashinfer/comm/trtllm_ar.py; kernel
+``allreduce_fusion_kernel_oneshot_lamport`` in
+include/flashinfer/comm/trtllm_allreduce_fusion.cuh; JIT module ``trtllm_comm``,
+built for SM90, SM100 and SM120). The older ``trtllm_custom_all_reduce`` and its
+``trtllm_create_ipc_workspace_for_all_reduce`` have no Python wrapper left in
+0.7.2; the fusion kernel is what FlashInfer and vLLM call.
+
+- Workspace (``flashinfer.comm.TRTLLMAllReduceFusionWorkspace``, built once per
+  ``BuildContext``, collectively): three buffers per rank in CUDA VMM memory, each
+  rank's mapped into every other rank's address space (POSIX file descriptors over
+  a Unix socket, or fabric handles where the GPU has them; the handles travel by
+  ``all_gather_object`` over the TP group, gloo or NCCL), no NVLink multicast.
+  All ranks must be on one host.
+- One-shot: every rank writes its rows into every rank's Lamport buffer (a slot
+  per source rank), then each rank polls its own buffer until no slot holds the
+  sentinel -0.0 and sums the slots in rank order 0..tp-1 in fp32
+  (``allreduce_sum<..., Fp32Acc=true>``), rounded to bf16 once: the reference
+  transport's order and rounding (comm.Collectives.all_reduce), so every rank holds
+  the same bits and the executor equals the TP stock forward. One difference: the
+  kernel sends a -0.0 input as +0.0 (-0.0 is its "not arrived" mark), so an element
+  that is -0.0 on every rank sums to +0.0 where the reference gives -0.0 (equal as
+  numbers; no other bit differs).
+- In place: each thread reads its input elements before it writes their sums.
+- Capturable: the flags that rotate the three Lamport buffers and clear the
+  previous call's live in device memory; the launch reads nothing from the host
+  per call. Every rank must issue the same sequence of all-reduces (the executor
+  does).
+
+The layers' all-reduces are bf16 rows of width H (attention o_proj partials) and P
+(the MoE tail's route rows ``[b, top_k, P]`` under expert TP, its ``[b, P]``
+partials under EP); the workspace is sized for the largest.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from sparkdecode.protocols import BuildContext, Deployment
+
+from .support import flashinfer_gpu_unsupported, per_context
+
+RANKS = (2, 4, 8, 16)  # the kernel's NRanks instantiations
+VEC = 8  # bf16 elements per 16-byte access
+MAX_CLUSTER = 8
+MAX_BLOCK = 1024
+
+
+def width_unsupported(width: int) -> str | None:
+    """Why the one-shot launch cannot take rows of ``width`` bf16 elements: one
+    thread per 8 elements, a row per thread-block cluster of at most 8 CTAs of at
+    most 1024 threads, the cluster a power of two dividing the row's threads."""
+    if width % VEC:
+        return f"rows of {width} elements (the one-shot kernel reads 8 bf16 at a time)"
+    threads = width // VEC
+    cluster = MAX_CLUSTER
+    while threads % cluster:
+        cluster //= 2
+    if threads // cluster > MAX_BLOCK:
+        return f"rows of {width} elements: more than {MAX_BLOCK} threads a CTA in a cluster of {cluster}"
+    return None
+
+
+def reduced_widths(d: Deployment) -> tuple[int, ...]:
+    """The row widths the blocks all-reduce: H, and P (the MoE tail)."""
+    return tuple(sorted({d.spec.H, d.spec.P}))
+
+
+class FlashInferAllReduce:
+    """Sub-op ``all_reduce``: bf16 rows summed over the TP group in place."""
+
+    block = "all_reduce"
+    name = "flashinfer.trtllm_all_reduce"
+    priority = 10
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        reason = flashinfer_gpu_unsupported(deployment)
+        if reason is not None:
+            return reason
+        if deployment.tp == 1:
+            return "TP 1: there is nothing to all-reduce"
+        if deployment.tp not in RANKS:
+            return f"TP {deployment.tp}: FlashInfer's one-shot all-reduce is built for 2, 4, 8 or 16 ranks"
+        for width in reduced_widths(deployment):
+            reason = width_unsupported(width)
+            if reason is not None:
+                return reason
+        return None
+
+    def __init__(self, ctx: BuildContext, workspace: Any):
+        self.tp, self.rank = ctx.tp, ctx.rank
+        self.widths = reduced_widths(ctx.deployment)
+        self.workspace = workspace
+        self.capacity = capacity(ctx)
+        if workspace is not None:
+            from flashinfer.comm.trtllm_ar import AllReduceFusionPattern, get_trtllm_comm_module
+
+            self.op = get_trtllm_comm_module().trtllm_allreduce_fusion
+            self.pattern = AllReduceFusionPattern.kAllReduce
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> FlashInferAllReduce:
+        """Every layer's all-reduce shares one workspace, made collectively at the
+        first build from ``ctx`` (and its kernel JIT-compiled and run once); a rank
+        with no group (detached) leaves its collectives out, as the reference does."""
+        if ctx.group is None:
+            return cls(ctx, None)
+        workspace = per_context(ctx, cls.name, lambda: create_workspace(ctx))
+        return cls(ctx, workspace)
+
+    def prepare_kv(self, kv: tuple) -> None:
+        pass
+
+    def run(self, x: torch.Tensor) -> None:
+        if self.workspace is None:
+            return
+        width = x.shape[-1]
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or width not in self.widths or x.numel() > self.capacity:
+            raise ValueError(
+                f"{self.name}: takes contiguous bf16 rows of {self.widths} elements, at most {self.capacity} in all; "
+                f"got {tuple(x.shape)} {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}"
+            )
+        self.op(
+            allreduce_in=x,
+            world_size=self.tp,
+            world_rank=self.rank,
+            token_num=x.numel() // width,
+            hidden_dim=width,
+            workspace_ptrs=self.workspace.workspace_tensor,
+            launch_with_pdl=False,
+            use_oneshot=True,
+            trigger_completion_at_end=True,
+            fp32_acc=True,
+            pattern_code=self.pattern,
+            allreduce_out=x,
+            residual_in=None,
+            residual_out=None,
+            norm_out=None,
+            quant_out=None,
+            scale_out=None,
+            rms_gamma=None,
+            rms_eps=None,
+            scale_factor=None,
+            layout_code=None,
+        )
+
+
+def capacity(ctx: BuildContext) -> int:
+    """The most elements one all-reduce carries: ``max_rows`` rows of H, or of
+    top_k x P (the route rows under expert TP)."""
+    spec = ctx.spec
+    return ctx.max_rows * max(spec.H, spec.top_k * spec.P)
+
+
+def create_workspace(ctx: BuildContext) -> Any:
+    """The IPC workspace of this rank (collective over ``ctx.group``), then one
+    all-reduce of zeros on every rank: the kernel's JIT build and its first launch
+    (launch-shape queries cached in the library) happen here, not under capture."""
+    from flashinfer.comm import TRTLLMAllReduceFusionWorkspace
+
+    spec = ctx.spec
+    with torch.cuda.device(ctx.device):
+        workspace = TRTLLMAllReduceFusionWorkspace(
+            tp_size=ctx.tp,
+            tp_rank=ctx.rank,
+            max_token_num=math.ceil(capacity(ctx) / spec.H),
+            hidden_dim=spec.H,
+            dtype=torch.bfloat16,
+            group=ctx.group,
+        )
+        warm = FlashInferAllReduce(ctx, workspace)
+        for width in warm.widths:
+            warm.run(torch.zeros(ctx.max_rows, width, dtype=torch.bfloat16, device=ctx.device))
+        torch.cuda.synchronize(ctx.device)
+    return workspace

@@ -12,12 +12,12 @@ rounding beyond fp32: only the accumulation term.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sparkdecode.protocols import LINEAR_WEIGHTS, scratch_buffer
+from sparkdecode.bench.streams import linear_context
+from sparkdecode.protocols import LINEAR_WEIGHTS
 from sparkdecode.reference.providers import ReferenceLinear
 from sparkdecode.spec import ModelSpec
 
@@ -58,22 +58,6 @@ SHAPES = {
 }
 
 
-def linear_context(shapes: dict[str, tuple[int, int]], max_rows: int = 8, seed: int = 0) -> SimpleNamespace:
-    """What a linear provider's build reads: one layer's five weights (random, of the
-    scale of the real ones), max_rows and the scratch buffers."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    layer = SimpleNamespace()
-    for name, (n, k) in shapes.items():
-        dtype = torch.float32 if name == "router" else torch.bfloat16
-        setattr(layer, name, (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(dtype))
-    buffers: dict[str, torch.Tensor] = {}
-    return SimpleNamespace(
-        layer=lambda i: layer,
-        max_rows=max_rows,
-        scratch=lambda name, shape, dtype: scratch_buffer(buffers, torch.device("cuda"), name, shape, dtype),
-    )
-
-
 def check_close(name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ref: torch.Tensor) -> None:
     """``out`` and ``ref`` against the fp64 product within the module docstring's bounds."""
     exact = x.double() @ w.double().t()
@@ -94,7 +78,7 @@ def test_cute_linear_equals_reference(shape, rows):
     """Every weight at b rows (x a view with a row stride wider than K, out a view
     into a wider buffer): within the bounds, the same bits on a second run and in a
     replayed CUDA graph, and the rows past b untouched."""
-    ctx = linear_context(SHAPES[shape])
+    ctx = linear_context(SHAPES[shape], torch.device("cuda"))
     cute = linear.CuteLinear.build(ctx, 0)
     ref = ReferenceLinear.build(ctx, 0)
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -135,7 +119,7 @@ def test_cute_linear_equals_reference(shape, rows):
 
 
 def test_bad_input_is_an_error():
-    ctx = linear_context(SHAPES["tp8-rank"])
+    ctx = linear_context(SHAPES["tp8-rank"], torch.device("cuda"))
     cute = linear.CuteLinear.build(ctx, 0)
     x = torch.zeros(9, 8192, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="9 rows"):

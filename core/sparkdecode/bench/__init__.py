@@ -39,7 +39,11 @@ DEFAULT_OUT = Path("bench/results")
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``bench`` on the CLI's subcommands."""
     p = sub.add_parser("bench", help="time the torch baseline and the executor against the memory floor")
-    p.add_argument("config", nargs="?", help="tiny, tp1-real-L2, tp8-rank-L<N>-bf16 or tp8-rank-Lmax-bf16")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="tiny, tp1-real-L2, tp8-rank-L<N>-bf16 or tp8-rank-Lmax-bf16; streams-tp8-rank or streams-tp1 (streams.py)",
+    )
     p.add_argument("--context", type=int, action="append", help="a context length (repeatable; default: the config's)")
     p.add_argument("--routing", choices=ROUTINGS, action="append", help="random or correlated (default: both)")
     p.add_argument("--replays", type=int, default=None, help="timed replays of each step (default 100; 3 on the CPU)")
@@ -73,6 +77,10 @@ def main(args: argparse.Namespace) -> int:
             "sparkdecode bench: name a config (tiny, tp1-real-L2, tp8-rank-L<N>-bf16) or --plot-from", file=sys.stderr
         )
         return 2
+    if args.config.startswith("streams-"):
+        from .streams import main as streams_main
+
+        return streams_main(args)
     try:
         cfg = named(args.config)
     except BenchConfigError as e:

@@ -52,7 +52,8 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
 
     fn.route = recording_route
     try:
-        config = DecodeConfig(max_context=MAX_CONTEXT, aux_layers=(0, 1, spec.num_layers))
+        pins = variant.get("pins", {})
+        config = DecodeConfig(max_context=MAX_CONTEXT, aux_layers=(0, 1, spec.num_layers), pins=pins)
         executor = SpecializedDecode(shard, config, group=group)
         harness = DecodeHarness(ReferenceModel(shard, MAX_CONTEXT, group), executor, PROMPT, seed=variant["seed"])
         prompt = torch.randint(0, spec.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))

@@ -6,9 +6,10 @@ table in this pack's README lists them.
 
 from sparkdecode.plugins import hookimpl
 
+from .experts import CuteExperts
 from .linear import CuteLinear
 
-PROVIDERS: tuple[type, ...] = (CuteLinear,)
+PROVIDERS: tuple[type, ...] = (CuteLinear, CuteExperts)
 
 
 @hookimpl

@@ -1,0 +1,85 @@
+"""cute.experts on the CPU: why it does not apply without a Hopper GPU, the CuTe DSL
+or bf16 experts (and the layout falls back to the reference), and its two kernels
+compile for sm_90a at the tiny, TP8-rank EP and TP8-rank expert-TP shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sparkdecode.deployment import detect
+from sparkdecode.layout import resolve
+from sparkdecode.plugins import discover
+from sparkdecode.spec import ModelSpec
+from sparkdecode_cute import common, plugin
+from sparkdecode_cute.experts import CuteExperts
+from sparkdecode_cute.experts_shape import ExpertsShape, shape_unsupported
+
+
+def _hopper(spec: ModelSpec, **changes):
+    cpu = detect(spec, device="cpu")
+    libraries = {**cpu.libraries, "cutlass": common.CUTLASS_DSL_VERSION}
+    return dataclasses.replace(cpu, device="cuda", capability=(9, 0), libraries=libraries, **changes)
+
+
+def test_registered():
+    assert CuteExperts in plugin.PROVIDERS
+
+
+def test_unsupported_reasons():
+    tiny = ModelSpec.preset("tiny")
+    hopper = _hopper(tiny)
+    assert CuteExperts.unsupported(hopper) is None
+    assert CuteExperts.unsupported(dataclasses.replace(hopper, device="cpu", capability=None)) == "needs a CUDA GPU"
+    assert "SM80" in CuteExperts.unsupported(dataclasses.replace(hopper, capability=(8, 0)))
+    missing = dataclasses.replace(hopper, libraries={**hopper.libraries, "cutlass": None})
+    assert "nvidia-cutlass-dsl==4.8.1" in CuteExperts.unsupported(missing)
+    assert "not nvfp4" in CuteExperts.unsupported(dataclasses.replace(hopper, expert_format="nvfp4"))
+    assert "at most 8" in CuteExperts.unsupported(dataclasses.replace(hopper, max_rows=16))
+    # tiny's I 512 over 8 ranks leaves a 64-wide slice.
+    assert "I-slice 64" in CuteExperts.unsupported(dataclasses.replace(hopper, tp=8, expert_parallel="tp"))
+    spark = ModelSpec.preset("muse-spark-open", 1)
+    for mode in ("ep", "tp"):
+        assert CuteExperts.unsupported(_hopper(spark, tp=8, expert_parallel=mode)) is None
+
+
+def test_resolves_to_the_reference_without_a_gpu():
+    spec = ModelSpec.preset("tiny")
+    layout = resolve(discover(), detect(spec, device="cpu"))
+    assert layout.provider("experts").name == "reference.experts"
+    reasons = {c.name: c.reason for c in layout.choices["experts"].candidates}
+    assert reasons["cute.experts"] == "needs a CUDA GPU"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return pytest.importorskip("sparkdecode_cute.experts_kernels", reason="nvidia-cutlass-dsl is not installed")
+
+
+# (P, I-slice, experts held, top-k, max rows)
+SHAPES = {
+    "tiny": (512, 512, 16, 4, 8),
+    "tiny-every-expert": (512, 512, 16, 16, 8),
+    "tp8-rank-ep": (4096, 4096, 32, 8, 8),
+    "tp8-rank-expert-tp": (4096, 512, 256, 8, 8),
+    "one-row": (4096, 512, 256, 8, 1),
+}
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_compiles_for_sm90a(kernels, name):
+    shape = ExpertsShape(*SHAPES[name])
+    assert shape_unsupported(shape) is None
+    assert kernels.compile_experts(shape, "sm_90a") is not None
+
+
+def test_shape_reasons():
+    s = ExpertsShape(4096, 512, 256, 8, 8)
+    assert shape_unsupported(s) is None
+    assert shape_unsupported(dataclasses.replace(s, intermediate=384)) == (
+        "the I-slice 384: the experts kernels take multiples of 256"
+    )
+    assert "moe_hidden_size 4000" in shape_unsupported(dataclasses.replace(s, width=4000))
+    assert "top-33" in shape_unsupported(dataclasses.replace(s, top_k=33))
+    assert "at most 8 rows" in shape_unsupported(dataclasses.replace(s, max_rows=9))

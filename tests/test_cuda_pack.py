@@ -14,7 +14,7 @@ nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
 if nvrtc.nvrtc_unavailable() is not None:
     pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}", allow_module_level=True)
 
-from sparkdecode_cuda import attention, boundary, moe  # noqa: E402
+from sparkdecode_cuda import all_reduce, attention, boundary, lamport, moe  # noqa: E402
 
 
 @pytest.mark.parametrize("hidden", [1024, 4096, 8192])
@@ -46,6 +46,16 @@ def test_attention_kernels_compile_for_hopper(tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF"
 
 
+def test_lamport_kernels_compile_for_hopper(tmp_path, monkeypatch):
+    """The one-shot all-reduce, and the fused TP attention boundary at every width."""
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    assert nvrtc.compile_cubin(lamport.SOURCE, "sm_90a", None, lamport.COMPILE_OPTIONS)[:4] == b"\x7fELF"
+    for hidden in (1024, 8192):
+        defines = {"H": hidden, "THREADS": hidden // boundary.ITEMS}
+        cubin = nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", defines, boundary.COMPILE_OPTIONS)
+        assert b"attention_boundary_all_reduce_kernel" in cubin
+
+
 def test_compile_errors_name_the_source(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
     with pytest.raises(nvrtc.CompileError, match="boundary.cu"):
@@ -61,6 +71,7 @@ def test_unsupported_off_hopper():
         boundary.CudaAttentionBoundary,
         boundary.CudaFinal,
         moe.CudaMoE,
+        all_reduce.CudaAllReduce,
     ):
         assert cls.unsupported(cpu) == "needs a CUDA GPU"
         ampere = dataclasses.replace(cpu, device="cuda", capability=(8, 0))
@@ -71,7 +82,9 @@ def test_unsupported_off_hopper():
         assert "cuda-bindings" in cls.unsupported(no_bindings)
     hopper = dataclasses.replace(cpu, device="cuda", capability=(9, 0))
     assert boundary.CudaBoundary.unsupported(hopper) is None
-    assert "TP > 1" in boundary.CudaAttentionBoundary.unsupported(dataclasses.replace(hopper, tp=2))
+    for cls in (boundary.CudaAttentionBoundary, all_reduce.CudaAllReduce):  # TP > 1: the Lamport all-reduce
+        assert cls.unsupported(dataclasses.replace(hopper, tp=8)) is None
+        assert "at most 8 ranks" in cls.unsupported(dataclasses.replace(hopper, tp=16))
     odd = dataclasses.replace(
         hopper, spec=dataclasses.replace(spec, hidden_size=1088, num_attention_heads=17, num_key_value_heads=1)
     )

@@ -7,6 +7,11 @@ Against the reference: the elementwise math is the same sequence of fp32 operati
 the two row reductions (mean of squares) sum in another order, so the stream
 differs by fp32 rounding (relative 1e-6) and a bf16 output by at most one ulp
 where that moves a value across a rounding boundary.
+
+At TP > 1 the attention boundary is one kernel with the all-reduce fused in front
+(attention_boundary_all_reduce_kernel): the one-shot Lamport all-reduce of the
+o_proj partial (lamport.py; the same bits as the reference transport), then the
+same code as boundary_kernel's mode 3.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 
 from sparkdecode.protocols import BuildContext, Deployment, LayerKV, Step
 
+from .lamport import lamport_unsupported, workspace
 from .launch import Kernel, f32, i32, ptr
 from .nvrtc import nvrtc_unavailable
 
@@ -140,20 +146,23 @@ class CudaBoundary(_Cuda):
 
 
 class CudaAttentionBoundary(_Cuda):
-    """post_attn_norm (weightless), the gated add, pre_ffn_norm, at TP 1."""
+    """post_attn_norm (weightless), the gated add, pre_ffn_norm; at TP > 1 after the
+    one-shot all-reduce of the partial, fused into the same kernel."""
 
     block = "attention_boundary"
     name = "cuda.attention_boundary"
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
-        if deployment.tp != 1:
-            return "TP > 1 needs the all-reduce fused into the boundary"
-        return super().unsupported(deployment)
+        return super().unsupported(deployment) or lamport_unsupported(deployment)
 
     def __init__(self, ctx: BuildContext, layer: int):
         self.spec, self.layer = ctx.spec, ctx.layer(layer)
         self.kernel = _BoundaryKernel(ctx)
+        self.workspace = workspace(ctx)  # None at TP 1 and on a detached rank
+        if self.workspace is not None:
+            defines = {"H": self.kernel.width, "THREADS": self.kernel.threads}
+            self.fused = Kernel(SOURCE, "attention_boundary_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaAttentionBoundary:
@@ -162,6 +171,9 @@ class CudaAttentionBoundary(_Cuda):
 
     def run(self, partial: torch.Tensor, stream: torch.Tensor, out: torch.Tensor) -> None:
         s, w = self.spec, self.layer
+        if self.workspace is not None:
+            self._run_fused(partial, stream, out)
+            return
         self.kernel(
             WEIGHTLESS_POST,
             partial,
@@ -175,6 +187,28 @@ class CudaAttentionBoundary(_Cuda):
             s.post_norm_eps,
             s.rms_norm_eps,
             1.0,
+        )
+
+    def _run_fused(self, partial: torch.Tensor, stream: torch.Tensor, out: torch.Tensor) -> None:
+        s, w, ws = self.spec, self.layer, self.workspace
+        assert ws is not None
+        if partial.stride(1) != 1 or partial.stride(0) % 8 or partial.data_ptr() % 16:
+            raise ValueError(f"the fused attention boundary takes 16-byte-aligned bf16 rows, got {partial.stride()}")
+        self.fused.launch(
+            (partial.shape[0], 1, 1),
+            (self.kernel.threads, 1, 1),
+            [
+                ptr(partial),
+                i32(partial.stride(0)),
+                ptr(stream),
+                ptr(out),
+                ptr(w.attn_alpha),
+                ptr(w.attn_beta),
+                ptr(w.pre_ffn_norm),
+                f32(s.post_norm_eps),
+                f32(s.rms_norm_eps),
+                *ws.args(),
+            ],
         )
 
 

@@ -6,11 +6,12 @@ table in this pack's README lists them.
 
 from sparkdecode.plugins import hookimpl
 
+from .all_reduce import CudaAllReduce
 from .attention import CudaAttention
 from .boundary import CudaAttentionBoundary, CudaBoundary, CudaFinal
 from .moe import CudaMoE
 
-PROVIDERS: tuple[type, ...] = (CudaBoundary, CudaAttention, CudaAttentionBoundary, CudaMoE, CudaFinal)
+PROVIDERS: tuple[type, ...] = (CudaBoundary, CudaAttention, CudaAttentionBoundary, CudaMoE, CudaFinal, CudaAllReduce)
 
 
 @hookimpl

@@ -1,0 +1,165 @@
+"""Lamport mailboxes over unicast peer memory, and the one-shot all-reduce on them
+(kernels/lamport.cuh, kernels/all_reduce.cu). No NVLink multicast: every rank maps
+every peer's buffer through CUDA IPC and writes into it with ordinary stores.
+
+Layout. Each rank owns one buffer (``cuMemAlloc``, so its IPC handle covers it
+exactly) of GENERATIONS x tp slots of ``capacity`` bf16. Slot (g, s) of rank r is
+written only by rank s, in a call of generation g, and read only by rank r. Every
+element starts as the sentinel (bf16 0xffff, a negative NaN with every payload bit
+set: arithmetic produces the canonical NaN 0x7fff, and the producer maps any NaN to
+0x7fff before it publishes, so data never equals the sentinel; a NaN stays a NaN).
+
+A call (one kernel): read the generation g from the device control block (so graph
+replays need no per-step host constant); each thread pushes its 16 bytes to slot
+(g, rank) of every peer; reads slot (g, s) of its own buffer for s = 0..tp-1 in
+rank order, spinning until no element is the sentinel (the data is its own flag),
+summing in fp32 from rank 0's value (comm.Collectives's order: the same bits on
+every rank and the same as the reference transport), writing the sentinel back
+into each slot it consumed; rounds once to bf16. The last block to finish advances
+g to (g + 1) mod 3. Every rank makes the same calls in the same order (stream
+order; the generation is per executor, shared by its all-reduce sub-ops and fused
+boundaries), so the generations agree without any host exchange after the build.
+
+Memory ordering (the argument; one GPU cannot falsify a scope bug, so it is on
+paper). Stores to peers and spin loads are ``st/ld.volatile.global`` (relaxed at
+system scope: strong, never served from a stale L1 line, each 32-bit element
+single-copy atomic, so a torn 16-byte vector shows the sentinel in some element
+and is read again, never mixed bits within one bf16 pair). Every thread executes
+``fence.acq_rel.sys`` before its pushes and after its reads.
+
+1. Data: a value's only consumer is the spinning reader, and it is its own flag: no
+   other payload depends on it, so no release/acquire is needed for the value.
+2. Reuse of a slot: rank r consumes slot (g, s) at call k and clears it (a store by
+   the same thread to the same address after reading s's value: coherence orders
+   the clear after s's write). Rank s writes that slot again at call k + 3 at the
+   earliest, and only after it has read rank r's push of call k + 1 (s cannot
+   finish call k + 1 without it). r's push of k + 1 follows r's fence.acq_rel.sys
+   (release), which follows the clear in r's program order (the clear's kernel
+   completed before the next call passed pdl_wait; a fence is cumulative over the
+   writes ordered before it); s's read of that push is followed by s's fence
+   (acquire) before any later store of s. So the clear happens-before s's next
+   write and cannot overwrite it. Two generations would satisfy this argument;
+   the third leaves a whole call of slack, as TensorRT-LLM's Lamport buffers do.
+3. Inputs: a call reads its local block after ``pdl_wait`` (griddepcontrol.wait
+   makes the previous grid's writes visible), and the generation likewise.
+4. Scope: every fence and strong access is ``.sys``. With ``.gpu`` the argument
+   holds on one GPU (all ranks share one L2) and fails across GPUs: a peer's L2
+   could keep a line the fence did not order. Do not narrow it.
+
+Liveness. A slow rank only delays the others (they spin). The spin traps with a
+message after LAMPORT_SPIN_LIMIT_NS (ten minutes) instead of hanging forever; a
+rank that stops making calls (a crash) is the only way to reach it.
+
+The build is collective: every rank allocates, fills with the sentinel, then
+exchanges IPC handles with ``all_gather_object`` over the TP group (gloo or NCCL)
+at the same point of the build (the executor's first build of a provider that
+needs the mailbox), and opens every peer's handle. A rank with a TP shard and no
+group (detached) has no mailbox: its all-reduce is left out, as the reference's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from sparkdecode.protocols import BuildContext, Deployment
+
+from .launch import Kernel, _check, _ensure_context, i32, i64, ptr
+
+SOURCE = "all_reduce.cu"
+COMPILE_OPTIONS = ("--fmad=false",)
+GENERATIONS = 3
+MAX_TP = 8
+SENTINEL = 0xFFFF
+THREADS = 256  # AR_THREADS in all_reduce.cu
+_CONTROL = "lamport_control"  # the executor buffer the workspace hangs on
+
+
+def lamport_unsupported(d: Deployment) -> str | None:
+    if d.tp > MAX_TP:
+        return f"the Lamport mailbox serves at most {MAX_TP} ranks, not {d.tp}"
+    return None
+
+
+def capacity(ctx: BuildContext) -> int:
+    """Elements per slot: the largest reduction of a step (the attention partial
+    [b, H], the expert-TP route rows [b, k, P], the EP tail [b, P]), in 16 bytes."""
+    s = ctx.spec
+    n = ctx.max_rows * max(s.H, s.top_k * s.P, s.P)
+    return -(-n // 8) * 8
+
+
+def _close(peers: list[int], local: int) -> None:
+    from cuda.bindings import driver
+
+    for p in peers:  # at interpreter exit the context may be gone: nothing left to release
+        driver.cuIpcCloseMemHandle(p)
+    driver.cuMemFree(local)
+
+
+class LamportWorkspace:
+    """This rank's buffer, every peer's mapped buffer, the device pointer table and
+    the control block (generation, blocks done, trap flag)."""
+
+    def __init__(self, device: torch.device, group: object, tp: int, rank: int, capacity: int):
+        from cuda.bindings import driver
+
+        self.tp, self.rank, self.capacity = tp, rank, capacity
+        _ensure_context(device)
+        nbytes = GENERATIONS * tp * capacity * 2
+        (local,) = _check(driver.cuMemAlloc(nbytes), "cuMemAlloc of the Lamport buffer")
+        _check(driver.cuMemsetD16(local, SENTINEL, nbytes // 2), "cuMemsetD16")
+        _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+        (handle,) = _check(driver.cuIpcGetMemHandle(local), "cuIpcGetMemHandle (CUDA IPC)")
+        mine = ctypes.string_at(handle.getPtr(), driver.CU_IPC_HANDLE_SIZE)
+        handles: list[bytes | None] = [None] * tp
+        # Collective, at the same point of the build on every rank; it is also the
+        # barrier after which every buffer holds only sentinels.
+        dist.all_gather_object(handles, mine, group=group)
+        opened, bases = [], []
+        for r, h in enumerate(handles):
+            if r == rank:
+                bases.append(int(local))
+                continue
+            theirs = driver.CUipcMemHandle()
+            ctypes.memmove(theirs.getPtr(), h, driver.CU_IPC_HANDLE_SIZE)
+            flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+            (p,) = _check(driver.cuIpcOpenMemHandle(theirs, flags), f"cuIpcOpenMemHandle of rank {r}'s buffer")
+            opened.append(p)
+            bases.append(int(p))
+        self.peers = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.control = torch.zeros(4, dtype=torch.int32, device=device)
+        self.kernel = Kernel(SOURCE, "all_reduce_kernel", device, None, COMPILE_OPTIONS)
+        self._finalizer = weakref.finalize(self, _close, opened, local)
+
+    def args(self) -> list:
+        """The kernel arguments every Lamport kernel ends with."""
+        return [ptr(self.peers), ptr(self.control), i32(self.rank), i32(self.tp), i64(self.capacity)]
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """x (bf16, contiguous, 16-byte aligned) summed over the group in place."""
+        n = x.numel()
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or n % 8 or x.data_ptr() % 16:
+            raise ValueError(f"the Lamport all-reduce takes contiguous 16-byte-aligned bf16, got {x.dtype} {x.shape}")
+        if n > self.capacity:
+            raise ValueError(f"{n} elements exceed the Lamport slot of {self.capacity}")
+        chunks = n // 8
+        self.kernel.launch((-(-chunks // THREADS), 1, 1), (THREADS, 1, 1), [ptr(x), i64(chunks), *self.args()])
+
+
+def workspace(ctx: BuildContext) -> LamportWorkspace | None:
+    """The executor's one workspace (kept on its control buffer, so it lives and
+    dies with the executor's buffers); built at the first ask, collectively. None
+    at TP 1 and on a detached rank."""
+    if ctx.tp == 1 or ctx.group is None:
+        return None
+    control = ctx.buffers.get(_CONTROL)
+    if control is None:
+        ws = LamportWorkspace(ctx.device, ctx.group, ctx.tp, ctx.rank, capacity(ctx))
+        ctx.buffers[_CONTROL] = ws.control
+        ws.control.lamport = ws  # the tensor holds the workspace: one lifetime
+        return ws
+    return control.lamport

@@ -89,3 +89,55 @@ def test_unsupported_off_hopper():
         hopper, spec=dataclasses.replace(spec, hidden_size=1088, num_attention_heads=17, num_key_value_heads=1)
     )
     assert "hidden size 1088" in boundary.CudaBoundary.unsupported(odd)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("width,intermediate,top_k", [(4096, 512, 8), (4096, 4096, 8), (512, 512, 4), (512, 256, 4)])
+def test_experts_kernels_compile_for_hopper(fmt, width, intermediate, top_k, tmp_path, monkeypatch):
+    """The routed experts at the TP8 rank's expert-TP slice (I 512) and EP (whole
+    experts), and the tiny spec's shapes."""
+    from sparkdecode_cuda import experts
+
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    assert experts.shape_unsupported(width, intermediate, fmt, top_k, 8) is None
+    defines = {"P_DIM": width, "I_LOCAL": intermediate, "FMT": int(fmt == "nvfp4"), "TOP_K": top_k}
+    cubin = nvrtc.compile_cubin(experts.SOURCE, "sm_90a", defines, experts.COMPILE_OPTIONS)
+    assert b"experts_up_kernel" in cubin and b"experts_down_kernel" in cubin
+
+
+def test_experts_unsupported_shapes():
+    from sparkdecode_cuda import experts
+
+    assert "at most 8 rows" in experts.shape_unsupported(4096, 512, "nvfp4", 8, 16)
+    assert "multiples of 128" in experts.shape_unsupported(4096, 96, "nvfp4", 8, 8)
+    assert "multiples of 32" in experts.shape_unsupported(4096, 80, "bf16", 8, 8)
+    spec = ModelSpec.preset("muse-spark-open")
+    cpu = detect(spec, device="cpu")
+    for cls in (experts.CudaExperts, experts.CudaExpertsNvfp4):
+        assert cls.unsupported(cpu) == "needs a CUDA GPU"
+        hopper = dataclasses.replace(cpu, device="cuda", capability=(9, 0), tp=8, expert_parallel="tp")
+        assert cls.unsupported(hopper) is None
+        assert "rows" in cls.unsupported(dataclasses.replace(hopper, max_rows=16))
+
+
+def test_markov_kernel_compiles_and_says_what_it_takes(tmp_path, monkeypatch):
+    """The draft's Markov sampling kernel compiles for Hopper; cuda.markov takes only a
+    Hopper draft deployment."""
+    import torch
+
+    from sparkdecode.draft.executor import DraftConfig, draft_deployment
+    from sparkdecode.draft.spec import DraftSpec
+    from sparkdecode_cuda import markov
+
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    assert nvrtc.compile_cubin(markov.SOURCE, "sm_90a", markov.defines(), markov.COMPILE_OPTIONS)[:4] == b"\x7fELF"
+    target = ModelSpec.preset("tiny")
+    draft = draft_deployment(DraftSpec.preset("tiny", target=target), target, "cpu", DraftConfig())
+    assert markov.CudaMarkov.unsupported(draft) == "needs a CUDA GPU"
+    hopper = dataclasses.replace(draft, device="cuda", capability=(9, 0))
+    assert markov.CudaMarkov.unsupported(hopper) is None
+    assert "SM90" in markov.CudaMarkov.unsupported(dataclasses.replace(hopper, capability=(8, 0)))
+    plain = detect(target, device="cpu")
+    assert "draft" in markov.CudaMarkov.unsupported(dataclasses.replace(plain, device="cuda", capability=(9, 0)))
+    assert markov.grid_blocks(202048) == 198 and markov.grid_blocks(1024) == 1
+    assert markov.fp32_reciprocal(20.0) == float(torch.tensor(0.05, dtype=torch.float32))

@@ -9,9 +9,19 @@ from sparkdecode.plugins import hookimpl
 from .all_reduce import CudaAllReduce
 from .attention import CudaAttention
 from .boundary import CudaAttentionBoundary, CudaBoundary, CudaFinal
+from .experts import CudaExperts, CudaExpertsNvfp4
 from .moe import CudaMoE
 
-PROVIDERS: tuple[type, ...] = (CudaBoundary, CudaAttention, CudaAttentionBoundary, CudaMoE, CudaFinal, CudaAllReduce)
+PROVIDERS: tuple[type, ...] = (
+    CudaBoundary,
+    CudaAttention,
+    CudaAttentionBoundary,
+    CudaMoE,
+    CudaExperts,
+    CudaExpertsNvfp4,
+    CudaFinal,
+    CudaAllReduce,
+)
 
 
 @hookimpl

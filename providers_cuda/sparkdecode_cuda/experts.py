@@ -1,0 +1,198 @@
+"""The routed experts (sub-ops ``experts`` and ``experts_nvfp4``) as two kernels of
+kernels/experts.cu, one source templated on the weight format:
+
+    experts_up_kernel:   the distinct held experts found from the ids on the device;
+                         each one's W13 read once for the 8 rows, SwiGLU -> act
+    experts_down_kernel: each one's W2 read once -> rows[b, k, P]
+
+The kernels read the weights as the checkpoint stores them (bf16 rows; NVFP4 codes
+row-major two a byte, e4m3 scales row-major per 16 values, fp32 globals per expert):
+there is nothing to repack, so the provider keeps views of the layer's tensors and
+no second copy. Under EP the routes to other ranks' experts get zero rows; under
+expert TP the rows are this rank's partial over its I-slice.
+
+Against the reference (``reference.experts`` / ``reference.experts_nvfp4``): the
+NVFP4 values are dequantized to the reference's bf16 bits (nvfp4.dequantize), both
+GEMM outputs are rounded to bf16 where the reference rounds them, SwiGLU is the same
+fp32 operations; the GEMMs' fp32 sums run in another order (tensor-core MMA over
+16 values, the K-slices of the warps added in a fixed order), so an output differs
+by fp32 rounding of the sums, a bf16 ulp where that crosses a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk
+
+from .boundary import _Cuda, cuda_unsupported
+from .launch import Kernel, i32, ptr
+
+SOURCE = "experts.cu"
+COMPILE_OPTIONS = ("--fmad=false",)
+MAX_ROWS = 8  # the MMA's n
+MAX_ROUTES = 64
+# Codes' bytes per 16-byte load (NVFP4: 32 values; bf16: 8), times the 4 threads of a row.
+CHUNK = {"bf16": 32, "nvfp4": 128}
+BLOCKS_PER_SM = 2  # the kernels' 256 threads fit twice on an SM
+# dequantization is exact while scale * global * 2^126 stays finite (experts.cu)
+MAX_BLOCK_SCALE = 4.0
+
+
+def _warps_k(k: int, chunk: int) -> int:
+    """Warps along K (as experts.cu's warps_k)."""
+    return 8 if k >= 16 * chunk else 4 if k >= 8 * chunk else 2 if k >= 4 * chunk else 1
+
+
+def shape_unsupported(width: int, intermediate: int, fmt: str, top_k: int, max_rows: int) -> str | None:
+    """Why the kernels cannot take this pooled width P and this rank's I-slice, or None."""
+    chunk = CHUNK[fmt]
+    if max_rows > MAX_ROWS:
+        return f"max_rows {max_rows}: the experts kernels take at most {MAX_ROWS} rows"
+    if max_rows * top_k > MAX_ROUTES:
+        return f"{max_rows} rows x top-{top_k}: the experts kernels take at most {MAX_ROUTES} routes"
+    for what, k in (("moe_hidden_size", width), ("this rank's moe_intermediate_size", intermediate)):
+        if k % chunk:
+            return f"{what} {k}: the {fmt} experts kernels take multiples of {chunk}"
+    wm1 = 8 // _warps_k(width, chunk)
+    wm2 = 8 // _warps_k(intermediate, chunk)
+    if intermediate % (16 * wm1):
+        return f"this rank's moe_intermediate_size {intermediate}: not a multiple of {16 * wm1}"
+    if width % (32 * wm2):
+        return f"moe_hidden_size {width}: not a multiple of {32 * wm2}"
+    return None
+
+
+class CudaExperts(_Cuda):
+    """Sub-op ``experts``: bf16 routed experts on this pack's kernels."""
+
+    block = "experts"
+    name = "cuda.experts"
+    format = "bf16"
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        d, s = deployment, deployment.spec
+        intermediate = s.I // d.tp if d.expert_parallel == "tp" else s.I
+        return cuda_unsupported(d) or shape_unsupported(s.P, intermediate, cls.format, s.top_k, d.max_rows)
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        spec = ctx.spec
+        e = self.experts = ctx.layer(layer).experts
+        if e.format != self.format:
+            raise ValueError(f"layer {layer}: {self.name} serves {self.format} experts, not {e.format}")
+        self.intermediate = e.w2.shape[2] * (2 if e.format == "nvfp4" else 1)
+        why = shape_unsupported(spec.P, self.intermediate, self.format, spec.top_k, ctx.max_rows)
+        if why:
+            raise ValueError(f"layer {layer}: {why}")
+        self._check_layout(layer)
+        self.top_k, self.width = spec.top_k, spec.P
+        defines = {
+            "P_DIM": spec.P,
+            "I_LOCAL": self.intermediate,
+            "FMT": 1 if self.format == "nvfp4" else 0,
+            "TOP_K": spec.top_k,
+        }
+        self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        self.down = Kernel(SOURCE, "experts_down_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
+        self.act = ctx.scratch(
+            f"cuda_experts_act_{self.intermediate}", (max(slots, 1), MAX_ROWS, self.intermediate), torch.bfloat16
+        )
+        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        chunk = CHUNK[self.format]
+        tiles_up = self.intermediate // (16 * (8 // _warps_k(spec.P, chunk)))
+        tiles_down = spec.P // (32 * (8 // _warps_k(self.intermediate, chunk)))
+        self.grid_up = max(1, min(slots * tiles_up, BLOCKS_PER_SM * sms))
+        self.grid_down = max(1, min(max(slots, 1) * tiles_down, BLOCKS_PER_SM * sms))
+        self.scales = self._scale_views()
+
+    def _check_layout(self, layer: int) -> None:
+        e = self.experts
+        for name, t in (("w13", e.w13), ("w2", e.w2)):
+            if not t.is_contiguous():
+                raise ValueError(f"layer {layer}: {self.name} takes contiguous expert weights ({name} is strided)")
+
+    def _scale_views(self) -> tuple[torch.Tensor | None, ...]:
+        return (None, None, None, None)
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> CudaExperts:
+        assert layer is not None
+        return cls(ctx, layer)
+
+    def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
+        x, ids = inputs.x, topk.ids
+        b = x.shape[0]
+        if ids.dtype != torch.int32 or not ids.is_contiguous() or tuple(ids.shape) != (b, self.top_k):
+            raise ValueError(f"{self.name}: ids must be contiguous int32 [{b}, {self.top_k}]")
+        if not rows.is_contiguous() or tuple(rows.shape) != (b, self.top_k, self.width):
+            raise ValueError(f"{self.name}: rows must be contiguous bf16 [{b}, {self.top_k}, {self.width}]")
+        if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
+            raise ValueError(f"{self.name}: x rows must be contiguous, 8-byte aligned, row stride a multiple of 4")
+        e = self.experts
+        w13_scale, w13_global, w2_scale, w2_global = self.scales
+        self.up.launch(
+            (self.grid_up, 1, 1),
+            (256, 1, 1),
+            [
+                ptr(x),
+                i32(x.stride(0)),
+                i32(b),
+                ptr(ids),
+                i32(e.first_expert),
+                i32(e.num_local),
+                ptr(e.w13),
+                ptr(w13_scale),
+                ptr(w13_global),
+                ptr(self.act),
+            ],
+        )
+        self.down.launch(
+            (self.grid_down, 1, 1),
+            (256, 1, 1),
+            [
+                ptr(self.act),
+                i32(b),
+                ptr(ids),
+                i32(e.first_expert),
+                i32(e.num_local),
+                ptr(e.w2),
+                ptr(w2_scale),
+                ptr(w2_global),
+                ptr(rows),
+            ],
+        )
+
+
+class CudaExpertsNvfp4(CudaExperts):
+    """Sub-op ``experts_nvfp4``: NVFP4 routed experts, dequantized in registers."""
+
+    block = "experts_nvfp4"
+    name = "cuda.experts_nvfp4"
+    format = "nvfp4"
+
+    def _check_layout(self, layer: int) -> None:
+        super()._check_layout(layer)
+        q = self.experts.nvfp4
+        assert q is not None
+        for name, t in (("w13_scale", q.w13_scale), ("w2_scale", q.w2_scale)):
+            if t.dtype != torch.float8_e4m3fn or not t.is_contiguous():
+                raise ValueError(f"layer {layer}: {self.name} takes contiguous e4m3 scales ({name})")
+        for name, t in (("w13_global", q.w13_global), ("w2_global", q.w2_global)):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"layer {layer}: {self.name} takes contiguous fp32 global scales ({name})")
+        largest = max(
+            (q.w13_scale.float().amax(dim=(1, 2))[:, None] * q.w13_global.abs()).max().item(),
+            (q.w2_scale.float().amax(dim=(1, 2)) * q.w2_global.abs()).max().item(),
+        )
+        if not largest < MAX_BLOCK_SCALE:
+            raise ValueError(
+                f"layer {layer}: a block scale times its global scale is {largest:g}; {self.name} "
+                f"dequantizes exactly below {MAX_BLOCK_SCALE:g} (weights of magnitude up to 24)"
+            )
+
+    def _scale_views(self) -> tuple[torch.Tensor | None, ...]:
+        q = self.experts.nvfp4
+        assert q is not None
+        return (q.w13_scale.view(torch.uint8), q.w13_global, q.w2_scale.view(torch.uint8), q.w2_global)

@@ -1,0 +1,228 @@
+"""providers_cuda's routed experts (cuda.experts, cuda.experts_nvfp4) on a Hopper GPU
+against the reference (marker gpu).
+
+Bounds, and why: the NVFP4 values are dequantized to the reference's bf16 bits
+(checked exactly below), x and the weights are the same bf16 numbers, and both GEMM
+outputs and SwiGLU round to bf16 where the reference rounds; only the GEMMs' fp32
+sums run in another order (the MMA's 16-value steps, the warps' K-slices added in
+warp order, against cuBLAS's order). So each output is within a few fp32 roundings
+of the reference before its bf16 rounding: one bf16 ulp (2^-8 relative) where that
+crosses a rounding boundary, and after the SwiGLU of such a flipped value, a few
+ulps in rare elements. Asserted: relative Frobenius error below 2^-8 and every
+element within 4 ulps of the reference's magnitude plus 1e-3 of the row's scale.
+With inputs whose products and sums are exact in fp32 (small integers times powers
+of two), the orders cannot differ and the outputs are asserted bit for bit: that
+checks the in-register dequantization against nvfp4.dequantize exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from sparkdecode.protocols import BuildContext, ExpertsInput, RoutedTopk
+from sparkdecode.reference import functional as fn
+from sparkdecode.spec import ModelSpec
+from sparkdecode.weights import ExpertWeights, Nvfp4Scales, Sharding, quantize_experts
+from sparkdecode.weights import _shard_experts as shard_experts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs a Hopper GPU"
+    ),
+]
+
+experts_mod = pytest.importorskip("sparkdecode_cuda.experts")
+
+
+def context(spec: ModelSpec, experts: ExpertWeights, max_rows: int = 8) -> BuildContext:
+    layer = dataclasses.make_dataclass("L", [("experts", ExpertWeights)])(experts)
+    weights = dataclasses.make_dataclass("W", [("layers", list)])([layer])
+    return BuildContext(
+        spec=spec,
+        weights=weights,
+        tp=1,
+        rank=0,
+        device=torch.device("cuda"),
+        group=None,
+        deployment=None,
+        buffers={},
+        aux_layers=(),
+        max_rows=max_rows,
+        max_context=1024,
+        mailboxes=[],
+        ops={},
+    )
+
+
+def random_experts(spec: ModelSpec, fmt: str, sharding: Sharding, seed: int) -> ExpertWeights:
+    """A TP-1 draw of the full experts (quantized as the checkpoint is), cut as
+    shard_weights cuts them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, P, I = spec.E, spec.P, spec.I  # noqa: E741, N806
+    w13 = (torch.randn(E, 2 * I, P, generator=g, device="cuda") * P**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, P, I, generator=g, device="cuda") * I**-0.5).to(torch.bfloat16)
+    full = ExpertWeights("bf16", w13, w2)
+    if fmt == "nvfp4":
+        full = quantize_experts(full)
+    return full if sharding.tp == 1 else shard_experts(spec, full, sharding)
+
+
+def reference_rows(experts: ExpertWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    w13, w2 = experts.dequantized()
+    return fn.expert_rows(x, ids, w13, w2, experts.first_expert)
+
+
+def routing(b: int, k: int, experts: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    if kind == "distinct":
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(b)])
+    else:  # every row picks among the same few experts: duplicates across rows
+        pool = torch.randperm(experts, generator=g)[: max(k, 3)]
+        ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(b)])
+    return ids.to(torch.int32).cuda()
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    o, r = out.float(), ref.float()
+    assert torch.isfinite(o).all()
+    rel = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
+    assert rel < 2**-8, rel
+    scale = r.abs().amax(dim=-1, keepdim=True)
+    assert ((o - r).abs() <= r.abs() * 4 * 2**-8 + 1e-3 * scale).all()
+
+
+SHAPES = {
+    # name: (spec, sharding)
+    "tiny": (ModelSpec.preset("tiny"), Sharding()),
+    "tiny-ep2": (ModelSpec.preset("tiny"), Sharding(tp=2, rank=1, expert_parallel="ep")),
+    "tp8-rank-expert-tp": (ModelSpec.preset("muse-spark-open"), Sharding(tp=8, rank=3, expert_parallel="tp")),
+    "tp8-rank-ep": (ModelSpec.preset("muse-spark-open"), Sharding(tp=8, rank=5, expert_parallel="ep")),
+}
+
+
+def provider(fmt: str):
+    return experts_mod.CudaExpertsNvfp4 if fmt == "nvfp4" else experts_mod.CudaExperts
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_experts_equal_reference(fmt, shape):
+    spec, sharding = SHAPES[shape]
+    experts = random_experts(spec, fmt, sharding, seed=len(shape))
+    ctx = context(spec, experts)
+    op = provider(fmt).build(ctx, 0)
+    g = torch.Generator().manual_seed(7)
+    for b in (1, 3, 8):
+        for kind in ("distinct", "duplicates"):
+            x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
+            ids = routing(b, spec.top_k, spec.E, kind, g)
+            rows = torch.full((b, spec.top_k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
+            op.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(b, spec.top_k, device="cuda")), rows)
+            torch.cuda.synchronize()
+            close(rows, reference_rows(experts, x, ids))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_experts_replay_with_changing_ids(fmt):
+    """One graph capture, replayed with new ids and x each time (no host sync)."""
+    spec, sharding = SHAPES["tp8-rank-expert-tp"]
+    experts = random_experts(spec, fmt, sharding, seed=3)
+    op = provider(fmt).build(context(spec, experts), 0)
+    b, k = 8, spec.top_k
+    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
+    weights = torch.ones(b, k, device="cuda")
+    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op.run(ExpertsInput(x), RoutedTopk(ids, weights), rows)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.run(ExpertsInput(x), RoutedTopk(ids, weights), rows)
+    g = torch.Generator().manual_seed(11)
+    for i in range(6):
+        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
+        ids.copy_(routing(b, k, spec.E, "distinct" if i % 2 else "duplicates", g))
+        rows.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        close(rows, reference_rows(experts, x, ids))
+
+
+def exact_nvfp4_experts(spec: ModelSpec, num: int, intermediate: int, g: torch.Generator) -> ExpertWeights:
+    """NVFP4 experts with random codes, random finite e4m3 scales (subnormals too) and
+    random fp32 globals: their dequantized values round in fp32 and in bf16."""
+    P = spec.P  # noqa: N806
+
+    def part(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.randint(0, 256, (num, rows, cols // 2), generator=g, dtype=torch.uint8)
+        scale = torch.randint(1, 0x7F, (num, rows, cols // 16), generator=g, dtype=torch.uint8)
+        return codes.cuda(), scale.view(torch.float8_e4m3fn).cuda()
+
+    w13, w13_scale = part(2 * intermediate, P)
+    w2, w2_scale = part(P, intermediate)
+    w13_global = ((1 + torch.rand(num, 2, generator=g)) * 2**-9).cuda()
+    w2_global = ((1 + torch.rand(num, generator=g)) * 2**-9).cuda()
+    return ExpertWeights("nvfp4", w13, w2, nvfp4=Nvfp4Scales(w13_scale, w13_global, w2_scale, w2_global))
+
+
+def test_nvfp4_dequantization_bit_exact():
+    """x one-hot at column c: the up GEMM's sum has one term, so gate and up are the
+    dequantized W13 column c itself and the act buffer (bf16(silu(gate) * up), one
+    slot per expert in route order) must equal the reference's SwiGLU of
+    nvfp4.dequantize's bf16 values bit for bit, at columns across scale blocks."""
+    spec = dataclasses.replace(ModelSpec.preset("muse-spark-open"), moe_intermediate_size=512)
+    g = torch.Generator().manual_seed(5)
+    experts = exact_nvfp4_experts(spec, 4, 512, g)
+    op = experts_mod.CudaExpertsNvfp4.build(context(spec, experts), 0)
+    w13, _ = experts.dequantized()
+    k = spec.top_k
+    ids = (torch.arange(k, dtype=torch.int32) % 4)[None].cuda()  # experts 0..3, each twice
+    for col in (0, 1, 15, 16, 17, 31, 32, 100, 2049, spec.P - 1):
+        x = torch.zeros(1, spec.P, dtype=torch.bfloat16, device="cuda")
+        x[0, col] = 1.0
+        rows = torch.empty(1, k, spec.P, dtype=torch.bfloat16, device="cuda")
+        op.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(1, k, device="cuda")), rows)
+        torch.cuda.synchronize()
+        for slot in range(4):
+            want = fn.swiglu(w13[slot][:, col][None], 512)[0]
+            assert torch.equal(op.act[slot, 0], want), (col, slot)  # values: -0 == +0
+        close(rows, reference_rows(experts, x, ids))
+
+
+def test_nvfp4_down_projection_bit_exact():
+    """act with one nonzero column per row: the down GEMM's sum has one term, so the
+    rows are W2's dequantized column times an exact bf16 value: bit for bit."""
+    spec = dataclasses.replace(ModelSpec.preset("muse-spark-open"), moe_intermediate_size=512)
+    g = torch.Generator().manual_seed(9)
+    experts = exact_nvfp4_experts(spec, 4, 512, g)
+    # W13 of zeros except gate = up = 1 at column 0 of intermediate column c:
+    # act[c] = bf16(silu(1) * 1) for x = e_0; everything else 0.
+    w13 = torch.full_like(experts.w13, 0)
+    w13_scale = torch.ones_like(experts.nvfp4.w13_scale.float()).to(torch.float8_e4m3fn)
+    c = 37
+    w13[:, c, 0] = 0x2  # code 2 = 1.0 in the low nibble (column 0)
+    w13[:, 512 + c, 0] = 0x2
+    q = experts.nvfp4
+    experts = ExpertWeights(
+        "nvfp4", w13, experts.w2, nvfp4=Nvfp4Scales(w13_scale, torch.ones_like(q.w13_global), q.w2_scale, q.w2_global)
+    )
+    op = experts_mod.CudaExpertsNvfp4.build(context(spec, experts), 0)
+    _, w2 = experts.dequantized()
+    k = spec.top_k
+    x = torch.zeros(8, spec.P, dtype=torch.bfloat16, device="cuda")
+    x[:, 0] = 1.0
+    ids = torch.tensor([[(r + j) % 4 for j in range(k)] for r in range(8)], dtype=torch.int32).cuda()
+    rows = torch.full((8, k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
+    op.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(8, k, device="cuda")), rows)
+    torch.cuda.synchronize()
+    act = fn.swiglu(torch.ones(1, 2, dtype=torch.bfloat16, device="cuda"), 1)[0, 0].float()
+    for r in range(8):
+        for j in range(k):
+            want = (w2[ids[r, j]][:, c].float() * act).to(torch.bfloat16)
+            assert torch.equal(rows[r, j], want), (r, j)

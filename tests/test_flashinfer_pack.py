@@ -21,7 +21,7 @@ from sparkdecode.plugins import discover
 from sparkdecode.protocols import KVGroupMetadata, LayerKV
 from sparkdecode.reference.kvcache import BLOCK_SIZE, NULL_PAGE, PagedKVCache
 from sparkdecode.spec import ModelSpec
-from sparkdecode_flashinfer import allreduce, pages, plugin, support
+from sparkdecode_flashinfer import allreduce, jit_cache, pages, plugin, support
 from sparkdecode_flashinfer.allreduce import FlashInferAllReduce
 from sparkdecode_flashinfer.prefill import FlashInferPrefill
 from sparkdecode_flashinfer.xqa import FlashInferXqa, causal_mask
@@ -222,3 +222,25 @@ def test_check_cache_names_the_problem():
     strided = torch.zeros(4, 16, 2, 96, dtype=torch.bfloat16)[..., :64]
     with pytest.raises(ValueError, match="strides"):
         support.check_cache("x", 0, ok._replace(k=strided, v=strided), 2, 64, 16)
+
+
+def test_jit_cache_round_trip(tmp_path, monkeypatch):
+    """Saved modules go back into the AOT folder of an install with the same key only;
+    a module already there is kept."""
+    jit, aot, saved = tmp_path / "cached_ops", tmp_path / "aot", tmp_path / "saved"
+    for name in ("xqa_a", "trtllm_comm"):
+        (jit / name).mkdir(parents=True)
+        (jit / name / f"{name}.so").write_bytes(name.encode())
+    (jit / "half_built").mkdir()  # a build that never linked
+    (jit / "half_built" / "half_built.o").write_bytes(b"")
+    monkeypatch.setattr(jit_cache, "_paths", lambda: (jit, aot, "0.7.2.post1/90a/cu13.0"))
+    assert [p.parent.name for p in jit_cache.save(saved)] == ["trtllm_comm", "xqa_a"]
+    assert (saved / "0.7.2.post1/90a/cu13.0/xqa_a/xqa_a.so").read_bytes() == b"xqa_a"
+    (aot / "trtllm_comm").mkdir(parents=True)
+    (aot / "trtllm_comm" / "trtllm_comm.so").write_bytes(b"shipped")
+    assert [p.parent.name for p in jit_cache.load(saved)] == ["xqa_a"]
+    assert (aot / "xqa_a" / "xqa_a.so").read_bytes() == b"xqa_a"
+    assert (aot / "trtllm_comm" / "trtllm_comm.so").read_bytes() == b"shipped"
+    monkeypatch.setattr(jit_cache, "_paths", lambda: (jit, tmp_path / "other", "0.7.3/90a/cu13.0"))
+    assert jit_cache.load(saved) == []
+    assert jit_cache.load(tmp_path / "missing") == []

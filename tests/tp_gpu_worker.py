@@ -1,0 +1,110 @@
+"""One rank of the one-GPU tensor-parallel tests (spawned by test_gpu_tp_one_device.py):
+every rank on cuda:0, the host side of the group over gloo (NCCL refuses two ranks
+on one GPU), the collectives on the GPU through the cuda pack's Lamport mailboxes
+(CUDA IPC between the processes of one device; their kernels time-slice the GPU).
+
+Each variant: this rank's shard of one seeded TP-1 model, the executor with the
+variant's pins beside the TP stock forward (the reference transport over gloo),
+``steps`` verify steps (eagerly or replaying one captured graph), one position a
+step; per step on the GPU: whether the executor equals the stock forward bit for
+bit, its largest relative row error, whether greedy tokens agree where decided.
+Rank 0 also runs the TP-1 stock forward on the first steps' tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from test_tp import relative_rows
+
+from sparkdecode.executor import DecodeConfig, SpecializedDecode
+from sparkdecode.harness import DecodeHarness
+from sparkdecode.reference.kvcache import PagedKVCache
+from sparkdecode.reference.model import ReferenceModel
+from sparkdecode.weights import Sharding, random_weights, shard_weights
+from tp_worker import PROMPT, make_spec, to_cpu
+
+TP1_STEPS = 4  # steps compared with the TP-1 model on rank 0
+REFERENCE = {
+    kind: f"reference.{kind}"
+    for kind in ("boundary", "attention", "attention_boundary", "moe", "final", "experts", "attention_core", "linear")
+}
+PINS = {
+    # Only the transport changes: the executor must equal the TP stock forward bit for bit.
+    "all_reduce": {**REFERENCE, "all_reduce": "cuda.all_reduce"},
+    # The fused TP attention boundary and the cuda MoE (its tail reductions on cuda.all_reduce).
+    "fused": {
+        **REFERENCE,
+        "all_reduce": "cuda.all_reduce",
+        "attention_boundary": "cuda.attention_boundary",
+        "moe": "cuda.moe",
+    },
+}
+
+
+def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict:
+    spec = make_spec(variant["preset"], variant["smooth"])
+    full = random_weights(spec, seed=variant["seed"], device=device)
+    sharding = Sharding(tp, rank, variant["experts"], variant["shard_pooler"], variant["shard_unpooler"])
+    shard = shard_weights(full, sharding)
+    group = dist.group.WORLD
+    steps = variant["steps"]
+    max_context = -(-(PROMPT + steps + 16) // 64) * 64
+    pins = PINS[variant["pins"]]
+    config = DecodeConfig(max_context=max_context, aux_layers=(0, 1, spec.num_layers), pins=pins)
+    executor = SpecializedDecode(shard, config, group=group)
+    chosen = {kind: executor.layout.choices[kind].chosen.name for kind in pins}
+    assert chosen == pins, chosen
+    harness = DecodeHarness(
+        ReferenceModel(shard, max_context, group), executor, PROMPT, seed=variant["seed"], graph=variant["graph"]
+    )
+    prompt = torch.randint(0, spec.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7)).to(device)
+    harness.prefill(prompt)
+    exact, error, agree, hidden, aux, tokens, first = [], [], [], [], [], [], []
+    start = time.perf_counter()
+    for i in range(steps):
+        r = harness.verify(accepted=1)
+        exact.append(
+            torch.equal(r.executor_hidden, r.stock_hidden)
+            and all(torch.equal(a, b) for a, b in zip(r.executor_aux, r.stock_aux))
+        )
+        error.append(relative_rows(r.executor_hidden, r.stock_hidden).max())
+        diff = (r.executor_logits - r.stock_logits).abs().max()
+        top2 = r.stock_logits.topk(2, dim=-1).values
+        decided = (top2[:, 0] - top2[:, 1]) > 4 * diff
+        agree.append(torch.equal(r.executor_logits.argmax(-1)[decided], r.stock_logits.argmax(-1)[decided]))
+        hidden.append(r.executor_hidden)
+        if i < TP1_STEPS:
+            aux.append(r.executor_aux)
+            tokens.append(r.tokens)
+            first.append(r.first_position)
+    torch.cuda.synchronize(device)
+    out = {
+        "seconds": time.perf_counter() - start,
+        "exact": exact,
+        "error": torch.stack(error),
+        "agree": agree,
+        "hidden": torch.stack(hidden),
+        "aux": aux,
+    }
+    if rank == 0:
+        model = ReferenceModel(full, max_context)
+        cache = PagedKVCache(spec, max_context // 16 + 2, max_context, PROMPT, device)
+        model.step(cache, prompt, 0)
+        out["tp1_hidden"] = [model.step(cache, t, f)[0] for t, f in zip(tokens, first)]
+    return out
+
+
+def main(rank: int, tp: int, init: str, out_dir: str, variants: list[dict]) -> None:
+    torch.set_num_threads(1)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
+    try:
+        results = {"variants": [run_variant(rank, tp, v, device) for v in variants]}
+        torch.save(to_cpu(results), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -115,3 +115,17 @@ def test_tensor_parallel_on_one_gpu(tp, tmp_path):
         if case["smooth"]:
             for hidden, tp1 in zip(first["hidden"], first["tp1_hidden"]):
                 assert relative_rows(hidden, tp1).max() < 3e-2, case
+
+
+def test_collectives_bench_writes_a_labelled_record(tmp_path):
+    import json
+
+    from sparkdecode_cuda import bench_collectives
+
+    (path,) = bench_collectives.main(["--tp", "2", "--preset", "tiny", "--replays", "3", "--out", str(tmp_path)])
+    record = json.loads(path.read_text())
+    assert record["label"] == "one-GPU emulation, not a multi-GPU figure" and not record["speed_claim"]
+    assert record["config"] == "collectives-one-gpu-tp2" and record["commit"] and record["gpu"]
+    assert len(record["collectives"]) == 5
+    for entry in record["collectives"].values():
+        assert len(entry["per_call_us_by_rank"]) == 2 and entry["per_call_us_slowest_rank"] > 0

@@ -24,8 +24,7 @@ from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.harness import DecodeHarness
 from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.reference.model import ReferenceModel
-from sparkdecode.weights import Sharding, random_weights, shard_weights
-from tp_worker import PROMPT, make_spec, to_cpu
+from tp_worker import PROMPT, model_and_shard, to_cpu
 
 TP1_STEPS = 4  # steps compared with the TP-1 model on rank 0
 REFERENCE = {
@@ -46,10 +45,7 @@ PINS = {
 
 
 def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict:
-    spec = make_spec(variant["preset"], variant["smooth"])
-    full = random_weights(spec, seed=variant["seed"], device=device)
-    sharding = Sharding(tp, rank, variant["experts"], variant["shard_pooler"], variant["shard_unpooler"])
-    shard = shard_weights(full, sharding)
+    spec, full, shard = model_and_shard(rank, tp, variant, device)
     group = dist.group.WORLD
     steps = variant["steps"]
     max_context = -(-(PROMPT + steps + 16) // 64) * 64

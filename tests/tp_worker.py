@@ -21,7 +21,7 @@ from sparkdecode.reference import functional as fn
 from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.reference.model import ReferenceModel
 from sparkdecode.spec import ModelSpec
-from sparkdecode.weights import Sharding, random_weights, shard_weights
+from sparkdecode.weights import ModelWeights, Sharding, random_weights, shard_weights
 
 MAX_CONTEXT = 256
 PROMPT = 70  # past the window (64): sliding pages are released during the steps
@@ -36,11 +36,18 @@ def make_spec(preset: str, smooth: bool) -> ModelSpec:
     return dataclasses.replace(spec, num_experts_per_tok=spec.num_local_experts) if smooth else spec
 
 
-def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict:
+def model_and_shard(
+    rank: int, tp: int, variant: dict, device: torch.device
+) -> tuple[ModelSpec, ModelWeights, ModelWeights]:
+    """The variant's spec, its seeded TP-1 weights and this rank's shard of them."""
     spec = make_spec(variant["preset"], variant["smooth"])
     full = random_weights(spec, seed=variant["seed"], device=device)
     sharding = Sharding(tp, rank, variant["experts"], variant["shard_pooler"], variant["shard_unpooler"])
-    shard = shard_weights(full, sharding)
+    return spec, full, shard_weights(full, sharding)
+
+
+def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict:
+    spec, full, shard = model_and_shard(rank, tp, variant, device)
     group = dist.group.WORLD
     routes: list[torch.Tensor] = []
     route = fn.route

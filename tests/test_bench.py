@@ -15,7 +15,7 @@ import torch
 
 from sparkdecode.bench import configs
 from sparkdecode.bench.configs import BenchConfig, BenchConfigError, named
-from sparkdecode.bench.floor import block_bytes, expert_bytes, kv_keys
+from sparkdecode.bench.floor import block_bytes, expert_bytes, expert_tensors, kv_keys
 from sparkdecode.bench.runner import run
 from sparkdecode.bench.steer import CORRELATED_EXPERTS, draw_weights
 from sparkdecode.cli import main
@@ -139,3 +139,44 @@ def test_plot_from_a_record(tiny_record, tmp_path):
     assert main(["bench", "--plot-from", str(copy)]) == 0
     png = copy.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nvfp4_configs_count_and_draw_nvfp4_experts():
+    cfg = named("tp8-rank-L62-nvfp4")
+    assert (cfg.layers, cfg.expert_format, cfg.expert_parallel) == (62, "nvfp4", "tp")
+    assert [cfg.nvfp4_layer(i) for i in (0, 1, 60, 61)] == [False, True, True, False]
+    assert cfg.weights_bytes() < named("tp8-rank-L62-bf16").weights_bytes() * 0.4
+    assert named("tp8-rank-Lmax-nvfp4").fitting(141 << 30).name.endswith("-nvfp4")
+    # At the tiny widths: the NVFP4 bytes the config counts are the bytes drawn.
+    sizes = {}
+    for fmt in ("bf16", "nvfp4"):
+        small = BenchConfig("x", "tiny", 4, (200,), tp=2, expert_parallel="tp", expert_format=fmt, speed_claim=False)
+        weights = draw_weights(small, torch.device("cpu"), 0)
+        formats = [layer.experts.format for layer in weights.layers]
+        assert formats == (["bf16", "nvfp4", "nvfp4", "bf16"] if fmt == "nvfp4" else ["bf16"] * 4)
+        drawn = sum(t.numel() * t.element_size() for layer in weights.layers for t in expert_tensors(layer.experts))
+        sizes[fmt] = (small.weights_bytes(), drawn)
+    assert sizes["bf16"][0] - sizes["nvfp4"][0] == sizes["bf16"][1] - sizes["nvfp4"][1]
+
+
+def test_the_floor_counts_nvfp4_experts_with_their_scales():
+    spec = ModelSpec.preset("tiny")
+    weights = random_weights(spec, seed=1, expert_format="nvfp4")
+    P, I = spec.P, spec.I  # noqa: E741, N806
+    assert expert_bytes(weights.layers[0]) == 3 * I * P * 2  # bf16 edge layer
+    assert expert_bytes(weights.layers[1]) == 3 * I * P // 2 + 3 * I * P // 16 + 3 * 4
+
+
+def test_an_nvfp4_tp8_rank_runs_against_the_baseline():
+    """The torch baseline's NVFP4 path (per route dequantized, batched GEMVs) against
+    the executor's reference experts_nvfp4 (dequantized, grouped GEMMs): the same
+    bf16 weights and roundings, GEMMs of another shape."""
+    cfg = BenchConfig(
+        "tiny-tp8-rank-nvfp4", "tiny-tp8", 3, (200,), tp=8, expert_parallel="tp", expert_format="nvfp4",
+        speed_claim=False,
+    )  # fmt: skip
+    record = run(cfg, device=torch.device("cpu"), replays=1, blocks=False, routings=("random",))
+    (r,) = record["runs"]
+    assert record["shard"]["expert_format"] == "nvfp4"
+    assert r["check"]["finite"] and r["check"]["relative_error_baseline_vs_executor"] < 1e-2
+    assert r["check"]["layers_routed_alike"] == 3

@@ -29,7 +29,7 @@ from ..protocols import LayerKV
 from ..reference import functional as fn
 from ..reference import model
 from ..reference.kvcache import BLOCK_SIZE, PagedKVCache
-from ..weights import ModelWeights
+from ..weights import ExpertWeights, ModelWeights, Nvfp4Scales
 
 FLASHINFER_WORKSPACE = 128 << 20  # FlashInfer's recommended split-KV workspace
 
@@ -40,6 +40,32 @@ def flashinfer_version() -> str | None:
     except Exception:  # noqa: BLE001 - a broken install is as good as none here
         return None
     return getattr(flashinfer, "__version__", "unknown")
+
+
+def stock_expert_rows(h: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+    """The routed experts as torch runs them: bf16 experts as the two grouped GEMMs
+    (``fn.expert_rows``, each selected expert read once). NVFP4 experts: torch has
+    no FP4 GEMM on Hopper, so each route's expert is gathered and dequantized to
+    bf16 (nvfp4.dequantize), then batched GEMVs of the same rounding (an expert
+    chosen by several routes is read once per route). Bf16 [b, k, P]."""
+    if experts.nvfp4 is None:
+        return fn.expert_rows(h, ids, experts.w13, experts.w2, experts.first_expert)
+    b, k = ids.shape
+    local = ids.reshape(-1).long() - experts.first_expert
+    held = (local >= 0) & (local < experts.num_local)
+    index = local.clamp(0, experts.num_local - 1)
+    q = experts.nvfp4
+    routed = ExpertWeights(
+        "nvfp4",
+        experts.w13.index_select(0, index),
+        experts.w2.index_select(0, index),
+        nvfp4=Nvfp4Scales(*(q.w13_scale[index], q.w13_global[index], q.w2_scale[index], q.w2_global[index])),
+    )
+    w13, w2 = routed.dequantized()
+    x = h.repeat_interleave(k, dim=0)  # route r * k + j reads row r
+    gate_up = torch.bmm(w13, x[:, :, None])[..., 0]
+    y = torch.bmm(w2, fn.swiglu(gate_up, w2.shape[2])[:, :, None])[..., 0]
+    return torch.where(held[:, None], y, 0).reshape(b, k, -1)
 
 
 class FlashInferAttention:
@@ -179,8 +205,7 @@ class TorchBaseline:
         if self.routing is not None:
             self.routing[i].copy_(ids)
         h = model.pool(spec, layer, xf, self.collectives)
-        e = layer.experts
-        rows = fn.expert_rows(h, ids, e.w13, e.w2, e.first_expert)
+        rows = stock_expert_rows(h, ids, layer.experts)
         m = model.moe_tail(spec, layer, rows, weights, self.collectives.all_reduce)
         f = fn.linear(m, layer.unpooler)
         if f.shape[-1] != spec.H:  # a column-sharded unpooler: the next boundary gathers

@@ -5,8 +5,9 @@
 | ``tiny`` | the tiny preset, 4 layers | TP 1 | 1024, 4096 (its longest) | no: a smoke run |
 | ``tp1-real-L2`` | real widths, 2 layers, bf16 experts (26 GB a layer) | TP 1 | 4096, 32768 | yes |
 | ``tp8-rank-L<N>-bf16`` | real widths, N layers, bf16 experts | rank 0 of TP 8, expert TP, pooler and unpooler replicated (as vLLM's SM90 path keeps them) | 4096, 32768 | yes, collectives left out |
+| ``tp8-rank-L<N>-nvfp4`` | as above, the routed experts of layers 1..N-2 in NVFP4, the first and last layer's bf16 (as the released checkpoint stores them at N = 62) | as above | 4096, 32768 | yes, collectives left out |
 
-``tp8-rank-Lmax-bf16`` is the TP-8 rank with as many layers as fit beside the
+``tp8-rank-Lmax-bf16`` (or ``-nvfp4``) is the TP-8 rank with as many layers as fit beside the
 bench's own memory (``RESERVE_BYTES``) on this GPU; its record carries the
 resolved name. A config whose weights do not fit is refused before anything is drawn.
 
@@ -27,7 +28,7 @@ ROUTINGS = ("random", "correlated")
 # two fp32 temporaries of [V, H] (13.2 GB at the real widths); then the bench's
 # two KV caches, graph pools, L2-flush and FlashInfer workspaces reuse it.
 RESERVE_BYTES = 16 << 30
-_TP8_RANK = re.compile(r"tp8-rank-L(\d+|max)-bf16")
+_TP8_RANK = re.compile(r"tp8-rank-L(\d+|max)-(bf16|nvfp4)")
 
 
 @dataclass(frozen=True)
@@ -48,22 +49,37 @@ class BenchConfig:
         return ModelSpec.preset(self.preset, self.layers)
 
     def weights_bytes(self, layers: int | None = None) -> int:
-        """This rank's weights (bf16; the router and gate coefficients fp32), from the
+        """This rank's weights (bf16; the router and gate coefficients fp32; NVFP4
+        experts as codes, e4m3 scales and fp32 global and input scales), from the
         shapes alone: what drawing them will take."""
         s = ModelSpec.preset(self.preset, None)
+        layers = self.layers if layers is None else layers
         tp, H, P, I, E, d = self.tp, s.H, s.P, s.I, s.E, s.head_dim  # noqa: E741
         q, kv = s.num_attention_heads // tp * d, s.num_key_value_heads // tp * d
-        experts = (E // tp) * 3 * I * P if self.expert_parallel == "ep" else E * 3 * (I // tp) * P
-        per_layer = 2 * ((2 * q + 2 * kv) * H + H * q + 2 * P * H + experts + 6 * H + 2 * P) + 4 * (E * H + E + 4 * H)
-        return (layers if layers is not None else self.layers) * per_layer + 2 * (2 * s.vocab_size * H + H)
+        experts, inter = (E // tp, I) if self.expert_parallel == "ep" else (E, I // tp)
+        dense = 2 * ((2 * q + 2 * kv) * H + H * q + 2 * P * H + 6 * H + 2 * P) + 4 * (E * H + E + 4 * H)
+        bf16_experts = experts * 3 * inter * P * 2
+        # codes (half a byte a value), one e4m3 scale per 16 values, globals (2 + 1) and input scales (2 + 1)
+        nvfp4_experts = experts * (3 * inter * P // 2 + 3 * inter * P // 16 + 4 * 6)
+        total = 2 * (2 * s.vocab_size * H + H)
+        for i in range(layers):
+            total += dense + (nvfp4_experts if self.nvfp4_layer(i, layers) else bf16_experts)
+        return total
+
+    def nvfp4_layer(self, index: int, layers: int | None = None) -> bool:
+        """Whether layer ``index`` holds NVFP4 experts (all but the first and last,
+        as random_weights draws them and the released checkpoint stores them)."""
+        layers = self.layers if layers is None else layers
+        return self.expert_format == "nvfp4" and 0 < index < layers - 1
 
     def fitting(self, free_bytes: int) -> BenchConfig:
         """This config with as many layers as fit in ``free_bytes`` (named for them)."""
-        fixed = self.weights_bytes(0)
-        layers = min(62, (free_bytes - RESERVE_BYTES - fixed) // (self.weights_bytes(1) - fixed))
+        layers = 0
+        while layers < 62 and self.weights_bytes(layers + 1) + RESERVE_BYTES <= free_bytes:
+            layers += 1
         if layers < 1:
             raise BenchConfigError(f"not one layer of {self.name} fits in {free_bytes / 1e9:.1f} GB")
-        return replace(self, name=f"tp8-rank-L{layers}-bf16", layers=int(layers))
+        return replace(self, name=f"tp8-rank-L{layers}-{self.expert_format}", layers=layers)
 
     def check_fits(self, free_bytes: int) -> None:
         need = self.weights_bytes() + RESERVE_BYTES
@@ -79,18 +95,25 @@ class BenchConfigError(ValueError):
 
 
 def named(name: str) -> BenchConfig:
-    """The config of a name: ``tiny``, ``tp1-real-L2``, ``tp8-rank-L<N>-bf16`` or
-    ``tp8-rank-Lmax-bf16`` (layers 0 until ``fitting`` resolves it)."""
+    """The config of a name: ``tiny``, ``tp1-real-L2``, ``tp8-rank-L<N>-bf16``,
+    ``tp8-rank-L<N>-nvfp4`` or ``tp8-rank-Lmax-...`` (layers 0 until ``fitting``
+    resolves it)."""
     if name == "tiny":
         return BenchConfig(name, "tiny", 4, (1024, 4096), speed_claim=False)
     if name == "tp1-real-L2":
         return BenchConfig(name, "muse-spark-open", 2, (4096, 32768))
     match = _TP8_RANK.fullmatch(name)
     if match:
+        fmt = match.group(2)
         if match.group(1) == "max":  # resolved against the GPU's free memory (``fitting``)
-            return BenchConfig(name, "muse-spark-open", 0, (4096, 32768), tp=8, rank=0, expert_parallel="tp")
-        layers = int(match.group(1))
-        if not 1 <= layers <= 62:
-            raise BenchConfigError(f"{name}: the model has 62 layers")
-        return BenchConfig(name, "muse-spark-open", layers, (4096, 32768), tp=8, rank=0, expert_parallel="tp")
-    raise BenchConfigError(f"unknown bench config {name!r}; configs: tiny, tp1-real-L2, tp8-rank-L<N>-bf16")
+            layers = 0
+        else:
+            layers = int(match.group(1))
+            if not 1 <= layers <= 62:
+                raise BenchConfigError(f"{name}: the model has 62 layers")
+        return BenchConfig(
+            name, "muse-spark-open", layers, (4096, 32768), tp=8, rank=0, expert_parallel="tp", expert_format=fmt
+        )
+    raise BenchConfigError(
+        f"unknown bench config {name!r}; configs: tiny, tp1-real-L2, tp8-rank-L<N>-bf16, tp8-rank-L<N>-nvfp4"
+    )

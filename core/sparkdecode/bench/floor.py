@@ -11,7 +11,8 @@ Bytes per block (this rank's tensors, as stored):
   keys), on full layers the whole context;
 - ``attention_boundary(l)``: the attention gate coefficients, pre_ffn_norm;
 - ``moe(l)``: router (fp32), selection bias, pooler, pre/post expert norms,
-  unpooler, and each DISTINCT routed expert once (w13 and w2 of this rank);
+  unpooler, and each DISTINCT routed expert once (w13 and w2 of this rank; NVFP4:
+  codes, e4m3 scales and the fp32 global scales the dequantization reads);
 - ``final``: the last post_ffn_norm and gate coefficients, model.norm.
 
 Activations, the K/V the step writes and the LM head (outside the step) are not
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..weights import LayerWeights, ModelWeights
+from ..weights import ExpertWeights, LayerWeights, ModelWeights
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -35,9 +36,23 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 
 def expert_bytes(layer: LayerWeights) -> int:
-    """One routed expert's weights on this rank (w13 and w2 rows of one expert)."""
+    """One routed expert's weights on this rank (w13 and w2 rows of one expert; for
+    NVFP4 with its block scales and global scales; the activation input scales,
+    which a weight-only kernel does not read, are not counted)."""
     e = layer.experts
-    return nbytes(e.w13[0], e.w2[0])
+    total = nbytes(e.w13[0], e.w2[0])
+    if e.nvfp4 is not None:
+        q = e.nvfp4
+        total += nbytes(q.w13_scale[0], q.w13_global[0], q.w2_scale[0], q.w2_global[0])
+    return total
+
+
+def expert_tensors(e: ExpertWeights) -> list[torch.Tensor]:
+    """Every tensor of a layer's routed experts as stored (NVFP4 with all its scales)."""
+    out = [e.w13, e.w2]
+    if e.nvfp4 is not None:
+        out += [t for t in vars(e.nvfp4).values() if t is not None]
+    return out
 
 
 def kv_keys(layer: LayerWeights, context: int, rows: int) -> int:

@@ -25,7 +25,7 @@ from ..executor import DecodeConfig, SpecializedDecode
 from ..protocols import HostStep
 from .baseline import TorchBaseline, flashinfer_version
 from .configs import ROUTINGS, ROWS, BenchConfig
-from .floor import block_bytes, copy_bandwidth
+from .floor import block_bytes, copy_bandwidth, expert_tensors
 from .steer import Routing, draw_weights, executor_blocks, executor_routing, filled_cache
 from .timing import FLUSH_BYTES, Timer
 
@@ -299,7 +299,8 @@ def run(
         "baseline": {
             "name": "torch baseline",
             "what": "reference math: cuBLAS GEMMs, grouped expert GEMMs (torch._grouped_mm, each selected "
-            "expert read once), torch norms/RoPE/routing; paged attention: " + baseline_attention,
+            "expert read once; NVFP4 experts: each route's expert dequantized to bf16, then batched GEMVs), "
+            "torch norms/RoPE/routing; paged attention: " + baseline_attention,
         },
         "executor": {"layout": layout, "notes": executor_notes},
         "collectives_left_out": _collectives(cfg),
@@ -312,4 +313,4 @@ def _layer_tensors(layer) -> list[torch.Tensor]:
         v
         for k, v in vars(layer).items()
         if isinstance(v, torch.Tensor) and k not in ("router_unfolded", "attn_gate", "ffn_gate")
-    ] + [layer.experts.w13, layer.experts.w2]
+    ] + expert_tensors(layer.experts)

@@ -32,9 +32,17 @@ CORRELATED_BIAS = 1.0
 
 
 def draw_weights(cfg: BenchConfig, device: torch.device, seed: int) -> ModelWeights:
-    """Random weights of the config's model: this rank's shard only."""
+    """Random weights of the config's model: this rank's shard only (NVFP4 experts
+    in every layer but the first and last for an ``nvfp4`` config)."""
     sharding = Sharding(tp=cfg.tp, rank=cfg.rank, expert_parallel=cfg.expert_parallel)
-    return random_weights(cfg.spec(), seed=seed, device=device, keep_unfolded_router=False, sharding=sharding)
+    return random_weights(
+        cfg.spec(),
+        seed=seed,
+        device=device,
+        keep_unfolded_router=False,
+        sharding=sharding,
+        expert_format=cfg.expert_format,
+    )
 
 
 def filled_cache(weights: ModelWeights, context: int, rows: int, seed: int) -> PagedKVCache:

@@ -2,7 +2,7 @@
 experts_kernels.py (W13 with SwiGLU, then W2 into the route rows), each distinct
 expert's weights streamed once for every row routed to it, the distinct experts
 found on the device (no host sync: the ids change from replay to replay), both
-kernels launched with programmatic dependent launch.
+kernels persistent and launched with programmatic dependent launch.
 
 Against ``reference.experts`` (``fn.expert_rows``): the same roundings to bf16 (the
 gate/up GEMM output, ``silu(gate) * up`` computed in fp32, the W2 GEMM output),
@@ -22,6 +22,10 @@ from .common import CuteProvider, compiled, current_stream, pointer
 from .experts_shape import ExpertsShape, shape_unsupported
 
 VECTOR_BYTES = 16
+# Persistent CTAs a multiprocessor: two fit beside each other at every shape (8 warps
+# of <= 104 registers, <= 66 KB of shared memory), 16 warps with 4 KB of loads each
+# in flight, which covers the memory latency at the copy bandwidth.
+CTAS_PER_SM = 2
 
 
 def _deployment_shape(d: Deployment) -> ExpertsShape:
@@ -81,6 +85,7 @@ class CuteExperts(CuteProvider):
             f"cute_experts_h_{intermediate}", (ctx.max_rows * shape.top_k, intermediate), torch.bfloat16
         )
         self.h_ptr = pointer(self.h, VECTOR_BYTES)
+        self.ctas = CTAS_PER_SM * torch.cuda.get_device_properties(ctx.device).multi_processor_count
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CuteExperts:
@@ -112,8 +117,9 @@ class CuteExperts(CuteProvider):
             self.w13,
             self.w2,
             self.h_ptr,
-            pointer(rows, rows.element_size()),
+            pointer(rows, VECTOR_BYTES),
             Int32(x.shape[0]),
             Int32(self.first_expert),
+            Int32(self.ctas),
             current_stream(),
         )

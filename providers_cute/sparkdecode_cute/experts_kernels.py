@@ -1,23 +1,28 @@
 """The routed experts' two kernels in the CuTe DSL (bf16 weights, Hopper).
 
-Both kernels run over a grid (tile, route slot): ``b * k`` slots (one per route), each
-slot's CTAs first find, from the ids on the device, the rows routed to the slot's
-expert; only the expert's first slot (its *owner*) works, so each distinct expert's
-weights are read once and applied to every row routed to it (at most ``max_rows``).
+Both kernels are persistent (a few CTAs a multiprocessor). Each CTA first finds, from
+the ids on the device, the distinct experts this rank holds (each one's first slot,
+in slot order); the work is (distinct expert, tile of weight rows), split into
+contiguous equal shares over the CTAs, so each distinct expert's weights are read
+once and applied to every row routed to it (at most ``max_rows``).
 
-- ``gate_up``: a CTA streams a tile of gate rows and the matching up rows of W13
-  (16-byte loads, a few in flight per lane), dots them with the routed x rows (staged
-  in shared memory), reduces each dot across its warp (fixed butterfly order), rounds
-  gate and up to bf16, then ``bf16(silu(gate) * up)`` in fp32: h of each routed row
-  goes to the scratch ``h[r * k + j, I]`` (j: the row's first slot with the expert).
-- ``down``: a CTA streams a tile of W2 rows, dots them with the routed h rows, and
-  writes ``rows[r, j, p]`` rounded to bf16 for every slot j of row r with the expert;
-  slots of experts other ranks hold (EP) get zeros. Its weight tile is prefetched
-  into L2 before it waits on ``gate_up`` (PDL: both kernels are launched as
-  programmatic dependents and trigger their dependents once the ids are read).
+- ``gate_up``: a work item is a tile of gate rows and the matching up rows of W13
+  (16-byte loads, eight in flight a lane), dotted with the expert's routed x rows
+  (staged in shared memory when the CTA moves to another expert), each dot reduced
+  across its warp in a fixed butterfly order; gate and up rounded to bf16, then
+  ``bf16(silu(gate) * up)`` in fp32: h of each routed row goes to the scratch
+  ``h[r * k + j, I]`` (j: the row's first slot with the expert).
+- ``down``: a work item is a tile of W2 rows dotted with the routed h rows, written as
+  ``rows[r, j, p]`` (bf16) for every slot j of row r with the expert; slots of
+  experts other ranks hold (EP) get zero rows. It finds its work and prefetches its
+  first W2 tile into L2 before it waits on ``gate_up``.
+
+Both are launched as programmatic dependents (PDL) and let their dependents launch
+once they have read the ids (``gate_up`` after its wait: so the ids are complete
+when ``down`` starts).
 
 Shapes are compile-time (one compile serves every layer of a rank); the pointers,
-``b``, the x row stride and the first expert held are run-time arguments.
+``b``, the x row stride, the first expert held and the CTA count are run-time.
 """
 
 from __future__ import annotations
@@ -67,39 +72,82 @@ class RoutedExperts:
             raise ValueError(reason)
         self.s = shape
         self.plan = Plan.of(shape)
-        # Shared memory: the routed input rows (bf16) and the routing of the expert.
-        self.meta_ints = 3 * shape.max_rows + 2
+        self.slots = shape.max_rows * shape.top_k
+        # Shared memory after the staged rows: the ids, the distinct experts' first
+        # slots, a count a warp, and the routing of the expert at hand.
+        self.meta_ints = 3 * shape.max_rows + 1
 
     def _smem_bytes(self, width: int) -> int:
-        return self.s.max_rows * width * 2 + 16 + self.meta_ints * 4
+        return self.s.max_rows * width * 2 + 4 * (2 * self.slots + WARPS + self.meta_ints) + 256
 
-    # ---- the routing of the slot's expert, from the ids (every CTA) ----------------
+    def _smem(self, width: int):
+        smem = cutlass.memory.SmemAllocator()
+        big = self.s.max_rows
+        rows = smem.allocate_tensor(BFloat16, cute.make_layout((big, VEC, width // VEC), stride=(width, 1, VEC)), 16)
+        ids = smem.allocate_tensor(Int32, cute.make_layout(self.slots), 16)
+        distinct = smem.allocate_tensor(Int32, cute.make_layout(self.slots), 16)
+        counts = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)
+        meta = smem.allocate_tensor(Int32, cute.make_layout(self.meta_ints), 16)
+        return rows, ids, distinct, counts, meta
+
+    # ---- the distinct experts and their routes, from the ids (every CTA) ------------
 
     @cute.jit
-    def _route(self, ids: cute.Tensor, b: Int32, e: Int32, meta: cute.Tensor):
-        """Warp 0 writes meta: [0, R) the routed rows, [R, 2R) each row's slot mask,
-        [2R, 3R) each row's first slot, then the count and the expert's first slot."""
+    def _distinct(
+        self, ids: cute.Tensor, b: Int32, first_expert: Int32, ids_s: cute.Tensor, distinct: cute.Tensor, counts
+    ) -> Int32:
+        """Stages the ids in ``ids_s`` and writes ``distinct[d]``, the first slot of
+        the d-th distinct expert this rank holds (in slot order); returns their count."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = tidx // LANES, tidx % LANES
+        n_slots = b * self.s.top_k
+        if tidx < n_slots:  # at the L2: the ids may be newer than a line some L1 holds
+            ids_s[tidx] = cute.arch.load((ids.iterator + tidx).llvm_ptr, Int32, cop="cg")
+        cute.arch.sync_threads()
+        first = tidx < n_slots
+        if first:
+            e = ids_s[tidx]
+            local = e - first_expert
+            first = (local >= 0) & (local < self.s.num_local)
+            for t in cutlass.range(tidx, unroll=4):
+                if ids_s[t] == e:
+                    first = False
+        ballot = cute.arch.vote_ballot_sync(first)
+        if lane == 0:
+            counts[warp] = cute.arch.popc(ballot)
+        cute.arch.sync_threads()
+        before = Int32(0)
+        total = Int32(0)
+        for w in cutlass.range_constexpr(WARPS):
+            if w < warp:
+                before = before + counts[w]
+            total = total + counts[w]
+        if first:
+            distinct[before + cute.arch.popc(ballot & Int32(cute.arch.lanemask_lt()))] = tidx
+        cute.arch.sync_threads()
+        return total
+
+    @cute.jit
+    def _route(self, ids_s: cute.Tensor, b: Int32, e: Int32, meta: cute.Tensor):
+        """Warp 0 writes meta: [0, R) the rows routed to ``e``, [R, 2R) each row's
+        slot mask, [2R, 3R) each row's first slot with ``e``, then their count."""
         s, big = self.s, self.s.max_rows
         lane = cute.arch.lane_idx()
+        cute.arch.sync_threads()  # the previous expert's staged rows are no longer read
         if cute.arch.warp_idx() == 0:
             m = Int32(0)
-            first = Int32(-1)
             for r in cutlass.range(b, unroll=1):
                 j = cutlass.min(lane, s.top_k - 1)
-                hit = (ids[r * s.top_k + j] == e) & (lane < s.top_k)
+                hit = (ids_s[r * s.top_k + j] == e) & (lane < s.top_k)
                 mask = cute.arch.vote_ballot_sync(hit)
                 if mask != 0:
-                    slot = r * s.top_k + cute.arch.popc((mask & (-mask)) - 1)
-                    if first < 0:
-                        first = slot
                     if lane == 0:
                         meta[m] = r
                         meta[big + m] = mask
-                        meta[2 * big + m] = slot
+                        meta[2 * big + m] = r * s.top_k + cute.arch.popc((mask & (-mask)) - 1)
                     m = m + 1
             if lane == 0:
                 meta[3 * big] = m
-                meta[3 * big + 1] = first
         cute.arch.sync_threads()
 
     @cute.jit
@@ -113,7 +161,14 @@ class RoutedExperts:
             dst[i, None, c].store(src[src_row[i], None, c].load())
         cute.arch.sync_threads()
 
-    # ---- kernel 1: W13 tile, SwiGLU, h -------------------------------------------
+    @cute.jit
+    def _span(self, items: Int32):
+        """This CTA's contiguous share of ``items`` work items (shares differ by <= 1)."""
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        return (cta * items) // ctas, ((cta + 1) * items) // ctas
+
+    # ---- kernel 1: W13 tiles, SwiGLU, h -------------------------------------------
 
     @cute.kernel
     def gate_up_kernel(
@@ -127,24 +182,28 @@ class RoutedExperts:
     ):
         s, plan, big = self.s, self.plan, self.s.max_rows
         tidx, _, _ = cute.arch.thread_idx()
-        tile, slot, _ = cute.arch.block_idx()
         warp, lane = tidx // LANES, tidx % LANES
-        smem = cutlass.memory.SmemAllocator()
-        xs = smem.allocate_tensor(BFloat16, cute.make_layout((big, VEC, s.width // VEC), stride=(s.width, 1, VEC)), 16)
-        meta = smem.allocate_tensor(Int32, cute.make_layout(self.meta_ints), 4)
+        xs, ids_s, distinct, counts, meta = self._smem(s.width)
+        pw, nc = const_expr(plan.gate_up_warp_pairs), const_expr(plan.gate_up_chunks)
+        tiles = const_expr(s.intermediate // plan.gate_up_pairs)
 
         cute.arch.griddepcontrol_wait()  # x and ids come from the kernels before
-        e = ids[slot]
-        local = e - first_expert
-        self._route(ids, b, e, meta)
+        n = self._distinct(ids, b, first_expert, ids_s, distinct, counts)
         cute.arch.griddepcontrol_launch_dependents()
-        m = meta[3 * big]
-        if (local >= 0) & (local < s.num_local) & (meta[3 * big + 1] == slot):
-            self._stage(x, meta, m, xs)
-            pw, nc = const_expr(plan.gate_up_warp_pairs), const_expr(plan.gate_up_chunks)
+        start, end = self._span(n * tiles)
+        current = Int32(-1)
+        for item in cutlass.range(start, end, unroll=1):
+            d = item // tiles
+            slot = distinct[d]
+            local = ids_s[slot] - first_expert
+            if d != current:
+                self._route(ids_s, b, ids_s[slot], meta)
+                self._stage(x, meta, meta[3 * big], xs)
+                current = d
+            m = meta[3 * big]
             acc = cute.make_rmem_tensor(cute.make_layout((2 * pw, big)), Float32)
             acc.fill(0.0)
-            n0 = tile * plan.gate_up_pairs + warp * pw
+            n0 = (item - d * tiles) * plan.gate_up_pairs + warp * pw
             for g in cutlass.range(s.width // (CHUNK * nc), unroll=1):
                 wv = []
                 for u in cutlass.range_constexpr(nc):
@@ -167,7 +226,7 @@ class RoutedExperts:
                         if lane == i:
                             h[meta[2 * big + i], n0 + q] = act.to(BFloat16)
 
-    # ---- kernel 2: W2 tile into the route rows --------------------------------------
+    # ---- kernel 2: W2 tiles into the route rows --------------------------------------
 
     @cute.kernel
     def down_kernel(
@@ -175,41 +234,55 @@ class RoutedExperts:
         h: cute.Tensor,  # bf16 (max_rows * k, VEC, I / VEC)
         ids: cute.Tensor,  # int32 (b * k)
         w2: cute.Tensor,  # bf16 (E_local, P, VEC, I / VEC)
-        rows: cute.Tensor,  # bf16 (b * k, P)
+        rows: cute.Tensor,  # bf16 (b * k, VEC, P / VEC)
         b: Int32,
         first_expert: Int32,
     ):
         s, plan, big = self.s, self.plan, self.s.max_rows
         tidx, _, _ = cute.arch.thread_idx()
-        tile, slot, _ = cute.arch.block_idx()
         warp, lane = tidx // LANES, tidx % LANES
-        smem = cutlass.memory.SmemAllocator()
-        vecs = s.intermediate // VEC
-        hs = smem.allocate_tensor(BFloat16, cute.make_layout((big, VEC, vecs), stride=(s.intermediate, 1, VEC)), 16)
-        meta = smem.allocate_tensor(Int32, cute.make_layout(self.meta_ints), 4)
-
-        # The ids were written before gate_up waited, so they are complete here.
-        e = ids[slot]
-        local = e - first_expert
-        held = (local >= 0) & (local < s.num_local)
-        self._route(ids, b, e, meta)
-        owner = held & (meta[3 * big + 1] == slot)
+        vecs = const_expr(s.intermediate // VEC)
+        hs, ids_s, distinct, counts, meta = self._smem(s.intermediate)
         rw, nc = const_expr(plan.down_warp_rows), const_expr(plan.down_chunks)
-        p0 = tile * plan.down_rows + warp * rw
-        if owner:  # bring this CTA's W2 tile towards L2 while gate_up finishes
+        tiles = const_expr(s.width // plan.down_rows)
+
+        # The ids were complete before gate_up passed its wait, so before this
+        # kernel started: find the work and prefetch its first W2 tile into L2.
+        n = self._distinct(ids, b, first_expert, ids_s, distinct, counts)
+        start, end = self._span(n * tiles)
+        if start < end:
+            d = start // tiles
+            local = ids_s[distinct[d]] - first_expert
+            p0 = (start - d * tiles) * plan.down_rows + warp * rw
             for q in cutlass.range_constexpr(rw):
                 for c in cutlass.range(lane * (128 // 16), vecs, LANES * (128 // 16), unroll=1):
                     cute.arch.prefetch(w2[local, p0 + q, None, c].iterator.llvm_ptr, cache_level="L2")
         cute.arch.griddepcontrol_wait()  # h comes from gate_up
         cute.arch.griddepcontrol_launch_dependents()
-        if not held:  # another rank's expert: a zero row
-            for p in cutlass.range(tidx, plan.down_rows, WARPS * LANES, unroll=1):
-                rows[slot, tile * plan.down_rows + p] = BFloat16(0.0)
-        if owner:
+
+        # Routes to experts other ranks hold: zero rows, spread over the CTAs.
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        row_vecs = const_expr(s.width // VEC)
+        for v in cutlass.range(cta * WARPS * LANES + tidx, b * s.top_k * row_vecs, ctas * WARPS * LANES, unroll=1):
+            slot = v // row_vecs
+            local = ids_s[slot] - first_expert
+            if (local < 0) | (local >= s.num_local):
+                rows[slot, None, v - slot * row_vecs].store(cute.zeros_like(rows[slot, None, 0].load()))
+
+        current = Int32(-1)
+        for item in cutlass.range(start, end, unroll=1):
+            d = item // tiles
+            slot = distinct[d]
+            local = ids_s[slot] - first_expert
+            if d != current:
+                self._route(ids_s, b, ids_s[slot], meta)
+                self._stage(h, cute.make_tensor(meta.iterator + 2 * big, cute.make_layout(big)), meta[3 * big], hs)
+                current = d
             m = meta[3 * big]
-            self._stage(h, cute.make_tensor(meta.iterator + 2 * big, cute.make_layout(big)), m, hs)
             acc = cute.make_rmem_tensor(cute.make_layout((rw, big)), Float32)
             acc.fill(0.0)
+            p0 = (item - d * tiles) * plan.down_rows + warp * rw
             for g in cutlass.range(vecs // (LANES * nc), unroll=1):
                 wv = []
                 for u in cutlass.range_constexpr(nc):
@@ -228,9 +301,10 @@ class RoutedExperts:
                     mask = meta[big + i]
                     for q in cutlass.range_constexpr(rw):
                         y = _warp_sum(acc[q, i]).to(BFloat16)
+                        p = p0 + q
                         for j in cutlass.range_constexpr(s.top_k):
                             if (lane == j) & (((mask >> j) & 1) != 0):
-                                rows[r * s.top_k + j, p0 + q] = y
+                                rows[r * s.top_k + j, p % VEC, p // VEC] = y
 
     # ---- the host function ------------------------------------------------------------
 
@@ -246,9 +320,10 @@ class RoutedExperts:
         rows_ptr: cute.Pointer,
         b: Int32,
         first_expert: Int32,
+        ctas: Int32,  # persistent CTAs a kernel (a few a multiprocessor)
         stream: cuda.CUstream,
     ):
-        s, plan = self.s, self.plan
+        s = self.s
         p, i, k = s.width, s.intermediate, s.top_k
         x = cute.make_tensor(
             x_ptr, cute.make_layout((b, VEC, p // VEC), stride=(cute.assume(x_stride * VEC, divby=VEC), 1, VEC))
@@ -260,16 +335,16 @@ class RoutedExperts:
         w2 = cute.make_tensor(w2_ptr, cute.make_layout((s.num_local, p, VEC, i // VEC), stride=(p * i, i, 1, VEC)))
         h_rows = cute.make_tensor(h_ptr, cute.make_layout((s.max_rows * k, i), stride=(i, 1)))
         h_vecs = cute.make_tensor(h_ptr, cute.make_layout((s.max_rows * k, VEC, i // VEC), stride=(i, 1, VEC)))
-        rows = cute.make_tensor(rows_ptr, cute.make_layout((b * k, p), stride=(p, 1)))
+        rows = cute.make_tensor(rows_ptr, cute.make_layout((b * k, VEC, p // VEC), stride=(p, 1, VEC)))
         self.gate_up_kernel(x, ids, w13, h_rows, b, first_expert).launch(
-            grid=(i // plan.gate_up_pairs, b * k, 1),
+            grid=(ctas, 1, 1),
             block=(WARPS * LANES, 1, 1),
             smem=self._smem_bytes(p),
             stream=stream,
             use_pdl=True,
         )
         self.down_kernel(h_vecs, ids, w2, rows, b, first_expert).launch(
-            grid=(p // plan.down_rows, b * k, 1),
+            grid=(ctas, 1, 1),
             block=(WARPS * LANES, 1, 1),
             smem=self._smem_bytes(i),
             stream=stream,
@@ -286,13 +361,14 @@ def compile_experts(shape: ExpertsShape, arch: str | None = None):
         RoutedExperts(shape),
         bf16,
         Int32(shape.width // VEC),
-        fake_pointer(Int32),
+        fake_pointer(Int32, 4),
         bf16,
         bf16,
         bf16,
         bf16,
         Int32(1),
         Int32(0),
+        Int32(264),
         cute.runtime.make_fake_stream(),
         **options,
     )

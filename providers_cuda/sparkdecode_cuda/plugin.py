@@ -10,6 +10,7 @@ from .all_reduce import CudaAllReduce
 from .attention import CudaAttention
 from .boundary import CudaAttentionBoundary, CudaBoundary, CudaFinal
 from .experts import CudaExperts, CudaExpertsNvfp4
+from .markov import CudaMarkov
 from .moe import CudaMoE
 
 PROVIDERS: tuple[type, ...] = (
@@ -21,6 +22,7 @@ PROVIDERS: tuple[type, ...] = (
     CudaExpertsNvfp4,
     CudaFinal,
     CudaAllReduce,
+    CudaMarkov,
 )
 
 

@@ -5,11 +5,16 @@ buffers change; at the tiny widths and at the real ones. Skipped without a GPU.
 
 Bounds. With the same random numbers (vLLM's hash of seed, step and position) the
 tokens must be identical. The reference providers run the reference's own torch
-ops, so they must match it bit for bit. A pack's kernels compute the same bf16
-GEMMs and norms in another accumulation order, so the bf16 hidden states and
-logits may land one rounding apart: logits within two bf16 ulps plus 1/32, the
-probabilities (softmax of logits / T, T = 1) within 10% relative, which is what a
-logit error of that size moves them by at most.
+ops over the same row counts (the harness stores the reference's context rows over
+the executor's padded layout of 8 rows too: a row's bf16 K/V can round differently
+in a GEMM or a row reduction over another number of rows, as cuBLAS and torch pick
+their kernels and splits by the row count), so they must match it bit for bit.
+cuda.markov alone keeps the logits bit-equal and the probabilities within 2e-4
+(tests/test_gpu_cuda_markov.py). A pack's layer kernels compute the same bf16 GEMMs
+and norms in another accumulation order, so the bf16 hidden states and logits may
+land one rounding apart: logits within two bf16 ulps plus 1/32, the probabilities
+(softmax of logits / T, T = 1) within 10% relative, which is what a logit error of
+that size moves them by at most.
 """
 
 from __future__ import annotations
@@ -58,7 +63,10 @@ def run_rounds(weights, max_context: int, prompt_len: int, rounds: int, graph: b
     )
     prompt = torch.randint(0, weights.spec.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
     harness.prefill(prompt.cuda())
-    reference_only = all(c.chosen.pack == "reference" for c in executor.layout.choices.values())
+    # "all": every block the reference's; "layers": all but the Markov loop; "": a pack's layers.
+    packs = {kind: c.chosen.pack for kind, c in executor.layout.choices.items()}
+    layers = all(p == "reference" for kind, p in packs.items() if kind != "markov")
+    reference_only = ("all" if packs["markov"] == "reference" else "layers") if layers else ""
     results = []
     for _ in range(rounds):
         result = harness.step()
@@ -67,12 +75,15 @@ def run_rounds(weights, max_context: int, prompt_len: int, rounds: int, graph: b
     return executor, harness, results, reference_only
 
 
-def check(result, reference_only: bool) -> None:
+def check(result, reference_only: str) -> None:
     assert result.tokens_agree, (result.reference.tokens, result.executor.tokens)
     assert torch.isfinite(result.executor.logits.float()).all()
     if reference_only:
         assert torch.equal(result.reference.logits, result.executor.logits)
-        assert torch.equal(result.reference.probs, result.executor.probs)
+        if reference_only == "all":
+            assert torch.equal(result.reference.probs, result.executor.probs)
+        else:
+            assert result.probs_rel_diff <= 2e-4  # test_gpu_cuda_markov.prob_bound: 1.1e-4 at V = 202048
         return
     ref, ex = result.reference.logits.float(), result.executor.logits.float()
     ulp = ref.abs().clamp_min(2.0**-126) * 2.0**-7

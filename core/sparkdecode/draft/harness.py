@@ -133,14 +133,23 @@ class DraftHarness:
         count = self.context[0].shape[0]
         cache = self.reference_cache
         host = cache.begin_step(self.context_first, count)
+        rows = host.context_rows
+        for buffer, accepted in zip(self.aux, self.context):
+            # Rows past the accepted ones store nothing: poisoned, they must not leak.
+            buffer.fill_(float("nan") if self.poison else 0.0)
+            buffer[:count].copy_(accepted)
+        # Both sides store the context over the step's layout of ``rows`` rows (the
+        # rest into the null page), as vLLM's padded graph batch does: the row count
+        # picks cuBLAS's GEMM kernel and torch's reduction split, so the same row can
+        # round differently in a batch of another size.
         reference = self.draft.step(
-            self.context,
-            cache.context_positions[:count],
+            [a[:rows] for a in self.aux],
+            cache.context_positions[:rows],
             self.anchor,
             cache.positions,
             cache.kv(),
-            [s[:count] for s in cache.context_slots(host.context_rows)],
-            cache.query_slots(host.context_rows),
+            cache.context_slots(rows),
+            cache.query_slots(rows),
             self.seed,
             self.temperature,
         )
@@ -148,10 +157,6 @@ class DraftHarness:
         if self.executor is not None:
             assert self.executor_cache is not None
             self.executor_cache.begin_step(self.context_first, count)
-            for buffer, rows in zip(self.aux, self.context):
-                # Rows past the accepted ones store nothing: poisoned, they must not leak.
-                buffer.fill_(float("nan") if self.poison else 0.0)
-                buffer[:count].copy_(rows)
             executor = self._run_executor()
             executor = DraftOutput(*(t.clone() for t in executor))
         return DraftResult(host, int(self.anchor.item()), reference, executor)

@@ -30,7 +30,7 @@ def tiny_record(tmp_path_factory) -> tuple[Path, str]:
     with contextlib.redirect_stdout(text):
         code = main(
             ["bench", "tiny", "--device", "cpu", "--context", "300", "--replays", "2", "--block-replays", "1"]
-            + ["--out", str(out), "--quiet"]
+            + ["--candidates", "attention_core", "--out", str(out), "--quiet"]
         )
     assert code == 0
     (path,) = out.glob("tiny_*.json")
@@ -68,6 +68,21 @@ def test_tiny_on_the_cpu_is_labelled_and_recorded(tiny_record):
     _, correlated = record["runs"]
     assert max(correlated["distinct_experts"]) <= CORRELATED_EXPERTS
     assert len(record["routing_method"]["favoured_experts"]) == spec.num_layers
+
+
+def test_candidates_are_timed_per_layer(tiny_record):
+    """--candidates: every provider that supports the kind here (on the CPU, the
+    reference's), on every layer, in the record and the table."""
+    path, text = tiny_record
+    record = json.loads(path.read_text())
+    (entry,) = record["candidates"]
+    assert entry["context"] == 300
+    layers = record["model"]["layers"]
+    assert sorted(entry["blocks"]) == [f"attention_core.{i}" for i in range(layers)]
+    for providers in entry["blocks"].values():
+        assert list(providers) == ["reference.attention_core"]
+        assert providers["reference.attention_core"]["median_s"] > 0
+    assert "candidates, context 300" in text and "reference.attention_core" in text
 
 
 def test_floor_counts_what_the_step_reads():

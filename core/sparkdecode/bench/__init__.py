@@ -3,7 +3,9 @@
 One decode step (one request verifying 8 tokens) of a named config
 (``configs.py``), at each context and routing: the torch baseline
 (``baseline.py``) and the executor, each captured once in a CUDA graph and
-replayed many times; each block alone in a graph (orientation only); the bytes
+replayed many times; each block alone in a graph (orientation only), and with
+``--candidates KIND`` every provider that supports KIND (``attention``,
+``attention_core``) per layer alone in a graph; the bytes
 the step must read over the copy bandwidth measured in the same run (the floor,
 ``floor.py``); a table, a JSON record, and with ``--plot`` a PNG
 (``report.py``). On the CPU it runs eagerly and says it is not a speed claim.
@@ -11,7 +13,7 @@ the step must read over the copy bandwidth measured in the same run (the floor,
 | module | holds |
 | --- | --- |
 | configs.py | the named configs |
-| steer.py | weights of a shard, the filled KV cache, routing control, the executor's blocks one by one |
+| steer.py | weights of a shard, the filled KV cache, routing control, the executor's blocks one by one, the candidates' blocks |
 | baseline.py | the torch baseline (reference math, FlashInfer paged attention) |
 | timing.py | capture once, time each replay alone after an L2 flush |
 | floor.py | bytes per block, copy bandwidth |
@@ -32,6 +34,7 @@ import torch
 from .configs import ROUTINGS, BenchConfigError, named
 from .report import PlotUnavailableError, plot, stem, table, write
 from .runner import Progress, run
+from .steer import CANDIDATE_KINDS
 
 DEFAULT_OUT = Path("bench/results")
 
@@ -52,6 +55,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     p.add_argument("--pin", action="append", default=[], metavar="BLOCK=PROVIDER")
+    p.add_argument(
+        "--candidates",
+        choices=CANDIDATE_KINDS,
+        action="append",
+        default=[],
+        help="also time every provider that supports this kind, per layer, each alone in a graph (repeatable)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON record (and PNG) go")
     p.add_argument("--plot", action="store_true", help="also a PNG of the per-block times beside their floors")
     p.add_argument("--plot-from", type=Path, default=None, metavar="RECORD", help="only plot an existing JSON record")
@@ -109,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
         blocks=not args.no_blocks,
         seed=args.seed,
         pins=parse_pins(args.pin),
+        candidates=tuple(dict.fromkeys(args.candidates)),
         command=command,
         progress=Progress(cfg.name, quiet=args.quiet),
     )

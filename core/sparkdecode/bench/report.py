@@ -5,7 +5,8 @@ device, versions), the model and shard, the method (replays, L2 flush, routing,
 KV cache), the copy bandwidth, what the baseline and the executor are, the
 collectives left out, and per (context, routing): distinct experts per layer,
 the check, bytes and floor, each side's step median and min-max and its
-fraction of the floor, the speedup, and every block's bytes, floor and times.
+fraction of the floor, the speedup, and every block's bytes, floor and times;
+per context, the candidates' blocks (``--candidates``) and their times.
 """
 
 from __future__ import annotations
@@ -110,7 +111,34 @@ def table(record: dict[str, Any]) -> str:
                 f"  {kind:<20} {row['count']:>3} {row['bytes'] / 1e6:>9.2f} {_us(row['floor_s']):>9} "
                 f"{_us(row.get('baseline')):>12} {_us(row.get('executor')):>12}"
             )
+    lines += candidates_table(record)
     return "\n".join(lines)
+
+
+def candidates_table(record: dict[str, Any]) -> list[str]:
+    """Per context: each candidate provider's blocks alone in a graph, medians summed
+    over the sliding and the full layers."""
+    lines: list[str] = []
+    types = record["model"]["layer_types"]
+    for entry in record.get("candidates", []):
+        sums: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for block, providers in entry["blocks"].items():
+            kind, layer = block.rsplit(".", 1)
+            column = "sliding" if types[int(layer)].startswith("sliding") else "full"
+            for name, times in providers.items():
+                sums[(kind, name)][column] += times["median_s"]
+        lines.append("")
+        lines.append(
+            f"candidates, context {entry['context']}: each provider's block alone in a graph on random inputs, "
+            f"median of {record['block_replays']}, summed over layers (orientation only)"
+        )
+        lines.append(f"  {'kind':<16} {'provider':<34} {'sliding us':>11} {'full us':>9} {'all us':>9}")
+        for (kind, name), row in sums.items():
+            lines.append(
+                f"  {kind:<16} {name:<34} {_us(row.get('sliding')):>11} {_us(row.get('full')):>9} "
+                f"{_us(sum(row.values())):>9}"
+            )
+    return lines
 
 
 def stem(record: dict[str, Any]) -> str:

@@ -26,7 +26,7 @@ from ..protocols import HostStep
 from .baseline import TorchBaseline, flashinfer_version
 from .configs import ROUTINGS, ROWS, BenchConfig
 from .floor import block_bytes, copy_bandwidth, expert_tensors
-from .steer import Routing, draw_weights, executor_blocks, executor_routing, filled_cache
+from .steer import Routing, candidate_blocks, draw_weights, executor_blocks, executor_routing, filled_cache
 from .timing import FLUSH_BYTES, Timer
 
 RECORD_VERSION = 1
@@ -108,10 +108,13 @@ def run(
     blocks: bool = True,
     seed: int = 0,
     pins: dict[str, str] | None = None,
+    candidates: tuple[str, ...] = (),
     command: str = "",
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """The record of one config (see ``report.py`` for its form)."""
+    """The record of one config (see ``report.py`` for its form). ``candidates``: kinds
+    (``attention``, ``attention_core``) whose every supported provider is timed per
+    layer, each alone in a graph (steer.candidate_blocks)."""
     progress = progress or Progress(cfg.name, quiet=True)
     graphs = device.type == "cuda"
     replays = replays or (100 if graphs else 3)
@@ -135,6 +138,7 @@ def run(
     tokens = torch.randint(0, spec.vocab_size, (ROWS,), generator=torch.Generator().manual_seed(seed)).to(device)
     timer = Timer(device)
     runs: list[dict[str, Any]] = []
+    candidate_runs: list[dict[str, Any]] = []
     layout: dict[str, str] = {}
     executor_notes: list[str] = []
     baseline_attention = ""
@@ -158,7 +162,8 @@ def run(
         if step is None:
             raise RuntimeError("the executor declined the verify step (run with --log INFO for why)")
         # The providers' host work (a library's plan) for the one step every replay repeats.
-        executor.prepare_step(HostStep(first_position=first, rows=ROWS, context_len=context))
+        host = HostStep(first_position=first, rows=ROWS, context_len=context)
+        executor.prepare_step(host)
 
         progress(f"context {context}: planning the torch baseline")
         baseline = TorchBaseline(weights, baseline_cache, tokens, positions, context, use_flashinfer)
@@ -239,6 +244,15 @@ def run(
                     "blocks": per_block,
                 }
             )
+        if candidates:
+            timed: dict[str, dict[str, Any]] = {}
+            for kind in candidates:
+                for block, provider, fn in candidate_blocks(executor, step, host, kind):
+                    progress(f"context {context}: {provider} on {block} alone")
+                    work = timer.capture(fn, shared_pool=True)
+                    timed.setdefault(block, {})[provider] = timer.time(work, block_replays).as_dict()
+                    del work
+            candidate_runs.append({"context": context, "blocks": timed})
         routing.set("random")
         del executor_step, baseline_step, executor, baseline, cache, baseline_cache
         if graphs:
@@ -305,6 +319,9 @@ def run(
         "executor": {"layout": layout, "notes": executor_notes},
         "collectives_left_out": _collectives(cfg),
         "runs": runs,
+        # Per context: every supported provider of the asked kinds, per layer, alone
+        # in a graph on random inputs of the step's shapes (orientation only).
+        "candidates": candidate_runs,
     }
 
 

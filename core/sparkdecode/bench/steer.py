@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..executor import SpecializedDecode
-from ..protocols import RoutedTopk, Step
+from ..protocols import HostStep, RoutedTopk, Step
 from ..reference.kvcache import PagedKVCache
 from ..weights import ModelWeights, Sharding, random_weights
 from .configs import BenchConfig
@@ -180,4 +180,52 @@ def executor_blocks(
             (f"moe.{i}", restored(f"moe.{i}", lambda layer=layer: layer.moe.run(step, xf))),
         ]
     out.append(("final", restored("final", lambda: executor.final.run(step, stream, output, None))))
+    return out
+
+
+CANDIDATE_KINDS = ("attention", "attention_core")
+
+
+def candidate_blocks(
+    executor: SpecializedDecode, step: Step, host: HostStep, kind: str
+) -> list[tuple[str, str, Callable[[], Any]]]:
+    """(block, provider, work) for every provider that supports ``kind`` here
+    (``attention`` or ``attention_core``), on every layer: each candidate built into
+    the executor's layout (the other kinds as resolved) from its own BuildContext,
+    all layers in order, bound to the executor's cache, its host work done for
+    ``host``, and one eager pass over the layers (so a state a group's lowest layer
+    owns is filled), then ``work`` runs one layer's block alone on random inputs of
+    the step's shapes (times only: the block's K/V insert writes the step's own
+    slots, which the executor's step rewrites before it reads them)."""
+    if kind not in CANDIDATE_KINDS:
+        raise ValueError(f"candidates of {kind!r}: only {', '.join(CANDIDATE_KINDS)}")
+    spec, b, device = executor.spec, step.rows, executor.device
+    g = torch.Generator(device=device).manual_seed(0)
+    out: list[tuple[str, str, Callable[[], Any]]] = []
+    for candidate in executor.layout.choices[kind].candidates:
+        if candidate.reason is not None:
+            continue
+        registered = executor.registry.find(candidate.name)
+        assert registered is not None
+        classes = {**executor.layout.classes(), kind: registered.cls}
+        ctx = executor._context(classes, {}, executor._mailboxes())
+        built = [registered.cls.build(ctx, i) for i in range(spec.num_layers)]
+        works = []
+        for i, provider in enumerate(built):
+            provider.prepare_kv(step.kv)
+            hook = getattr(provider, "prepare_step", None)
+            if hook is not None:
+                hook(host)
+            if kind == "attention":
+                x = torch.randn(b, spec.H, generator=g, device=device).to(torch.bfloat16)
+                partial = torch.empty_like(x)
+                works.append(lambda p=provider, x=x, partial=partial: p.run(step, x, partial))
+            else:
+                shape = (b, executor.weights.layers[i].num_heads, spec.head_dim)
+                q = torch.randn(shape, generator=g, device=device).to(torch.bfloat16)
+                o = torch.empty_like(q)
+                works.append(lambda p=provider, q=q, o=o: p.run(step, q, o))
+        for work in works:
+            work()
+        out += [(f"{kind}.{i}", candidate.name, work) for i, work in enumerate(works)]
     return out

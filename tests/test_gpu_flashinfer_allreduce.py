@@ -8,18 +8,20 @@
    equal, bit for bit, the reference transport's sum (fp32 in rank order, rounded
    once), except that a sum of -0.0 on every rank comes back +0.0 (the kernel's
    -0.0 is its not-arrived mark; equal as numbers); every rank holds the same bits.
-2. The executor at TP 2 and 4 over NCCL, every block the reference's except the
-   all-reduce: equal (torch.equal) to the TP stock forward, whose collectives are the
-   reference transport's, on every rank.
+2. The executor, every block the reference's except the all-reduce, equal
+   (torch.equal) to the TP stock forward, whose collectives are the reference
+   transport's, at every step on every rank: on one GPU shared by 2, 4 and 8
+   processes (test_gpu_tp_one_device.py's harness, eagerly and replaying one graph),
+   and at TP 2 and 4 over NCCL, one rank per GPU.
+
+Every multi-process run is under test_gpu_tp_one_device.py's watchdog: a rank that
+hangs (a Lamport wait that never ends) fails the test.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from sparkdecode.protocols import KINDS
 
@@ -32,14 +34,11 @@ pytestmark = [
 
 pytest.importorskip("flashinfer")
 import flashinfer_allreduce_worker  # noqa: E402
+import tp_gpu_worker  # noqa: E402
+from test_gpu_tp_one_device import variant as one_gpu_variant  # noqa: E402
+from test_gpu_tp_one_device import watched  # noqa: E402
 
 import tp_worker  # noqa: E402
-
-
-def spawn(target, tp: int, tmp_path, *args) -> list[dict]:
-    init = f"file://{tmp_path / 'store'}"
-    mp.spawn(target, args=(tp, init, str(tmp_path), *args), nprocs=tp, join=True)
-    return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(tp)]
 
 
 def enough_gpus(tp: int) -> None:
@@ -53,7 +52,7 @@ def enough_gpus(tp: int) -> None:
 def test_op_equals_the_reference_sum(tp, one_gpu, tmp_path):
     if not one_gpu:
         enough_gpus(tp)
-    ranks = spawn(flashinfer_allreduce_worker.main, tp, tmp_path, one_gpu)
+    ranks = watched(flashinfer_allreduce_worker.main, tp, tmp_path, one_gpu)
     for rank, r in enumerate(ranks):
         assert r["shared_workspace"], rank
         checks = r["eager"] + r["graph"]
@@ -82,12 +81,36 @@ def variant(preset: str, experts: str) -> dict:
     )
 
 
+ONE_GPU_CASES = {
+    2: [
+        one_gpu_variant("tiny", "ep", "flashinfer_all_reduce", 4, False, smooth=False),
+        one_gpu_variant("tiny", "tp", "flashinfer_all_reduce", 20, True),
+    ],
+    4: [one_gpu_variant("tiny-tp8", "ep", "flashinfer_all_reduce", 8, True)],
+    8: [one_gpu_variant("tiny-tp8", "tp", "flashinfer_all_reduce", 8, True)],
+}
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_executor_on_one_gpu_equals_tp_stock_forward(tp, tmp_path):
+    """Both tails: EP (the [b, P] partials) and expert TP (the [b, k, P] route rows)."""
+    assert tp_gpu_worker.PINS["flashinfer_all_reduce"]["all_reduce"] == "flashinfer.trtllm_all_reduce"
+    ranks = watched(tp_gpu_worker.main, tp, tmp_path, ONE_GPU_CASES[tp])
+    for index, case in enumerate(ONE_GPU_CASES[tp]):
+        runs = [r["variants"][index] for r in ranks]
+        for run in runs:
+            assert len(run["exact"]) == case["steps"]
+            assert all(run["exact"]), (case, run["exact"].index(False))
+        for other in runs[1:]:
+            assert torch.equal(runs[0]["hidden"], other["hidden"]), case
+
+
 @pytest.mark.parametrize("tp,preset", [(2, "tiny"), (4, "tiny-tp8")])
 def test_executor_equals_tp_stock_forward(tp, preset, tmp_path):
-    """Both tails: EP (the [b, P] partials) and expert TP (the [b, k, P] route rows)."""
+    """Over NCCL, one rank per GPU; both tails."""
     enough_gpus(tp)
     variants = [variant(preset, "ep"), variant(preset, "tp")]
-    ranks = spawn(tp_worker.main, tp, tmp_path, variants, False, "nccl")
+    ranks = watched(tp_worker.main, tp, tmp_path, variants, False, "nccl")
     for index, case in enumerate(variants):
         runs = [r["variants"][index] for r in ranks]
         for run in runs:

@@ -80,9 +80,15 @@ CASES = {
 
 
 def spawn(tp: int, tmp_path) -> list[dict]:
+    return watched(tp_gpu_worker.main, tp, tmp_path, CASES[tp])
+
+
+def watched(target, tp: int, tmp_path, *args) -> list[dict]:
+    """``target(rank, tp, init, out_dir, *args)`` in ``tp`` processes under the watchdog;
+    each rank's saved result."""
     init = f"file://{tmp_path / 'store'}"
     context = mp.start_processes(
-        tp_gpu_worker.main, args=(tp, init, str(tmp_path), CASES[tp]), nprocs=tp, join=False, start_method="spawn"
+        target, args=(tp, init, str(tmp_path), *args), nprocs=tp, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + WATCHDOG_S
     while not context.join(timeout=5):  # raises if a rank failed (and ends the others)

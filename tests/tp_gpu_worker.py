@@ -34,6 +34,8 @@ REFERENCE = {
 PINS = {
     # Only the transport changes: the executor must equal the TP stock forward bit for bit.
     "all_reduce": {**REFERENCE, "all_reduce": "cuda.all_reduce"},
+    # FlashInfer's one-shot all-reduce as the transport: bit for bit too (test_gpu_flashinfer_allreduce.py).
+    "flashinfer_all_reduce": {**REFERENCE, "all_reduce": "flashinfer.trtllm_all_reduce"},
     # The fused TP attention boundary and the cuda MoE (its tail reductions on cuda.all_reduce).
     "fused": {
         **REFERENCE,

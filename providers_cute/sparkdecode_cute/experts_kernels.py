@@ -6,7 +6,7 @@ in slot order); the work is (distinct expert, tile of weight rows), split into
 contiguous equal shares over the CTAs, so each distinct expert's weights are read
 once and applied to every row routed to it (at most ``max_rows``).
 
-- ``gate_up``: a work item is a tile of gate rows and the matching up rows of W13
+- ``gate_up``: it prefetches its first W13 tile into L2, then a work item is a tile of gate rows and the matching up rows of W13
   (16-byte loads, eight in flight a lane), dotted with the expert's routed x rows
   (staged in shared memory when the CTA moves to another expert), each dot reduced
   across its warp in a fixed butterfly order; gate and up rounded to bf16, then
@@ -60,6 +60,17 @@ def _accumulate(acc: cute.Tensor, weights: list, x: cute.Tensor, i: cutlass.Cons
         for t in cutlass.range_constexpr(VEC):
             a = a + weights[q][t] * xv[t]
         acc[q, i] = a
+
+
+@cute.jit
+def _prefetch_rows(w: cute.Tensor, local: Int32, row0: Int32, rows: cutlass.Constexpr[int]):
+    """Prefetch rows ``row0 .. row0 + rows - 1`` of expert ``local`` of ``w``
+    (E, N, VEC, K / VEC) into L2, one 128-byte line a lane at a time."""
+    lane = cute.arch.lane_idx()
+    line = const_expr(128 // (VEC * 2))
+    for q in cutlass.range_constexpr(rows):
+        for c in cutlass.range(lane * line, w.shape[3], LANES * line, unroll=1):
+            cute.arch.prefetch(w[local, row0 + q, None, c].iterator.llvm_ptr, cache_level="L2")
 
 
 class RoutedExperts:
@@ -191,6 +202,12 @@ class RoutedExperts:
         n = self._distinct(ids, b, first_expert, ids_s, distinct, counts)
         cute.arch.griddepcontrol_launch_dependents()
         start, end = self._span(n * tiles)
+        if start < end:  # the first W13 tile streams in while x is staged
+            d = start // tiles
+            local = ids_s[distinct[d]] - first_expert
+            n0 = (start - d * tiles) * plan.gate_up_pairs + warp * pw
+            _prefetch_rows(w13, local, n0, pw)
+            _prefetch_rows(w13, local, s.intermediate + n0, pw)
         current = Int32(-1)
         for item in cutlass.range(start, end, unroll=1):
             d = item // tiles
@@ -253,10 +270,7 @@ class RoutedExperts:
         if start < end:
             d = start // tiles
             local = ids_s[distinct[d]] - first_expert
-            p0 = (start - d * tiles) * plan.down_rows + warp * rw
-            for q in cutlass.range_constexpr(rw):
-                for c in cutlass.range(lane * (128 // 16), vecs, LANES * (128 // 16), unroll=1):
-                    cute.arch.prefetch(w2[local, p0 + q, None, c].iterator.llvm_ptr, cache_level="L2")
+            _prefetch_rows(w2, local, (start - d * tiles) * plan.down_rows + warp * rw, rw)
         cute.arch.griddepcontrol_wait()  # h comes from gate_up
         cute.arch.griddepcontrol_launch_dependents()
 

@@ -41,6 +41,15 @@ from test_gpu_tp_one_device import watched  # noqa: E402
 import tp_worker  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compiled() -> None:
+    """The kernel's JIT module built here, once, so no rank spends the watchdog's time
+    compiling it (the ranks then load it)."""
+    from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+
+    get_trtllm_comm_module()
+
+
 def enough_gpus(tp: int) -> None:
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")

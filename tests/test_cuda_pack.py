@@ -47,13 +47,16 @@ def test_attention_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
 
 def test_lamport_kernels_compile_for_hopper(tmp_path, monkeypatch):
-    """The one-shot all-reduce, and the fused TP attention boundary at every width."""
+    """The one-shot all-reduce, the fused TP attention boundary and MoE tail at every width."""
     monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
     assert nvrtc.compile_cubin(lamport.SOURCE, "sm_90a", None, lamport.COMPILE_OPTIONS)[:4] == b"\x7fELF"
     for hidden in (1024, 8192):
         defines = {"H": hidden, "THREADS": hidden // boundary.ITEMS}
         cubin = nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", defines, boundary.COMPILE_OPTIONS)
         assert b"attention_boundary_all_reduce_kernel" in cubin
+    for width in (512, 4096):
+        defines = {"WIDTH": width, "THREADS": width // boundary.ITEMS, "EXPERTS": 256}
+        assert b"tail_all_reduce_kernel" in nvrtc.compile_cubin(moe.SOURCE, "sm_90a", defines, moe.COMPILE_OPTIONS)
 
 
 def test_compile_errors_name_the_source(tmp_path, monkeypatch):

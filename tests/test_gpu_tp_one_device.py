@@ -9,6 +9,9 @@ Asserted, per TP size:
   the TP stock forward (the reference transport over gloo) bit for bit at every
   step, hidden and aux streams: the Lamport sum is the reference's fp32 rank-order
   sum with one rounding;
+- ``moe_fused`` (cuda.moe's tail with the all-reduce fused in) equals
+  ``moe_reference_transport`` (the same cuda.moe, its reductions over gloo) bit for
+  bit: the Lamport sum is the reference transport's;
 - ``fused`` variants (cuda.attention_boundary fused with the all-reduce, cuda.moe
   with its tail reductions on cuda.all_reduce): within 3e-2 relative per row of the
   stock forward at every step and greedy tokens agreeing where decided (the bound
@@ -44,7 +47,10 @@ from test_tp import relative_rows  # noqa: E402
 WATCHDOG_S = 240  # per TP size; a hang fails the test instead of blocking CI
 
 
-def variant(preset, experts, pins, steps, graph, shard_pooler=False, shard_unpooler=False, smooth=True, seed=1):
+def variant(
+    preset, experts, pins, steps, graph, shard_pooler=False, shard_unpooler=False, smooth=True, seed=1, same_as=None
+):
+    """``same_as``: the index of an earlier variant whose hidden states this one equals."""
     return dict(
         preset=preset,
         experts=experts,
@@ -55,6 +61,7 @@ def variant(preset, experts, pins, steps, graph, shard_pooler=False, shard_unpoo
         shard_unpooler=shard_unpooler,
         smooth=smooth,
         seed=seed,
+        same_as=same_as,
     )
 
 
@@ -65,6 +72,10 @@ CASES = {
         variant("tiny", "ep", "all_reduce", 4, False, smooth=False),
         variant("tiny", "tp", "all_reduce", 4, False, shard_pooler=True, shard_unpooler=True),
         variant("tiny", "tp", "all_reduce", 6, True),
+        variant("tiny", "ep", "moe_reference_transport", 4, False, smooth=False),
+        variant("tiny", "ep", "moe_fused", 4, False, smooth=False, same_as=3),
+        variant("tiny", "tp", "moe_reference_transport", 4, False, smooth=False),
+        variant("tiny", "tp", "moe_fused", 4, False, smooth=False, same_as=5),
         variant("tiny", "ep", "fused", 6, False, shard_unpooler=True),
         variant("tiny", "tp", "fused", 1000, True),
     ],
@@ -112,6 +123,9 @@ def test_tensor_parallel_on_one_gpu(tp, tmp_path):
                 assert all(run["exact"]), (case, run["exact"].index(False))
             else:
                 assert run["error"].max() < 3e-2, (case, run["error"].max())
+            if case["same_as"] is not None:
+                twin = [r["variants"][case["same_as"]] for r in ranks][runs.index(run)]
+                assert torch.equal(run["hidden"], twin["hidden"]), case
             assert all(run["agree"]), case
         first = runs[0]
         for other in runs[1:]:  # replicated values: the same bits on every rank

@@ -36,7 +36,11 @@ PINS = {
     "all_reduce": {**REFERENCE, "all_reduce": "cuda.all_reduce"},
     # FlashInfer's one-shot all-reduce as the transport: bit for bit too (test_gpu_flashinfer_allreduce.py).
     "flashinfer_all_reduce": {**REFERENCE, "all_reduce": "flashinfer.trtllm_all_reduce"},
-    # The fused TP attention boundary and the cuda MoE (its tail reductions on cuda.all_reduce).
+    # cuda.moe with its tail reductions over the reference transport, then fused into
+    # its tail kernel with cuda.all_reduce: the same bits.
+    "moe_reference_transport": {**REFERENCE, "moe": "cuda.moe"},
+    "moe_fused": {**REFERENCE, "moe": "cuda.moe", "all_reduce": "cuda.all_reduce"},
+    # The fused TP attention boundary and cuda.moe's fused tail.
     "fused": {
         **REFERENCE,
         "all_reduce": "cuda.all_reduce",

@@ -6,6 +6,10 @@ resolved ``linear`` sub-op:
     -> [expert TP: all-reduce of the route rows] -> tail kernel
     -> [EP over ranks: all-reduce of m] -> unpooler GEMM into the next mailbox
 
+At TP > 1 with ``cuda.all_reduce`` as the resolved sub-op, the reduction and the
+tail are one kernel (tail_all_reduce_kernel, the same Lamport call and the same
+bits as the sub-op's); with another all-reduce, the sub-op runs between kernels.
+
 Against the reference: the routing kernel computes the same fp32 operations in the
 same order (sigmoid as 1 / (1 + exp(-z)), the sum in selection order), so ids and
 weights are bitwise equal for the same logits; the norms' row reductions sum in
@@ -19,7 +23,9 @@ import torch
 from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk, Step
 from sparkdecode.reference.providers import experts_kind
 
+from .all_reduce import CudaAllReduce
 from .boundary import ITEMS, _Cuda
+from .lamport import LamportWorkspace, workspace
 from .launch import Kernel, f32, i32, ptr
 
 SOURCE = "moe.cu"
@@ -36,6 +42,7 @@ class MoEKernels:
         self.routing = Kernel(SOURCE, "routing_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.norm = Kernel(SOURCE, "rmsnorm_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail = Kernel(SOURCE, "tail_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        self.tail_all_reduce = Kernel(SOURCE, "tail_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, scaling: float, topk: RoutedTopk) -> None:
         b = logits.shape[0]
@@ -70,6 +77,24 @@ class MoEKernels:
             [ptr(rows), ptr(weights), ptr(norm), f32(eps), i32(self.top_k), ptr(out)],
         )
 
+    def finish_all_reduce(
+        self,
+        rows: torch.Tensor,
+        weights: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+        reduce_rows: bool,
+        ws: LamportWorkspace,
+    ) -> None:
+        """The tail with its TP reduction: the route rows (in place, expert TP) or the
+        output (EP) all-reduced over the Lamport mailbox."""
+        self.tail_all_reduce.launch(
+            (rows.shape[0], 1, 1),
+            (self.threads, 1, 1),
+            [ptr(rows), ptr(weights), ptr(norm), f32(eps), i32(self.top_k), ptr(out), i32(reduce_rows), *ws.args()],
+        )
+
 
 def _moe_width_unsupported(d: Deployment) -> str | None:
     s = d.spec
@@ -97,6 +122,10 @@ class CudaMoE(_Cuda):
         self.kernels = MoEKernels(ctx)
         self.experts = ctx.ops[experts_kind(self.layer)].build(ctx, layer)
         self.all_reduce = ctx.ops["all_reduce"].build(ctx, None) if ctx.tp > 1 else None
+        self.reduce_rows = self.layer.experts.intermediate_slice is not None  # expert TP
+        self.reduce_out = self.layer.experts.num_local != spec.E  # EP over ranks
+        fusable = ctx.tp > 1 and ctx.ops.get("all_reduce") is CudaAllReduce and self.reduce_rows != self.reduce_out
+        self.workspace = workspace(ctx) if fusable else None
         self.linear = ctx.ops["linear"].build(ctx, layer)
         rows = ctx.max_rows
         self.logits = ctx.scratch("cuda_moe_logits", (rows, spec.E), torch.float32)
@@ -133,10 +162,15 @@ class CudaMoE(_Cuda):
         self.kernels.pre_norm(pooled, layer.pre_expert_norm, spec.rms_norm_eps, h)
         rows = self.rows[:b]
         self.experts.run(ExpertsInput(h), topk, rows)
-        if layer.experts.intermediate_slice is not None:
-            self._all_reduce(rows)
         m = self.m[:b]
-        self.kernels.finish(rows, topk.weights, layer.post_expert_norm, spec.post_norm_eps, m)
-        if layer.experts.num_local != spec.E:
-            self._all_reduce(m)
+        if self.workspace is not None:
+            self.kernels.finish_all_reduce(
+                rows, topk.weights, layer.post_expert_norm, spec.post_norm_eps, m, self.reduce_rows, self.workspace
+            )
+        else:
+            if self.reduce_rows:
+                self._all_reduce(rows)
+            self.kernels.finish(rows, topk.weights, layer.post_expert_norm, spec.post_norm_eps, m)
+            if self.reduce_out:
+                self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))

@@ -1,6 +1,10 @@
 // The MoE's small kernels (MUSE_SPARK.md, "MoE"): routing, the pre-expert norm and
 // the tail. The GEMMs (router, pooler, experts, unpooler) run elsewhere.
-#include "common.cuh"
+// tail_all_reduce_kernel (TP > 1): the tail with its reduction fused, one Lamport
+// call (lamport.cuh): under expert TP the route rows all-reduced before the norms,
+// under EP the output all-reduced after the sum, each rounded to bf16 as the
+// reference transport rounds.
+#include "lamport.cuh"
 
 #ifndef WIDTH
 #define WIDTH 4096
@@ -107,19 +111,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
 
 // The tail, one block per row: m = bf16(sum_j w[j] * rms(y_j * (1 + n), eps)), the
 // per-route norms and the sum in fp32, slots summed in order 0..k-1.
-extern "C" __global__ void __launch_bounds__(THREADS) tail_kernel(
-    const bf16_t* __restrict__ rows,      // [b, k, WIDTH] route rows
-    const float* __restrict__ weights,    // [b, k]
-    const bf16_t* __restrict__ norm,      // [WIDTH] post_expert_norm (delta around 1)
-    float eps, int top_k,
-    bf16_t* __restrict__ out) {           // [b, WIDTH]
-  __shared__ float scratch[32];
-  const int row = blockIdx.x, base = threadIdx.x * ITEMS;
-  float n[ITEMS], total[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) n[i] = bf16_to_float(norm[base + i]) + 1.0f;
-  pdl_launch_dependents();
-  pdl_wait();
+__device__ __forceinline__ void tail_row(const bf16_t* __restrict__ rows, const float* __restrict__ weights,
+                                         const float (&n)[ITEMS], float eps, int top_k, int row, int base,
+                                         float* scratch, float (&total)[ITEMS]) {
   for (int j = 0; j < top_k; ++j) {
     const bf16_t* y = rows + ((long)row * top_k + j) * WIDTH;
     float v[ITEMS], sq = 0.f;
@@ -136,6 +130,77 @@ extern "C" __global__ void __launch_bounds__(THREADS) tail_kernel(
       total[i] = j == 0 ? c : total[i] + c;
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) tail_kernel(
+    const bf16_t* __restrict__ rows,      // [b, k, WIDTH] route rows
+    const float* __restrict__ weights,    // [b, k]
+    const bf16_t* __restrict__ norm,      // [WIDTH] post_expert_norm (delta around 1)
+    float eps, int top_k,
+    bf16_t* __restrict__ out) {           // [b, WIDTH]
+  __shared__ float scratch[32];
+  const int row = blockIdx.x, base = threadIdx.x * ITEMS;
+  float n[ITEMS], total[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) n[i] = bf16_to_float(norm[base + i]) + 1.0f;
+  pdl_launch_dependents();
+  pdl_wait();
+  tail_row(rows, weights, n, eps, top_k, row, base, scratch, total);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) out[(long)row * WIDTH + base + i] = float_to_bf16(total[i]);
 }
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+  uint4 w;
+  w.x = (u32)float_to_bf16(f[0]) | ((u32)float_to_bf16(f[1]) << 16);
+  w.y = (u32)float_to_bf16(f[2]) | ((u32)float_to_bf16(f[3]) << 16);
+  w.z = (u32)float_to_bf16(f[4]) | ((u32)float_to_bf16(f[5]) << 16);
+  w.w = (u32)float_to_bf16(f[6]) | ((u32)float_to_bf16(f[7]) << 16);
+  return w;
+}
+
+#if ITEMS == 8
+// reduce_rows (expert TP): each route row of this block all-reduced in place first
+// (each thread its own 16 bytes of every route, which only it reads after), then the
+// tail; otherwise (EP) the tail, then its bf16 output all-reduced.
+extern "C" __global__ void __launch_bounds__(THREADS) tail_all_reduce_kernel(
+    bf16_t* __restrict__ rows, const float* __restrict__ weights, const bf16_t* __restrict__ norm, float eps,
+    int top_k, bf16_t* __restrict__ out, int reduce_rows, const u64* __restrict__ peers, int* __restrict__ control,
+    int rank, int tp, long long cap) {
+  __shared__ float scratch[32];
+  const int row = blockIdx.x, base = threadIdx.x * ITEMS;
+  float n[ITEMS], total[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) n[i] = bf16_to_float(norm[base + i]) + 1.0f;
+  pdl_launch_dependents();
+  pdl_wait();
+  const Lamport l = lamport_begin(peers, control, rank, tp, cap);
+  if (reduce_rows) {
+    // Push every route first, then gather: a rank never waits holding a block unsent.
+    for (int j = 0; j < top_k; ++j) {
+      const long long offset = ((long long)row * top_k + j) * WIDTH + base;
+      lamport_push(l, offset, *(const uint4*)(rows + offset));
+    }
+    for (int j = 0; j < top_k; ++j) {
+      const long long offset = ((long long)row * top_k + j) * WIDTH + base;
+      float acc[8];
+      lamport_sum(l, offset, *(const uint4*)(rows + offset), acc);
+      *(uint4*)(rows + offset) = pack_bf16x8(acc);
+    }
+  }
+  tail_row(rows, weights, n, eps, top_k, row, base, scratch, total);
+  bf16_t* orow = out + (long)row * WIDTH + base;
+  if (reduce_rows) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) orow[i] = float_to_bf16(total[i]);
+  } else {
+    const long long offset = (long long)row * WIDTH + base;
+    const uint4 local = pack_bf16x8(total);
+    lamport_push(l, offset, local);
+    float acc[8];
+    lamport_sum(l, offset, local, acc);
+    *(uint4*)orow = pack_bf16x8(acc);
+  }
+  lamport_end(l);
+}
+#endif

@@ -146,6 +146,6 @@ def test_collectives_bench_writes_a_labelled_record(tmp_path):
     record = json.loads(path.read_text())
     assert record["label"] == "one-GPU emulation, not a multi-GPU figure" and not record["speed_claim"]
     assert record["config"] == "collectives-one-gpu-tp2" and record["commit"] and record["gpu"]
-    assert len(record["collectives"]) == 5
+    assert len(record["collectives"]) == 7
     for entry in record["collectives"].values():
         assert len(entry["per_call_us_by_rank"]) == 2 and entry["per_call_us_slowest_rank"] > 0

@@ -6,7 +6,8 @@ Per TP size: that many processes on cuda:0 (gloo for the host side), one Lamport
 workspace, and per collective of a decode step (the shapes of ``--preset`` at
 ``--rows`` rows): ``cuda.all_reduce`` of the attention partial [b, H], of the MoE
 tail under EP [b, P] and of the route rows under expert TP [b, k, P], and the fused
-TP attention boundary ([b, H] all-reduce + norms + gated add). Each is captured
+TP attention boundary ([b, H] all-reduce + norms + gated add) and the fused MoE
+tails (under EP and under expert TP: the tail kernel with its reduction). Each is captured
 ``CALLS`` times back to back in one CUDA graph and the graph replayed; the time of
 a call is a replay over ``CALLS``, median over replays, the slowest rank's. The
 reference transport (gloo through the host) is timed eagerly beside them.
@@ -41,6 +42,7 @@ from sparkdecode.spec import ModelSpec
 
 from .boundary import CudaAttentionBoundary
 from .lamport import workspace
+from .moe import MoEKernels
 
 LABEL = "one-GPU emulation, not a multi-GPU figure"
 CALLS = 20
@@ -128,6 +130,16 @@ def _rank(rank: int, tp: int, init: str, preset: str, rows: int, replays: int, o
         dist.barrier()
         name = "fused attention boundary (all_reduce [b, H] + post_attn_norm + gated add + pre_ffn_norm)"
         seconds[name] = _time_graph(lambda: boundary.run(partial, stream, xf), replays, device)
+        tail = MoEKernels(ctx)
+        rows_in = torch.randn(rows, spec.top_k, spec.P, generator=g, device=device).to(torch.bfloat16)
+        weights = torch.rand(rows, spec.top_k, generator=g, device=device)
+        norm = (torch.randn(spec.P, generator=g, device=device) * 0.1).to(torch.bfloat16)
+        m = torch.empty(rows, spec.P, dtype=torch.bfloat16, device=device)
+        for label, reduce_rows in (("EP: output [b, P]", False), ("expert TP: route rows [b, k, P]", True)):
+            dist.barrier()
+            seconds[f"fused MoE tail, {label} all-reduced"] = _time_graph(
+                lambda r=reduce_rows: tail.finish_all_reduce(rows_in, weights, norm, 1e-5, m, r, ws), replays, device
+            )
         dist.barrier()
         seconds["reference transport all_reduce [b, H] (gloo via the host, eager)"] = _time_reference(
             Collectives(tp, rank, dist.group.WORLD), partial, replays, device

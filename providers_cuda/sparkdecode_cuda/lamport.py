@@ -17,8 +17,8 @@ summing in fp32 from rank 0's value (comm.Collectives's order: the same bits on
 every rank and the same as the reference transport), writing the sentinel back
 into each slot it consumed; rounds once to bf16. The last block to finish advances
 g to (g + 1) mod 3. Every rank makes the same calls in the same order (stream
-order; the generation is per executor, shared by its all-reduce sub-ops and fused
-boundaries), so the generations agree without any host exchange after the build.
+order; the generation is per executor, shared by its all-reduce sub-ops, fused
+boundaries and fused MoE tails), so the generations agree without any host exchange after the build.
 
 Memory ordering (the argument; one GPU cannot falsify a scope bug, so it is on
 paper). Stores to peers and spin loads are ``st/ld.volatile.global`` (relaxed at

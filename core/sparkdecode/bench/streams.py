@@ -15,19 +15,37 @@ cuBLAS through ``torch.mm``):
   bytes) / median time.
 
 Each GEMM runs on ``ROWS`` rows (the verify step's 8).
+
+``streams-tp8-rank`` also measures the routed experts (``expert_streams``): kinds
+``experts`` (bf16) and ``experts_nvfp4``, each under expert TP (every expert's
+I / 8 slice) and EP (32 whole experts), 8 rows x top-8 routes, routing ``random``
+(each row's top-8 of all experts) and ``correlated`` (among ``CORRELATED_EXPERTS``
+per layer); every registered provider of the kind that supports the TP-8 rank and
+the torch path of the step bench's baseline (baseline.stock_expert_rows):
+isolated (one layer) and chained (``EXPERT_LAYERS`` distinct layers, far larger
+than L2, in one graph), L2 flushed before every replay. Bytes read = the distinct
+experts the rank holds x one expert's bytes (floor.expert_bytes, NVFP4 with its
+scales); each provider's rows are checked against the torch path's. The run's
+figures go to a JSON record in ``--out`` (command, commit, GPU, date).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from ..protocols import LINEAR_WEIGHTS, scratch_buffer
+from ..protocols import LINEAR_WEIGHTS, BuildContext, Deployment, ExpertsInput, RoutedTopk, scratch_buffer
+from ..spec import ModelSpec
+from ..weights import ExpertWeights, ModelWeights, Sharding, quantize_experts, random_weights
+from .baseline import stock_expert_rows
 from .configs import ROWS
-from .timing import Timer
+from .floor import expert_bytes
+from .steer import CORRELATED_EXPERTS
+from .timing import FLUSH_BYTES, Timer
 
 # name -> (N, K) of Muse Spark's dense weights (H 8192, 128 q / 16 kv heads of 64,
 # E 256, P 4096); the router is fp32, the others bf16.
@@ -122,6 +140,218 @@ def linear_streams(
     return record
 
 
+EXPERT_LAYERS = 8
+TP = 8
+EXPERT_ROUTINGS = ("random", "correlated")
+TORCH = "torch"  # baseline.stock_expert_rows
+
+
+@dataclass(frozen=True)
+class ExpertStream:
+    name: str
+    kind: str  # "experts" or "experts_nvfp4"
+    expert_parallel: str  # "tp" or "ep"
+    expert_format: str  # "bf16" or "nvfp4"
+
+
+EXPERT_STREAMS = (
+    ExpertStream("experts bf16 expert-TP", "experts", "tp", "bf16"),
+    ExpertStream("experts bf16 EP", "experts", "ep", "bf16"),
+    ExpertStream("experts nvfp4 expert-TP", "experts_nvfp4", "tp", "nvfp4"),
+    ExpertStream("experts nvfp4 EP", "experts_nvfp4", "ep", "nvfp4"),
+)
+
+
+def draw_experts(spec: ModelSpec, stream: ExpertStream, g: torch.Generator, device: torch.device) -> ExpertWeights:
+    """Rank 0's routed experts of one layer in the stream's shard form, drawn an
+    expert at a time (no full-size fp32 temporary), NVFP4 by ModelOpt's formula."""
+    P, I, E = spec.P, spec.I, spec.E  # noqa: E741, N806
+    ep = stream.expert_parallel == "ep"
+    num, inter = (E // TP, I) if ep else (E, I // TP)
+    w13 = torch.empty(num, 2 * inter, P, dtype=torch.bfloat16, device=device)
+    w2 = torch.empty(num, P, inter, dtype=torch.bfloat16, device=device)
+    for i in range(num):
+        w13[i].copy_(torch.randn(w13.shape[1:], generator=g, device=device) * P**-0.5)
+        w2[i].copy_(torch.randn(w2.shape[1:], generator=g, device=device) * I**-0.5)
+    experts = ExpertWeights("bf16", w13, w2, 0, None if ep else (0, inter))
+    return quantize_experts(experts) if stream.expert_format == "nvfp4" else experts
+
+
+def route_ids(spec: ModelSpec, kind: str, g: torch.Generator) -> torch.Tensor:
+    """int32 [ROWS, k] global expert ids: each row's top-k of all experts (random) or
+    of ``CORRELATED_EXPERTS`` favoured ones (correlated)."""
+    if kind == "random":
+        pool = torch.arange(spec.E)
+    elif kind == "correlated":
+        pool = torch.randperm(spec.E, generator=g)[:CORRELATED_EXPERTS]
+    else:
+        raise ValueError(f"routing {kind!r} (random or correlated)")
+    rows = [pool[torch.randperm(len(pool), generator=g)[: spec.top_k]] for _ in range(ROWS)]
+    return torch.stack(rows).to(torch.int32)
+
+
+def held_distinct(ids: torch.Tensor, experts: ExpertWeights) -> int:
+    """Distinct experts of ``ids`` this rank holds."""
+    local = ids.flatten().long() - experts.first_expert
+    return int(torch.unique(local[(local >= 0) & (local < experts.num_local)]).numel())
+
+
+def experts_context(weights: ModelWeights, deployment: Deployment, device: torch.device) -> BuildContext:
+    return BuildContext(
+        spec=weights.spec,
+        weights=weights,
+        tp=TP,
+        rank=0,
+        device=device,
+        group=None,
+        deployment=deployment,
+        buffers={},
+        aux_layers=(),
+        max_rows=ROWS,
+        max_context=deployment.max_context,
+        mailboxes=[],
+        ops={},
+    )
+
+
+def _timed(timer: Timer, works: list, replays: int) -> float:
+    graph = timer.capture(lambda: [w() for w in works])
+    return timer.time(graph, replays).median_s
+
+
+def _entry(bytes_read: int, seconds: float, copy: float) -> dict[str, Any]:
+    return {
+        "bytes": bytes_read,
+        "median_s": seconds,
+        "bytes_per_s": bytes_read / seconds,
+        "fraction_of_copy": bytes_read / seconds / copy,
+    }
+
+
+def expert_streams(
+    timer: Timer,
+    registry: Any,
+    copy: float,
+    replays: int,
+    *,
+    preset: str = "muse-spark-open",
+    layers: int = EXPERT_LAYERS,
+    routings: tuple[str, ...] = EXPERT_ROUTINGS,
+    seed: int = 0,
+    log: Any = print,
+) -> list[dict[str, Any]]:
+    """Per (stream, routing): every supported provider's and the torch path's
+    isolated and chained figures, and their rows' error against the torch path."""
+    from ..deployment import detect
+
+    device = timer.device
+    spec = ModelSpec.preset(preset, layers)
+    sharding = Sharding(tp=TP, expert_parallel="tp")
+    weights = random_weights(spec, seed=seed, device=device, keep_unfolded_router=False, sharding=sharding)
+    g = torch.Generator(device=device).manual_seed(seed)
+    host = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(ROWS, spec.P, generator=g, device=device).to(torch.bfloat16) for _ in range(layers)]
+    out: list[dict[str, Any]] = []
+    for stream in EXPERT_STREAMS:
+        for layer in weights.layers:
+            layer.experts = None  # the previous stream's, freed before the next draw
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log(f"{stream.name}: drawing {layers} layers")
+        for layer in weights.layers:
+            layer.experts = draw_experts(spec, stream, g, device)
+        deployment = detect(
+            spec, tp=TP, device=device, expert_format=stream.expert_format, expert_parallel=stream.expert_parallel
+        )
+        classes, skipped = [], {}
+        for reg in registry.of(stream.kind):
+            reason = reg.cls.unsupported(deployment)
+            if reason is None:
+                classes.append(reg.cls)
+            else:
+                skipped[reg.name] = reason
+        experts = [layer.experts for layer in weights.layers]
+        one = expert_bytes(SimpleNamespace(experts=experts[0]))
+        for routing in routings:
+            ids = [route_ids(spec, routing, host).to(device) for _ in range(layers)]
+            topk = [RoutedTopk(i, torch.ones(ROWS, spec.top_k, device=device)) for i in ids]
+            distinct = [held_distinct(i, e) for i, e in zip(ids, experts)]
+            reference = [stock_expert_rows(x, i, e) for x, i, e in zip(xs, ids, experts)]
+            outs = [torch.empty_like(r) for r in reference]
+            sides = [
+                (
+                    TORCH,
+                    [
+                        lambda x=x, i=i, e=e, o=o: o.copy_(stock_expert_rows(x, i, e))
+                        for x, i, e, o in zip(xs, ids, experts, outs)
+                    ],
+                    outs,
+                )
+            ]
+            for cls in classes:
+                ctx = experts_context(weights, deployment, device)
+                ops = [cls.build(ctx, i) for i in range(layers)]
+                rows = [torch.empty_like(r) for r in reference]
+                works = [
+                    lambda op=op, x=x, t=t, r=r: op.run(ExpertsInput(x), t, r)
+                    for op, x, t, r in zip(ops, xs, topk, rows)
+                ]
+                sides.append((cls.name, works, rows))
+            results = {}
+            for name, works, rows in sides:
+                log(f"{stream.name}, {routing} routing: {name}")
+                isolated = _timed(timer, works[:1], replays)
+                chained = _timed(timer, works, replays)
+                errors = [
+                    ((r.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+                    for r, ref in zip(rows, reference)
+                ]
+                results[name] = {
+                    "isolated": _entry(distinct[0] * one, isolated, copy),
+                    "chained": _entry(sum(distinct) * one, chained, copy),
+                    "relative_error_vs_torch": max(errors),
+                }
+            out.append(
+                {
+                    "stream": stream.name,
+                    "kind": stream.kind,
+                    "routing": routing,
+                    "expert_bytes": one,
+                    "distinct_experts": distinct,
+                    "providers": results,
+                    "unsupported": skipped,
+                }
+            )
+            del sides
+    for layer in weights.layers:
+        layer.experts = None
+    return out
+
+
+def experts_report(streams: list[dict[str, Any]], copy: float, layers: int = EXPERT_LAYERS) -> str:
+    lines = [
+        f"routed experts: {ROWS} rows x top-8; isolated = one layer, chained = {layers} distinct layers in one "
+        "graph; TB/s = distinct held experts' bytes / median; % of the copy bandwidth; err vs the torch path"
+    ]
+    head = (
+        f"{'stream':<24} {'routing':<10} {'provider':<24} {'iso MB':>7} {'iso us':>8} {'TB/s':>6} {'%':>5} "
+        f"{'chain MB':>9} {'chain us':>9} {'TB/s':>6} {'%':>5} {'err':>8}"
+    )
+    lines += [head, "-" * len(head)]
+    for s in streams:
+        for provider, r in s["providers"].items():
+            iso, ch = r["isolated"], r["chained"]
+            lines.append(
+                f"{s['stream']:<24} {s['routing']:<10} {provider[:24]:<24} {iso['bytes'] / 1e6:>7.1f} "
+                f"{iso['median_s'] * 1e6:>8.1f} {iso['bytes_per_s'] / 1e12:>6.3f} {100 * iso['fraction_of_copy']:>4.0f}% "
+                f"{ch['bytes'] / 1e6:>9.1f} {ch['median_s'] * 1e6:>9.1f} {ch['bytes_per_s'] / 1e12:>6.3f} "
+                f"{100 * ch['fraction_of_copy']:>4.0f}% {r['relative_error_vs_torch']:>8.1e}"
+            )
+        for provider, why in s["unsupported"].items():
+            lines.append(f"{s['stream']:<24} {s['routing']:<10} {provider[:24]:<24} unsupported: {why}")
+    return "\n".join(lines)
+
+
 def report(config: str, copy: float, record: dict[str, Any]) -> str:
     shapes = SHAPES[config]
     names = list(record)
@@ -169,4 +399,48 @@ def main(args: argparse.Namespace) -> int:
     copy = copy_bandwidth(timer, replays)
     record = linear_streams(timer, providers, SHAPES[args.config], replays)
     print(report(args.config, copy, record))
+    experts: list[dict[str, Any]] = []
+    if args.config == "streams-tp8-rank":
+        registry = discover()
+        experts = expert_streams(timer, registry, copy, replays, seed=args.seed, log=lambda m: None)
+        print(experts_report(experts, copy))
+    path = write_record(args, copy, replays, record, experts)
+    print(f"record: {path}")
     return 0
+
+
+def write_record(
+    args: argparse.Namespace, copy: float, replays: int, linear: dict[str, Any], experts: list[dict[str, Any]]
+) -> Any:
+    """The run's figures as JSON in ``args.out`` (named like the step bench's records)."""
+    import datetime
+    import shlex
+    import sys
+
+    from .report import write
+    from .runner import RECORD_VERSION, provenance
+
+    argv = sys.argv[sys.argv.index("bench") + 1 :] if "bench" in sys.argv else [args.config]
+    gpu = torch.cuda.get_device_name()
+    record = {
+        "version": RECORD_VERSION,
+        "config": args.config,
+        "command": "sparkdecode bench " + shlex.join(argv),
+        **provenance(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": gpu,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "rows": ROWS,
+        "replays": replays,
+        "l2_flush_bytes": FLUSH_BYTES,
+        "copy_bandwidth_bytes_per_s": copy,
+        "linear": {
+            provider: {name: {"median_s": t, "bytes_per_s": bw} for name, (t, bw) in row.items()}
+            for provider, row in linear.items()
+        },
+        "expert_layers": EXPERT_LAYERS,
+        "experts": experts,
+    }
+    return write(record, args.out)

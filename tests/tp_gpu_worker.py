@@ -38,7 +38,7 @@ PINS = {
     "flashinfer_all_reduce": {**REFERENCE, "all_reduce": "flashinfer.trtllm_all_reduce"},
     # cuda.moe with its tail reductions over the reference transport, then fused into
     # its tail kernel with cuda.all_reduce: the same bits.
-    "moe_reference_transport": {**REFERENCE, "moe": "cuda.moe"},
+    "moe_reference_transport": {**REFERENCE, "moe": "cuda.moe", "all_reduce": "reference.all_reduce"},
     "moe_fused": {**REFERENCE, "moe": "cuda.moe", "all_reduce": "cuda.all_reduce"},
     # The fused TP attention boundary and cuda.moe's fused tail.
     "fused": {

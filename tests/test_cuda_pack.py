@@ -4,6 +4,7 @@ say why they do not apply off Hopper, and on a GPU each equals the reference."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 
@@ -65,7 +66,7 @@ def test_compile_errors_name_the_source(tmp_path, monkeypatch):
         nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", {})  # no H: the source's #error
 
 
-def test_unsupported_off_hopper():
+def test_unsupported_off_hopper(monkeypatch):
     spec = ModelSpec.preset("tiny")
     cpu = detect(spec, device="cpu")
     for cls in (
@@ -88,6 +89,8 @@ def test_unsupported_off_hopper():
     for cls in (boundary.CudaAttentionBoundary, all_reduce.CudaAllReduce):  # TP > 1: the Lamport all-reduce
         assert cls.unsupported(dataclasses.replace(hopper, tp=8)) is None
         assert "at most 8 ranks" in cls.unsupported(dataclasses.replace(hopper, tp=16))
+    monkeypatch.setattr(sys, "platform", "win32")
+    assert "CUDA IPC" in all_reduce.CudaAllReduce.unsupported(dataclasses.replace(hopper, tp=2))
     odd = dataclasses.replace(
         hopper, spec=dataclasses.replace(spec, hidden_size=1088, num_attention_heads=17, num_key_value_heads=1)
     )

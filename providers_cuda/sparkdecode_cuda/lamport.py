@@ -60,6 +60,7 @@ group (detached) has no mailbox: its all-reduce is left out, as the reference's.
 from __future__ import annotations
 
 import ctypes
+import sys
 import weakref
 
 import torch
@@ -81,6 +82,8 @@ _CONTROL = "lamport_control"  # the executor buffer the workspace hangs on
 def lamport_unsupported(d: Deployment) -> str | None:
     if d.tp > MAX_TP:
         return f"the Lamport mailbox serves at most {MAX_TP} ranks, not {d.tp}"
+    if d.tp > 1 and not sys.platform.startswith("linux"):
+        return f"the Lamport mailbox maps peers' memory with CUDA IPC, which needs Linux (this is {sys.platform})"
     return None
 
 

@@ -137,6 +137,20 @@ def test_tensor_parallel_on_one_gpu(tp, tmp_path):
                 assert relative_rows(hidden, tp1).max() < 3e-2, case
 
 
+# The shapes a step reduces (tiny and real: [b, H], [b, P], [b, k, P]), a partial
+# step and a short row, in turn so consecutive calls differ in size.
+OP_SHAPES = [(8, 1024), (1, 8), (8, 16, 512), (3, 4096), (8, 8192), (5, 24), (8, 8, 4096), (8, 512)]
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_all_reduce_op_is_the_reference_transport(tp, tmp_path):
+    """Bit for bit (NaN as NaN) on random bf16 with -0.0, infinities, NaN, overflow
+    and subnormals, eagerly and replaying one graph of every shape 10 times."""
+    ranks = watched(tp_gpu_worker.all_reduce_op, tp, tmp_path, OP_SHAPES, 10)
+    for r in ranks:
+        assert len(r["checks"]) == 12 * len(OP_SHAPES) and all(r["checks"]), r["checks"]
+
+
 def test_collectives_bench_writes_a_labelled_record(tmp_path):
     import json
 

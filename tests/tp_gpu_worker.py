@@ -110,3 +110,68 @@ def main(rank: int, tp: int, init: str, out_dir: str, variants: list[dict]) -> N
         torch.save(to_cpu(results), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def specials(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """Edge values in the first elements: -0.0 on every rank (a -0.0 sum), +inf on one
+    rank and -inf on another (NaN), NaN on rank 0, the largest bf16 on every rank
+    (overflow to inf), bf16's smallest subnormal."""
+    flat = x.view(-1)
+    if flat.numel() >= 8:
+        flat[0] = -0.0
+        flat[1] = float("inf") if rank == 0 else float("-inf") if rank == 1 else 1.0
+        flat[2] = float("nan") if rank == 0 else 1.0
+        flat[3] = torch.finfo(torch.bfloat16).max
+        flat[4] = 2.0**-133
+    return x
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal where not NaN, NaN where the other is (a NaN's payload may differ)."""
+    nan = a.isnan() & b.isnan()
+    return bool(((a.view(torch.int16) == b.view(torch.int16)) | nan).all() and (a.isnan() == b.isnan()).all())
+
+
+def all_reduce_op(rank: int, tp: int, init: str, out_dir: str, shapes: list[tuple[int, ...]], replays: int) -> None:
+    """cuda.all_reduce's workspace against the reference transport (comm.Collectives
+    over gloo) on random bf16 of every shape in turn, eagerly, then the same sequence
+    captured in one graph and replayed on new inputs each time."""
+    from sparkdecode.comm import Collectives
+    from sparkdecode_cuda.lamport import LamportWorkspace
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
+    try:
+        capacity = max(torch.Size(s).numel() for s in shapes)
+        ws = LamportWorkspace(device, dist.group.WORLD, tp, rank, capacity)
+        reference = Collectives(tp, rank, dist.group.WORLD)
+        g = torch.Generator(device=device).manual_seed(rank)
+        inputs = [torch.empty(s, dtype=torch.bfloat16, device=device) for s in shapes]
+        outputs = [torch.empty_like(x) for x in inputs]
+
+        def draw() -> None:
+            for x in inputs:
+                specials(x.copy_(torch.randn(x.shape, generator=g, device=device) * 4), rank)
+
+        def calls() -> None:
+            for x, y in zip(inputs, outputs):
+                y.copy_(x)
+                ws.all_reduce(y)
+
+        checks = []
+        for _ in range(2):  # eager, twice (every generation's slots reused once)
+            draw()
+            calls()
+            checks += [same_bits(y, reference.all_reduce(x)) for x, y in zip(inputs, outputs)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        for _ in range(replays):
+            draw()
+            graph.replay()
+            checks += [same_bits(y, reference.all_reduce(x)) for x, y in zip(inputs, outputs)]
+        torch.save({"checks": checks}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

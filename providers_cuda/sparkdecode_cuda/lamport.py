@@ -14,7 +14,8 @@ replays need no per-step host constant); each thread pushes its 16 bytes to slot
 (g, rank) of every peer; reads slot (g, s) of its own buffer for s = 0..tp-1 in
 rank order, spinning until no element is the sentinel (the data is its own flag),
 summing in fp32 from rank 0's value (comm.Collectives's order: the same bits on
-every rank and the same as the reference transport), writing the sentinel back
+every rank and the same as the reference transport, -0.0 sums included; a NaN may
+carry another payload than torch's, a NaN still), writing the sentinel back
 into each slot it consumed; rounds once to bf16. The last block to finish advances
 g to (g + 1) mod 3. Every rank makes the same calls in the same order (stream
 order; the generation is per executor, shared by its all-reduce sub-ops, fused

@@ -192,12 +192,19 @@ def test_the_gpu(make_config: MakeConfig, capability, words: str) -> None:
     assert found.startswith(words) and "Hopper" in found
 
 
-def test_a_quantized_checkpoint_names_the_later_issue(make_config: MakeConfig, checkpoint: Path) -> None:
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("modelopt_fp4", "The checkpoint's routed experts are NVFP4 (modelopt_fp4): on SM90 vLLM repacks them"),
+        ("fp8", "The checkpoint is quantized (fp8): the executor reads bf16 weights"),
+    ],
+)
+def test_a_quantized_checkpoint_is_refused(make_config: MakeConfig, name: str, words: str) -> None:
     config = make_config()
     config.quant_config = None
-    config.model_config.quantization = "modelopt_fp4"
+    config.model_config.quantization = name
     (found,) = reasons(config)
-    assert "quantized (modelopt_fp4)" in found and "NVFP4 experts through vLLM come with a later issue" in found
+    assert found.startswith(words)
 
 
 def test_a_text_config_the_executor_does_not_take(make_config: MakeConfig, checkpoint: Path, tmp_path: Path) -> None:
@@ -254,8 +261,8 @@ def test_every_unmet_line_is_reported(make_config: MakeConfig) -> None:
 
 
 def test_a_quantized_checkpoint_on_disk(make_config: MakeConfig, checkpoint: Path, tmp_path: Path) -> None:
-    """The same line from a checkpoint whose config carries ModelOpt NVFP4, where
-    vLLM's config machinery accepts it on this machine."""
+    """The same line from a checkpoint whose config carries ModelOpt NVFP4 (vLLM
+    resolves it to its ModelOpt NVFP4 config, then the gate refuses it)."""
     directory = tmp_path / "nvfp4"
     shutil.copytree(checkpoint, directory)
     write_multimodal_config(
@@ -263,11 +270,12 @@ def test_a_quantized_checkpoint_on_disk(make_config: MakeConfig, checkpoint: Pat
         tiny_spec(),
         quantization={"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []},
     )
-    try:
-        config = make_config(directory=directory)
-    except Exception as e:  # vLLM refuses NVFP4 before the gate on some platforms
-        pytest.skip(f"vLLM does not build this config here: {e}")
-    assert any("NVFP4 experts through vLLM come with a later issue" in r for r in reasons(config))
+    config = make_config(directory=directory)
+    assert type(config.quant_config).__name__ == "ModelOptNvFp4Config"
+    (found,) = reasons(config)
+    assert "no experts provider of the executor reads that layout yet" in found
+    with pytest.raises(DeploymentError, match="routed experts are NVFP4"):
+        gate.check(config, capability=HOPPER)
 
 
 def test_the_ranks_agree_before_anyone_proceeds(checkpoint: Path, draft: Path, tmp_path: Path) -> None:

@@ -117,6 +117,11 @@ def expert_weights(spec: ModelSpec, index: int, runner: Any, sharding: Sharding)
     where = f"layer {index}: feed_forward.experts"
     experts = getattr(runner, "routed_experts", runner)
     method = getattr(experts, "quant_method", None)
+    if type(method).__name__ == "MuseSparkModelOptNvFp4FusedMoE":
+        raise AdapterError(
+            f"{where}: NVFP4 experts ({type(method).__name__}, backend {getattr(method, 'nvfp4_backend', None)}): "
+            "on SM90 vLLM repacks them into Marlin's layout at load, and no experts provider reads that layout yet"
+        )
     if type(method).__name__ != "MuseSparkUnquantizedFusedMoE" or not getattr(method, "use_route_major", False):
         raise AdapterError(
             f"{where}: vLLM's experts method {type(method).__name__} "

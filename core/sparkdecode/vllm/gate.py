@@ -17,7 +17,8 @@ sentence per unmet requirement, after the TP ranks agree
   other than DSpark with 7 tokens and no adaptive verification, no dynamic
   token counts; a model dtype or KV cache dtype other than bf16; KV blocks other
   than 16 tokens; KV transfer; batch-invariant mode; the MegaMoE backend;
-  quantized (NVFP4) checkpoints, which come with a later issue;
+  quantized checkpoints (``quantization_reason``: ModelOpt NVFP4 experts, which
+  vLLM repacks into Marlin's layout on SM90, are not served yet);
 - the text config (``ModelSpec`` validation);
 - once those hold, the core gate on the ``Deployment`` this config makes: the
   executor's own requirements, every block's providers (each provider's
@@ -243,13 +244,42 @@ def serving_reasons(vllm_config: Any, capability: tuple[int, int] | None) -> lis
         vllm_config.kernel_config.moe_backend != "deep_gemm_mega_moe",
         "The MegaMoE backend (moe_backend='deep_gemm_mega_moe') repacks the experts and shards the stream.",
     )
-    quant = vllm_config.quant_config if vllm_config.quant_config is not None else model.quantization
-    need(
-        quant is None,
-        f"The checkpoint is quantized ({_quant_name(quant)}): NVFP4 experts through vLLM come with a later issue "
-        "(on SM90 vLLM repacks them into Marlin tiles at load); serve a bf16 checkpoint.",
-    )
+    reason = quantization_reason(vllm_config)
+    if reason is not None:
+        out.append(reason)
     return out
+
+
+NVFP4_QUANTIZATION = "modelopt_fp4"
+
+
+def quantization_reason(vllm_config: Any) -> str | None:
+    """Why the checkpoint's quantization is not served (None for bf16).
+
+    ModelOpt NVFP4 experts: on SM90 vLLM's Muse Spark experts method repacks them at
+    load (``process_weights_after_loading``) into Marlin's tiles, with e4m3 scales
+    re-encoded for Marlin, the gate's global scale applied to both halves of W13 and
+    the up/gate ratio folded into W2's global scale. The stock forward (prefills,
+    every step the executor does not take) runs Marlin on those tensors, so the
+    executor must read them where they are (a second copy in the checkpoint's
+    layout would cost as much memory as the experts themselves); no experts
+    provider reads Marlin's layout yet."""
+    model = vllm_config.model_config
+    quant = vllm_config.quant_config if vllm_config.quant_config is not None else model.quantization
+    if quant is None:
+        return None
+    name = _quant_name(quant)
+    if name == NVFP4_QUANTIZATION:
+        return (
+            f"The checkpoint's routed experts are NVFP4 ({name}): on SM90 vLLM repacks them at load into Marlin's "
+            "layout (the gate's global scale for both halves of W13, the up/gate ratio folded into W2's), which "
+            "its stock forward keeps using, and no experts provider of the executor reads that layout yet; serve "
+            "a bf16 checkpoint."
+        )
+    return (
+        f"The checkpoint is quantized ({name}): the executor reads bf16 weights (and, later, ModelOpt NVFP4 "
+        "routed experts) only; serve a bf16 checkpoint."
+    )
 
 
 def _quant_name(quant: Any) -> str:

@@ -32,6 +32,7 @@ SOURCE = "experts.cu"
 COMPILE_OPTIONS = ("--fmad=false",)
 MAX_ROWS = 8  # the MMA's n
 MAX_ROUTES = 64
+MAX_LOCAL = 256  # experts one rank holds (the kernels' first-route table)
 # Codes' bytes per 16-byte load (NVFP4: 32 values; bf16: 8), times the 4 threads of a row.
 CHUNK = {"bf16": 32, "nvfp4": 128}
 BLOCKS_PER_SM = 2  # the kernels' 256 threads fit twice on an SM
@@ -44,9 +45,14 @@ def _warps_k(k: int, chunk: int) -> int:
     return 8 if k >= 16 * chunk else 4 if k >= 8 * chunk else 2 if k >= 4 * chunk else 1
 
 
-def shape_unsupported(width: int, intermediate: int, fmt: str, top_k: int, max_rows: int) -> str | None:
-    """Why the kernels cannot take this pooled width P and this rank's I-slice, or None."""
+def shape_unsupported(
+    width: int, intermediate: int, fmt: str, top_k: int, max_rows: int, num_local: int = MAX_LOCAL
+) -> str | None:
+    """Why the kernels cannot take this pooled width P, this rank's I-slice and its
+    count of experts, or None."""
     chunk = CHUNK[fmt]
+    if num_local > MAX_LOCAL:
+        return f"{num_local} experts on a rank: the experts kernels take at most {MAX_LOCAL}"
     if max_rows > MAX_ROWS:
         return f"max_rows {max_rows}: the experts kernels take at most {MAX_ROWS} rows"
     if max_rows * top_k > MAX_ROUTES:
@@ -73,8 +79,9 @@ class CudaExperts(_Cuda):
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
         d, s = deployment, deployment.spec
-        intermediate = s.I // d.tp if d.expert_parallel == "tp" else s.I
-        return cuda_unsupported(d) or shape_unsupported(s.P, intermediate, cls.format, s.top_k, d.max_rows)
+        tp = d.expert_parallel == "tp"
+        intermediate, num_local = (s.I // d.tp, s.E) if tp else (s.I, s.E // d.tp)
+        return cuda_unsupported(d) or shape_unsupported(s.P, intermediate, cls.format, s.top_k, d.max_rows, num_local)
 
     def __init__(self, ctx: BuildContext, layer: int):
         spec = ctx.spec
@@ -82,7 +89,7 @@ class CudaExperts(_Cuda):
         if e.format != self.format:
             raise ValueError(f"layer {layer}: {self.name} serves {self.format} experts, not {e.format}")
         self.intermediate = e.w2.shape[2] * (2 if e.format == "nvfp4" else 1)
-        why = shape_unsupported(spec.P, self.intermediate, self.format, spec.top_k, ctx.max_rows)
+        why = shape_unsupported(spec.P, self.intermediate, self.format, spec.top_k, ctx.max_rows, e.num_local)
         if why:
             raise ValueError(f"layer {layer}: {why}")
         self._check_layout(layer)

@@ -47,52 +47,44 @@ static_assert(P_DIM % (CHUNK_K * WK1) == 0, "P_DIM: a multiple of the chunk time
 static_assert(I_LOCAL % (CHUNK_K * WK2) == 0, "I_LOCAL: a multiple of the chunk times the warps along K");
 static_assert(I_LOCAL % (16 * WM1) == 0 && P_DIM % (32 * WM2) == 0, "tile widths");
 
+#define MAX_LOCAL 256  // experts a rank may hold (the provider refuses more)
+
 struct Routes {
-  int local[MAX_ROUTES];       // local expert of each route, -1 where not held
-  int slot[MAX_ROUTES];        // the route's distinct-expert slot, -1 where not held
-  int first[MAX_ROUTES];       // 1 where a held route is its expert's first occurrence
-  int slot_expert[MAX_ROUTES]; // local expert of each slot
+  int owner[MAX_LOCAL];         // per local expert: its first route (MAX_ROUTES where none)
+  int slot[MAX_ROUTES];         // the route's distinct-expert slot, -1 where not held
+  int slot_expert[MAX_ROUTES];  // local expert of each slot
+  unsigned firsts[MAX_ROUTES / 32];
   int n_slots;
 };
 
+// Slots in the order of the experts' first routes: the same in every block.
 __device__ void find_experts(const int* __restrict__ ids, int routes, int first_expert, int num_local, Routes& r) {
   const int i = threadIdx.x;
+  for (int l = i; l < num_local; l += NTHREADS) r.owner[l] = MAX_ROUTES;
+  __syncthreads();
+  int l = -1;
+  if (i < routes) {
+    const int e = ids[i] - first_expert;
+    if (e >= 0 && e < num_local) l = e;
+  }
+  if (l >= 0) atomicMin(&r.owner[l], i);
+  __syncthreads();
+  const bool first = l >= 0 && r.owner[l] == i;
   if (i < MAX_ROUTES) {
-    int l = -1;
-    if (i < routes) {
-      const int e = ids[i] - first_expert;
-      if (e >= 0 && e < num_local) l = e;
-    }
-    r.local[i] = l;
+    const unsigned bits = __ballot_sync(0xffffffffu, first);
+    if ((i & 31) == 0) r.firsts[i >> 5] = bits;
   }
   __syncthreads();
   if (i < MAX_ROUTES) {
-    const int l = r.local[i];
-    int f = l >= 0 ? 1 : 0;
-    for (int j = 0; j < i && f; ++j) f = r.local[j] != l;
-    r.first[i] = f;
-  }
-  __syncthreads();
-  if (i < MAX_ROUTES) {
-    const int l = r.local[i];
     int slot = -1;
     if (l >= 0) {
-      int owner = i;
-      for (int j = 0; j < i; ++j)
-        if (r.local[j] == l) {
-          owner = j;
-          break;
-        }
-      slot = 0;
-      for (int j = 0; j < owner; ++j) slot += r.first[j];
-      if (owner == i) r.slot_expert[slot] = l;
+      const int owner = r.owner[l];
+      slot = __popc(r.firsts[0] & ((owner >= 32) ? 0xffffffffu : ((1u << owner) - 1u)));
+      if (owner >= 32) slot += __popc(r.firsts[1] & ((1u << (owner - 32)) - 1u));
+      if (first) r.slot_expert[slot] = l;
     }
     r.slot[i] = slot;
-    if (i == MAX_ROUTES - 1) {
-      int n = 0;
-      for (int j = 0; j < MAX_ROUTES; ++j) n += r.first[j];
-      r.n_slots = n;
-    }
+    if (i == 0) r.n_slots = __popc(r.firsts[0]) + __popc(r.firsts[1]);
   }
   __syncthreads();
 }

@@ -63,8 +63,11 @@ def random_experts(spec: ModelSpec, fmt: str, sharding: Sharding, seed: int) -> 
     shard_weights cuts them."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     E, P, I = spec.E, spec.P, spec.I  # noqa: E741, N806
-    w13 = (torch.randn(E, 2 * I, P, generator=g, device="cuda") * P**-0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, P, I, generator=g, device="cuda") * I**-0.5).to(torch.bfloat16)
+    w13 = torch.empty(E, 2 * I, P, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.empty(E, P, I, dtype=torch.bfloat16, device="cuda")
+    for e in range(E):  # an expert at a time: no full-size fp32 temporary at the real widths
+        w13[e].copy_(torch.randn(2 * I, P, generator=g, device="cuda") * P**-0.5)
+        w2[e].copy_(torch.randn(P, I, generator=g, device="cuda") * I**-0.5)
     full = ExpertWeights("bf16", w13, w2)
     if fmt == "nvfp4":
         full = quantize_experts(full)

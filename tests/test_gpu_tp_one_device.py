@@ -145,10 +145,16 @@ OP_SHAPES = [(8, 1024), (1, 8), (8, 16, 512), (3, 4096), (8, 8192), (5, 24), (8,
 @pytest.mark.parametrize("tp", [2, 8])
 def test_all_reduce_op_is_the_reference_transport(tp, tmp_path):
     """Bit for bit (NaN as NaN) on random bf16 with -0.0, infinities, NaN, overflow
-    and subnormals, eagerly and replaying one graph of every shape 10 times."""
+    and subnormals, eagerly and replaying one graph of every shape 10 times. Then the
+    fused kernels at the tiny and the real widths (tp_gpu_worker.fused_ops): the
+    boundary within its kernel bounds, the MoE tail bit for bit, the same bits on
+    every rank."""
     ranks = watched(tp_gpu_worker.all_reduce_op, tp, tmp_path, OP_SHAPES, 10)
     for r in ranks:
         assert len(r["checks"]) == 12 * len(OP_SHAPES) and all(r["checks"]), r["checks"]
+        assert r["boundary_ok"] == [True, True] and r["tail_ok"] == [True] * 4, (r["boundary_ok"], r["tail_ok"])
+    for r in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["replicated"], r["replicated"]))
 
 
 def test_collectives_bench_writes_a_labelled_record(tmp_path):

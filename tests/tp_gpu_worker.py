@@ -172,6 +172,61 @@ def all_reduce_op(rank: int, tp: int, init: str, out_dir: str, shapes: list[tupl
             draw()
             graph.replay()
             checks += [same_bits(y, reference.all_reduce(x)) for x, y in zip(inputs, outputs)]
-        torch.save({"checks": checks}, os.path.join(out_dir, f"rank{rank}.pt"))
+        results = {"checks": checks, **fused_ops(rank, tp, reference, device)}
+        torch.save(to_cpu(results), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def one_ulp_close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Finite and within one bf16 ulp (test_gpu_cuda_pack.py's bound for the kernels'
+    other row-reduction order)."""
+    diff = (out.float() - ref.float()).abs()
+    return bool(torch.isfinite(out.float()).all() and (diff <= ref.float().abs() * 2**-7 + 1e-30).all())
+
+
+def fused_ops(rank: int, tp: int, reference, device: torch.device) -> dict:
+    """The fused kernels at the tiny and the real widths: the TP attention boundary
+    against the reference transport's sum then reference.model.attention_boundary
+    (the stream to 1e-5, the output to one ulp: the row reductions' order), and the
+    fused MoE tail bit for bit against tail_kernel with the reference transport
+    before (expert TP) or after (EP) it."""
+    from sparkdecode.reference import model
+    from sparkdecode.spec import ModelSpec
+    from sparkdecode_cuda.bench_collectives import context
+    from sparkdecode_cuda.boundary import CudaAttentionBoundary
+    from sparkdecode_cuda.moe import MoEKernels
+
+    out: dict = {"boundary_ok": [], "tail_ok": [], "replicated": []}
+    for preset in ("tiny", "muse-spark-open"):
+        spec = ModelSpec.preset(preset)
+        ctx = context(spec, 8, tp, rank, device)
+        boundary, w = CudaAttentionBoundary(ctx, 0), ctx.layer(0)
+        mine = torch.Generator(device=device).manual_seed(100 + rank)  # this rank's partials
+        shared = torch.Generator(device=device).manual_seed(100)  # replicated values
+        partial = (torch.randn(8, spec.H, generator=mine, device=device) * 2).to(torch.bfloat16)
+        stream0 = torch.randn(8, spec.H, generator=shared, device=device)
+        stream, xf = stream0.clone(), torch.empty_like(partial)
+        boundary.run(partial, stream, xf)
+        ref_s, ref_xf = model.attention_boundary(spec, w, stream0.clone(), reference.all_reduce(partial))
+        out["boundary_ok"].append(
+            bool(torch.allclose(stream, ref_s, rtol=1e-5, atol=1e-6)) and one_ulp_close(xf, ref_xf)
+        )
+        out["replicated"] += [stream, xf]
+        kernels = MoEKernels(ctx)
+        rows = (torch.randn(8, spec.top_k, spec.P, generator=mine, device=device) * 2).to(torch.bfloat16)
+        weights = torch.rand(8, spec.top_k, generator=shared, device=device)
+        norm = (torch.randn(spec.P, generator=shared, device=device) * 0.1).to(torch.bfloat16)
+        eps = spec.post_norm_eps
+        for reduce_rows in (False, True):
+            fused_rows, fused = rows.clone(), torch.empty(8, spec.P, dtype=torch.bfloat16, device=device)
+            kernels.finish_all_reduce(fused_rows, weights, norm, eps, fused, reduce_rows, boundary.workspace)
+            ref_rows, ref = rows.clone(), torch.empty_like(fused)
+            if reduce_rows:
+                ref_rows.copy_(reference.all_reduce(ref_rows))
+            kernels.finish(ref_rows, weights, norm, eps, ref)
+            if not reduce_rows:
+                ref.copy_(reference.all_reduce(ref))
+            out["tail_ok"].append(same_bits(fused, ref))
+            out["replicated"].append(fused)
+    return out

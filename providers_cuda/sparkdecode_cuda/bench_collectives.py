@@ -48,7 +48,7 @@ LABEL = "one-GPU emulation, not a multi-GPU figure"
 CALLS = 20
 
 
-def _context(spec: ModelSpec, rows: int, tp: int, rank: int, device: torch.device) -> SimpleNamespace:
+def context(spec: ModelSpec, rows: int, tp: int, rank: int, device: torch.device) -> SimpleNamespace:
     """What the providers' builds read, for norms of random values (timing only)."""
     g = torch.Generator().manual_seed(0)
     alpha, beta = fn.gate_coefficients(torch.randn(spec.H, generator=g), 0.3)
@@ -109,7 +109,7 @@ def _rank(rank: int, tp: int, init: str, preset: str, rows: int, replays: int, o
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
     try:
         spec = ModelSpec.preset(preset)
-        ctx = _context(spec, rows, tp, rank, device)
+        ctx = context(spec, rows, tp, rank, device)
         ws = workspace(ctx)  # collective
         assert ws is not None
         boundary = CudaAttentionBoundary(ctx, 0)

@@ -86,6 +86,16 @@ class CuteExperts(CuteProvider):
         )
         self.h_ptr = pointer(self.h, VECTOR_BYTES)
         self.ctas = CTAS_PER_SM * torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        self._warm_up(ctx.device)
+
+    def _warm_up(self, device: torch.device) -> None:
+        """One launch before any capture (the module loads on the first call): a row
+        routed to no expert this rank holds, so only its zero rows are written."""
+        s = self.shape
+        x = torch.zeros(1, s.width, dtype=torch.bfloat16, device=device)
+        ids = torch.full((1, s.top_k), -1, dtype=torch.int32, device=device)
+        rows = torch.empty(1, s.top_k, s.width, dtype=torch.bfloat16, device=device)
+        self.run(ExpertsInput(x), RoutedTopk(ids, torch.zeros(1, s.top_k, device=device)), rows)
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CuteExperts:

@@ -171,7 +171,9 @@ def test_executor_with_cute_experts():
         assert err.max() < 3e-2, err
 
 
-def time_experts_chain(name: str, b: int, layers: int = 4, replays: int = 20) -> dict[str, float]:
+def time_experts_chain(
+    name: str, b: int, layers: int = 4, replays: int = 20, ctas_per_sm: int | None = None
+) -> dict[str, float]:
     """The experts of ``layers`` distinct layers (each layer's weights its own,
     together far beyond L2) chained back to back in one CUDA graph, each launch a
     programmatic dependent of the one before: microseconds a layer and the weight
@@ -179,6 +181,9 @@ def time_experts_chain(name: str, b: int, layers: int = 4, replays: int = 20) ->
     experts = [make_experts(name, seed=100 + i) for i in range(layers)]
     k, p = SHAPES[name][4], experts[0].w13.shape[2]
     providers = build(experts, k)
+    if ctas_per_sm is not None:  # a tuning sweep: the persistent grid's size
+        for provider in providers:
+            provider.ctas = ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator().manual_seed(5)
     x = torch.randn(b, p, generator=g).to(torch.bfloat16).cuda()
     ids = random_ids(name, b, "distinct", g)
@@ -208,10 +213,12 @@ def time_experts_chain(name: str, b: int, layers: int = 4, replays: int = 20) ->
 
 @pytest.mark.parametrize("name", ["tp8-rank-expert-tp", "tp8-rank-ep"])
 @pytest.mark.parametrize("b", [1, 8])
-def test_bandwidth(name, b):
-    r = time_experts_chain(name, b)
+@pytest.mark.parametrize("ctas_per_sm", [None, 1, 3])
+def test_bandwidth(name, b, ctas_per_sm):
+    r = time_experts_chain(name, b, ctas_per_sm=ctas_per_sm)
+    grid = "default grid" if ctas_per_sm is None else f"{ctas_per_sm} CTAs/SM"
     print(
-        f"\ncute.experts {name} b={b}: {r['distinct']} experts, {r['us_per_layer']:.1f} us/layer, "
+        f"\ncute.experts {name} b={b} ({grid}): {r['distinct']} experts, {r['us_per_layer']:.1f} us/layer, "
         f"{r['TBps']:.2f} TB/s = {r['TBps'] / COPY_TBPS:.0%} of the H200's copy bandwidth"
     )
     assert r["us_per_layer"] > 0

@@ -77,7 +77,6 @@ GENERATIONS = 3
 MAX_TP = 8
 SENTINEL = 0xFFFF
 THREADS = 256  # AR_THREADS in all_reduce.cu
-_CONTROL = "lamport_control"  # the executor buffer the workspace hangs on
 
 
 def lamport_unsupported(d: Deployment) -> str | None:
@@ -96,12 +95,26 @@ def capacity(ctx: BuildContext) -> int:
     return -(-n // 8) * 8
 
 
-def _close(peers: list[int], local: int) -> None:
+# Buffers released while a CUDA graph was being captured on this thread: freeing
+# then (a garbage collection can run anywhere) would invalidate the capture, so they
+# wait for the next build.
+_DEFERRED: list[tuple[list, object]] = []
+
+
+def _close(peers: list, local: object) -> None:
     from cuda.bindings import driver
 
+    if torch.cuda.is_current_stream_capturing():
+        _DEFERRED.append((peers, local))
+        return
     for p in peers:  # at interpreter exit the context may be gone: nothing left to release
         driver.cuIpcCloseMemHandle(p)
     driver.cuMemFree(local)
+
+
+def _close_deferred() -> None:
+    while _DEFERRED:
+        _close(*_DEFERRED.pop())
 
 
 class LamportWorkspace:
@@ -113,6 +126,7 @@ class LamportWorkspace:
 
         self.tp, self.rank, self.capacity = tp, rank, capacity
         _ensure_context(device)
+        _close_deferred()
         nbytes = GENERATIONS * tp * capacity * 2
         (local,) = _check(driver.cuMemAlloc(nbytes), "cuMemAlloc of the Lamport buffer")
         _check(driver.cuMemsetD16(local, SENTINEL, nbytes // 2), "cuMemsetD16")
@@ -154,16 +168,22 @@ class LamportWorkspace:
         self.kernel.launch((-(-chunks // THREADS), 1, 1), (THREADS, 1, 1), [ptr(x), i64(chunks), *self.args()])
 
 
+# Per executor (per ``ctx.buffers``): the workspace, keyed by a marker in the buffers
+# that nothing else references, so it is forgotten when the buffers go (no cycle
+# keeps it: the providers that hold it release it by reference counting).
+_WORKSPACES: dict[int, LamportWorkspace] = {}
+_MARKER = "lamport_workspace"
+
+
 def workspace(ctx: BuildContext) -> LamportWorkspace | None:
-    """The executor's one workspace (kept on its control buffer, so it lives and
-    dies with the executor's buffers); built at the first ask, collectively. None
-    at TP 1 and on a detached rank."""
+    """The executor's one workspace (shared by every build from its buffers), built
+    at the first ask, collectively. None at TP 1 and on a detached rank."""
     if ctx.tp == 1 or ctx.group is None:
         return None
-    control = ctx.buffers.get(_CONTROL)
-    if control is None:
+    marker = ctx.buffers.get(_MARKER)
+    if marker is None:
         ws = LamportWorkspace(ctx.device, ctx.group, ctx.tp, ctx.rank, capacity(ctx))
-        ctx.buffers[_CONTROL] = ws.control
-        ws.control.lamport = ws  # the tensor holds the workspace: one lifetime
-        return ws
-    return control.lamport
+        marker = ctx.buffers[_MARKER] = torch.empty(0, device=ctx.device)
+        _WORKSPACES[id(marker)] = ws
+        weakref.finalize(marker, _WORKSPACES.pop, id(marker), None)
+    return _WORKSPACES[id(marker)]

@@ -135,7 +135,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def all_reduce_op(rank: int, tp: int, init: str, out_dir: str, shapes: list[tuple[int, ...]], replays: int) -> None:
     """cuda.all_reduce's workspace against the reference transport (comm.Collectives
     over gloo) on random bf16 of every shape in turn, eagerly, then the same sequence
-    captured in one graph and replayed on new inputs each time."""
+    captured in one graph and replayed on new inputs each time, the last rank late to
+    every other replay."""
     from sparkdecode.comm import Collectives
     from sparkdecode_cuda.lamport import LamportWorkspace
 
@@ -168,8 +169,10 @@ def all_reduce_op(rank: int, tp: int, init: str, out_dir: str, shapes: list[tupl
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             calls()
-        for _ in range(replays):
+        for i in range(replays):
             draw()
+            if rank == tp - 1 and i % 2 == 0:
+                time.sleep(0.5)  # a slow rank: the others spin on its slots, then go on
             graph.replay()
             checks += [same_bits(y, reference.all_reduce(x)) for x, y in zip(inputs, outputs)]
         results = {"checks": checks, **fused_ops(rank, tp, reference, device)}

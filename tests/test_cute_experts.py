@@ -7,20 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_cute_pack import _hopper
 
 from sparkdecode.deployment import detect
 from sparkdecode.layout import resolve
 from sparkdecode.plugins import discover
 from sparkdecode.spec import ModelSpec
-from sparkdecode_cute import common, plugin
+from sparkdecode_cute import plugin
 from sparkdecode_cute.experts import CuteExperts
 from sparkdecode_cute.experts_shape import ExpertsShape, shape_unsupported
-
-
-def _hopper(spec: ModelSpec, **changes):
-    cpu = detect(spec, device="cpu")
-    libraries = {**cpu.libraries, "cutlass": common.CUTLASS_DSL_VERSION}
-    return dataclasses.replace(cpu, device="cuda", capability=(9, 0), libraries=libraries, **changes)
 
 
 def test_registered():

@@ -32,7 +32,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
-from .experts_shape import CHUNK, LANES, VEC, WARPS, ExpertsShape, Plan, shape_unsupported
+from .experts_shape import LANES, VEC, WARPS, ExpertsShape, Plan, shape_unsupported
 from .gemv import fake_pointer
 
 
@@ -60,6 +60,29 @@ def _accumulate(acc: cute.Tensor, weights: list, x: cute.Tensor, i: cutlass.Cons
         for t in cutlass.range_constexpr(VEC):
             a = a + weights[q][t] * xv[t]
         acc[q, i] = a
+
+
+@cute.jit
+def _stream_dot(
+    w: cute.Tensor, local: Int32, rows: list, chunks: cutlass.Constexpr[int], staged: cute.Tensor, m: Int32, acc
+):
+    """acc[q, i] = this lane's part of dot(w[local, rows[q]], staged[i]) for i < m:
+    the weight rows streamed ``chunks`` 16-byte loads a row at a time (all issued
+    before any is used), the staged rows read from shared memory."""
+    lane = cute.arch.lane_idx()
+    n = len(rows)
+    for g in cutlass.range(w.shape[3] // (LANES * chunks), unroll=1):
+        loaded = []
+        for u in cutlass.range_constexpr(chunks):
+            c = (g * chunks + u) * LANES + lane
+            for q in cutlass.range_constexpr(n):
+                loaded.append(w[local, rows[q], None, c].load())
+        for u in cutlass.range_constexpr(chunks):
+            c = (g * chunks + u) * LANES + lane
+            weights = _scalars(loaded[u * n : (u + 1) * n])
+            for i in cutlass.range_constexpr(staged.shape[0]):
+                if i < m:
+                    _accumulate(acc, weights, staged[i, None, c], i)
 
 
 @cute.jit
@@ -221,19 +244,10 @@ class RoutedExperts:
             acc = cute.make_rmem_tensor(cute.make_layout((2 * pw, big)), Float32)
             acc.fill(0.0)
             n0 = (item - d * tiles) * plan.gate_up_pairs + warp * pw
-            for g in cutlass.range(s.width // (CHUNK * nc), unroll=1):
-                wv = []
-                for u in cutlass.range_constexpr(nc):
-                    c = (g * nc + u) * LANES + lane
-                    for q in cutlass.range_constexpr(pw):
-                        wv.append(w13[local, n0 + q, None, c].load())
-                        wv.append(w13[local, s.intermediate + n0 + q, None, c].load())
-                for u in cutlass.range_constexpr(nc):
-                    c = (g * nc + u) * LANES + lane
-                    wf = _scalars([wv[u * 2 * pw + t] for t in range(2 * pw)])
-                    for i in cutlass.range_constexpr(big):
-                        if i < m:
-                            _accumulate(acc, wf, xs[i, None, c], i)
+            rows = []
+            for q in cutlass.range_constexpr(pw):
+                rows += [n0 + q, s.intermediate + n0 + q]
+            _stream_dot(w13, local, rows, nc, xs, m, acc)
             for i in cutlass.range_constexpr(big):
                 if i < m:
                     for q in cutlass.range_constexpr(pw):
@@ -258,7 +272,6 @@ class RoutedExperts:
         s, plan, big = self.s, self.plan, self.s.max_rows
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = tidx // LANES, tidx % LANES
-        vecs = const_expr(s.intermediate // VEC)
         hs, ids_s, distinct, counts, meta = self._smem(s.intermediate)
         rw, nc = const_expr(plan.down_warp_rows), const_expr(plan.down_chunks)
         tiles = const_expr(s.width // plan.down_rows)
@@ -297,18 +310,7 @@ class RoutedExperts:
             acc = cute.make_rmem_tensor(cute.make_layout((rw, big)), Float32)
             acc.fill(0.0)
             p0 = (item - d * tiles) * plan.down_rows + warp * rw
-            for g in cutlass.range(vecs // (LANES * nc), unroll=1):
-                wv = []
-                for u in cutlass.range_constexpr(nc):
-                    c = (g * nc + u) * LANES + lane
-                    for q in cutlass.range_constexpr(rw):
-                        wv.append(w2[local, p0 + q, None, c].load())
-                for u in cutlass.range_constexpr(nc):
-                    c = (g * nc + u) * LANES + lane
-                    wf = _scalars([wv[u * rw + q] for q in range(rw)])
-                    for i in cutlass.range_constexpr(big):
-                        if i < m:
-                            _accumulate(acc, wf, hs[i, None, c], i)
+            _stream_dot(w2, local, [p0 + q for q in range(rw)], nc, hs, m, acc)
             for i in cutlass.range_constexpr(big):
                 if i < m:
                     r = meta[i]

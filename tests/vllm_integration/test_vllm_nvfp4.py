@@ -1,8 +1,8 @@
 """NVFP4 checkpoints through vLLM 0.33 on the CPU: the core's checkpoint (its
 ``quantization_config``, the packed experts and their scales under the Hugging
 Face names) as vLLM's config machinery, module builder and ``load_weights`` read
-it; what vLLM's SM90 experts method hands to its Marlin repack; the adapter's
-refusal of the repacked experts.
+it; what vLLM's SM90 experts method hands to its Marlin repack; Marlin's layout
+read back (``nvfp4_marlin``); the adapter's refusal of the repacked experts.
 
 The CPU platform has no NVFP4 MoE backend, so vLLM's backend choice is replaced
 by the one it makes on Hopper (Marlin) for these tests. Marlin's repack itself
@@ -153,3 +153,54 @@ def test_the_adapter_refuses_the_nvfp4_experts(loaded: Any) -> None:
     sharding = adapter.sharding_of(loaded.model, 1, 0, False)
     with pytest.raises(adapter.AdapterError, match=r"layer 1: feed_forward\.experts: NVFP4 experts .*Marlin's layout"):
         adapter.model_weights(tiny_spec(), loaded.model, loaded.lm_head, sharding)
+
+
+def python_marlin_repack(weight: torch.Tensor, size_n: int, size_k: int, is_a_8bit: bool) -> torch.Tensor:
+    """vLLM's ``_repack_marlin_experts`` with its CUDA op (``gptq_marlin_repack`` of
+    the GPTQ words) replaced by vLLM's own Python model of it (``marlin_weights``
+    of the unpacked codes, which vLLM's kernel tests check the op against)."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
+
+    assert not is_a_8bit
+    codes = nvfp4_codes(weight)  # [E, N, K]
+    perm = get_weight_perm(4)
+    return torch.stack([marlin_weights(c.T.contiguous(), size_k, size_n, 4, perm) for c in codes])
+
+
+def nvfp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).to(torch.int32)
+
+
+def test_marlin_layout_reads_back_to_the_weights_marlin_computes_with(
+    ours: ModelWeights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's SM90 conversion (gate's global for both halves, W2's times up/gate,
+    then ``prepare_nvfp4_moe_layer_for_marlin``) on the checkpoint's experts, read
+    back by ``nvfp4_marlin.from_marlin``: the same codes, and block times global
+    scales that dequantize to what that conversion defines, bit for bit."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
+
+    from sparkdecode import nvfp4, nvfp4_marlin
+
+    monkeypatch.setattr(marlin_utils_fp4, "_repack_marlin_experts", python_marlin_repack)
+    spec = tiny_spec()
+    e = ours.layers[1].experts
+    s = e.nvfp4
+    assert s is not None
+    gate, up = s.w13_global[:, 0].contiguous(), s.w13_global[:, 1]
+    w2_global = (s.w2_global * (up / gate)).contiguous()
+    layer = SimpleNamespace(
+        num_experts=spec.E, hidden_size=spec.P, intermediate_size_per_partition=spec.I, params_dtype=torch.bfloat16
+    )
+    marlin = marlin_utils_fp4.prepare_nvfp4_moe_layer_for_marlin(
+        layer, e.w13, s.w13_scale, gate, e.w2, s.w2_scale, w2_global, is_act_and_mul=True
+    )
+    back = nvfp4_marlin.from_marlin(*marlin, hidden=spec.P, intermediate=spec.I)
+    assert torch.equal(back.w13, e.w13) and torch.equal(back.w2, e.w2)
+    w13, w2 = back.dequantized()
+    assert torch.equal(w13, nvfp4.dequantize(e.w13, s.w13_scale, gate))
+    assert torch.equal(w2, nvfp4.dequantize(e.w2, s.w2_scale, w2_global))
+    # Marlin's weights are not the checkpoint's: its up half carries the gate's scale.
+    assert not torch.equal(w13, e.dequantized()[0])

@@ -1,0 +1,141 @@
+"""NVFP4 experts as vLLM 0.33 holds them on SM90 after its Marlin repack, read back
+into the core's NVFP4 form (nvfp4.py, ``ExpertWeights("nvfp4")``).
+
+vLLM's Muse Spark experts method (``_process_hopper_marlin_weights``) hands
+Marlin the gate's global scale for both halves of W13 and W2's global scale times
+up/gate; ``prepare_nvfp4_moe_layer_for_marlin`` then, per expert:
+
+- codes: the [N, K / 2] bytes viewed as GPTQ int32 words along K, permuted into
+  Marlin's 16 x 64 tiles (``gptq_marlin_repack``): int32 [K / 16, 2 N], eight
+  codes a word;
+- block scales: transposed to [K / 16, N], permuted (``marlin_permute_scales``),
+  pairs swapped within groups of four, multiplied by a power of two ``sf`` (one
+  per layer and projection) and by 2^7 in fp16, values below 2 zeroed, and kept as
+  the fp16's exponent and top three mantissa bits (one byte, no sign);
+- global scales: fp32 times 2^119 (bf16 activations) divided by ``sf``.
+
+``from_marlin`` inverts all of it (a copy, for the reference and tests; a kernel
+reads Marlin's tensors in place). The block scale times the global scale of every
+block is Marlin's exactly, so the dequantized weights are the ones Marlin
+computes with; the split between the two differs from the checkpoint's by a power
+of two, and W13's up half and W2 carry the gate's global scale and the up/gate
+ratio as vLLM folded them. Blocks whose scales Marlin zeroed decode as zeros, as
+Marlin computes them. Unpadded widths only (vLLM pads N per shard to a multiple
+of 64 where K % 128 == 0; the Muse Spark widths need none).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import nvfp4
+from .weights import ExpertWeights, Nvfp4Scales
+
+TILE = 16
+# 2^(bf16 exponent bias - fp4 exponent bias - 7): what Marlin multiplies the global scale by.
+GLOBAL_SHIFT = 2.0 ** (2**7 - 2**1 - 7)
+SCALE_SHIFT = 2.0**7
+
+
+def _weight_perm() -> torch.Tensor:
+    """Marlin's permutation of each 1024 codes of a row of 16 x 64 tiles (vLLM's
+    ``get_weight_perm(4)``)."""
+    perm: list[int] = []
+    for i in range(32):
+        col = i // 4
+        first = [
+            16 * row + col + 8 * block
+            for block in (0, 1)
+            for row in (2 * (i % 4), 2 * (i % 4) + 1, 2 * (i % 4 + 4), 2 * (i % 4 + 4) + 1)
+        ]
+        for j in range(4):
+            perm.extend(p + 256 * j for p in first)
+    interleave = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+    return torch.tensor(perm).reshape(-1, 8)[:, interleave].flatten()
+
+
+def _scale_perm() -> torch.Tensor:
+    return torch.tensor([i + 8 * j for i in range(8) for j in range(8)])
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    return torch.argsort(perm)
+
+
+def unpack_weight(marlin: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
+    """int32 [..., K / 16, 2 N] Marlin codes -> uint8 [..., N, K / 2], the
+    checkpoint's layout (element 2i of a row in the low nibble)."""
+    lead = marlin.shape[:-2]
+    if tuple(marlin.shape[-2:]) != (size_k // TILE, size_n * TILE // 8) or marlin.dtype != torch.int32:
+        raise ValueError(
+            f"Marlin NVFP4 codes of K={size_k}, N={size_n} are int32 [..., {size_k // TILE}, {size_n * TILE // 8}], "
+            f"got {marlin.dtype} {list(marlin.shape)}"
+        )
+    if size_k % 64 or size_n % 64:
+        raise ValueError(f"K={size_k} and N={size_n} must be multiples of 64 (padded Marlin widths are not read)")
+    words = marlin.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(8, device=marlin.device) * 4
+    codes = ((words[..., None] >> shifts) & 0xF).flatten(-2)  # [..., K/16, 16 N]
+    perm = _weight_perm().to(marlin.device)
+    chunks = codes.unflatten(-1, (-1, perm.numel()))
+    codes = chunks[..., _inverse(perm)].flatten(-2)
+    codes = codes.unflatten(-1, (size_n // TILE, TILE, TILE)).transpose(-3, -2)  # [..., K/16, 16, N/16, 16]
+    codes = codes.reshape(*lead, size_k, size_n).transpose(-2, -1)  # [..., N, K]
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).contiguous()
+
+
+def unpack_scales(marlin: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
+    """Marlin's one-byte block scales [..., K / 16, N] -> fp32 [..., N, K / 16]: the
+    checkpoint's e4m3 scale times Marlin's power of two ``sf`` (0 where Marlin
+    zeroed it)."""
+    if tuple(marlin.shape[-2:]) != (size_k // nvfp4.BLOCK, size_n) or marlin.element_size() != 1:
+        raise ValueError(
+            f"Marlin NVFP4 scales of K={size_k}, N={size_n} are bytes [..., {size_k // nvfp4.BLOCK}, {size_n}], "
+            f"got {marlin.dtype} {list(marlin.shape)}"
+        )
+    half = (marlin.view(torch.uint8).to(torch.int16) << 7).view(torch.float16).float() / SCALE_SHIFT
+    lead = half.shape[:-2]
+    half = half.reshape(*lead, -1, 4)[..., [0, 2, 1, 3]].reshape(*lead, -1)
+    half = half.unflatten(-1, (-1, 64))[..., _inverse(_scale_perm())].reshape(*lead, size_k // nvfp4.BLOCK, size_n)
+    return half.transpose(-2, -1).contiguous()
+
+
+def _e4m3_split(scale: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 block scales [E, rows, blocks] -> (e4m3 scales, fp32 [E] powers of two
+    p) with e4m3 * p == scale exactly: p the smallest power of two bringing each
+    expert's largest scale to at most 448."""
+    amax = scale.amax(dim=(-2, -1)).clamp(min=nvfp4.E4M3_MAX)
+    power = torch.exp2(torch.ceil(torch.log2(amax / nvfp4.E4M3_MAX)))
+    e4m3 = (scale / power[:, None, None]).to(torch.float8_e4m3fn)
+    if not torch.equal(e4m3.float() * power[:, None, None], scale):
+        raise ValueError(f"{where}: Marlin's block scales are not e4m3 values times a power of two")
+    return e4m3, power
+
+
+def from_marlin(
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    hidden: int,
+    intermediate: int,
+    first_expert: int = 0,
+    intermediate_slice: tuple[int, int] | None = None,
+) -> ExpertWeights:
+    """The NVFP4 experts vLLM keeps after its SM90 Marlin repack (its ``w13_weight``,
+    ``w13_weight_scale``, ``w13_weight_scale_2``, ``w2_*``; ``hidden`` the experts'
+    width P, ``intermediate`` this rank's I) as ``ExpertWeights("nvfp4")`` that
+    dequantize to Marlin's weights bit for bit. W13's two halves share one global
+    scale (``w13_global[:, 0] == w13_global[:, 1]``); input scales are not kept
+    (Marlin runs W4A16)."""
+    num = w13.shape[0]
+    codes13 = unpack_weight(w13, hidden, 2 * intermediate)
+    codes2 = unpack_weight(w2, intermediate, hidden)
+    scale13, power13 = _e4m3_split(unpack_scales(w13_scale, hidden, 2 * intermediate), "w13_weight_scale")
+    scale2, power2 = _e4m3_split(unpack_scales(w2_scale, intermediate, hidden), "w2_weight_scale")
+    g13 = w13_global.float().reshape(num) / GLOBAL_SHIFT * power13
+    g2 = w2_global.float().reshape(num) / GLOBAL_SHIFT * power2
+    scales = Nvfp4Scales(scale13, torch.stack([g13, g13], dim=1), scale2, g2)
+    return ExpertWeights("nvfp4", codes13, codes2, first_expert, intermediate_slice, scales)

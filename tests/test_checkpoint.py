@@ -151,21 +151,27 @@ def test_save_load_round_trip_is_bit_identical(weights, ckpt, loaded):
         assert f.get_tensor(f"{PREFIX}layers.1.mlp.experts.gate_up_proj").shape == weights.layers[1].experts.w13.shape
 
 
-def test_save_load_round_trip_gives_the_same_reference_outputs(weights, loaded):
-    spec = weights.spec
-    g = torch.Generator().manual_seed(11)
-    prompt = torch.randint(0, spec.vocab_size, (40,), generator=g)
+def assert_same_reference_outputs(a: ModelWeights, b: ModelWeights, prompt_len: int = 40, seed: int = 11) -> None:
+    """A prefill then an 8-token verify step of the reference model over ``a`` and
+    over ``b``: the same hidden states and logits, bit for bit."""
+    spec = a.spec
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=g)
     verify = torch.randint(0, spec.vocab_size, (8,), generator=g)
     outputs = []
-    for w in (weights, loaded):
+    for w in (a, b):
         model = ReferenceModel(w, max_context=512)
         cache = PagedKVCache(spec, num_pages=64, max_context=512, max_rows=64)
         h1, _ = model.step(cache, prompt, 0)
-        h2, _ = model.step(cache, verify, 40)
+        h2, _ = model.step(cache, verify, prompt_len)
         outputs.append((h1, model.logits(h1), h2, model.logits(h2)))
     for x, y in zip(*outputs):
         assert torch.isfinite(x.float()).all()
         assert torch.equal(x, y)
+
+
+def test_save_load_round_trip_gives_the_same_reference_outputs(weights, loaded):
+    assert_same_reference_outputs(weights, loaded)
 
 
 def test_interleave_matches_vllm_on_a_known_tensor():
@@ -424,19 +430,7 @@ def test_nvfp4_round_trip_is_bit_identical(q_weights, q_ckpt):
 
 
 def test_nvfp4_round_trip_gives_the_same_reference_outputs(q_weights, q_ckpt):
-    spec = q_weights.spec
-    g = torch.Generator().manual_seed(12)
-    prompt = torch.randint(0, spec.vocab_size, (24,), generator=g)
-    verify = torch.randint(0, spec.vocab_size, (8,), generator=g)
-    outputs = []
-    for w in (q_weights, load_checkpoint(q_ckpt)):
-        model = ReferenceModel(w, max_context=256)
-        cache = PagedKVCache(spec, num_pages=32, max_context=256, max_rows=32)
-        h1, _ = model.step(cache, prompt, 0)
-        h2, _ = model.step(cache, verify, 24)
-        outputs.append((h1, h2, model.logits(h2)))
-    for x, y in zip(*outputs):
-        assert torch.isfinite(x.float()).all() and torch.equal(x, y)
+    assert_same_reference_outputs(q_weights, load_checkpoint(q_ckpt), prompt_len=24, seed=12)
 
 
 def test_nvfp4_legacy_hf_quant_config(q_weights, q_ckpt, tmp_path):

@@ -37,8 +37,12 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed NVFP4 must be uint8, got {packed.dtype}")
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-    table = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
-    values = table[(codes & 0x07).long()]
+    # A chain of selects over the eight magnitudes, not a lookup table: a table
+    # tensor built here would be a host copy, which a CUDA graph cannot capture.
+    magnitude = codes & 0x07
+    values = torch.zeros(codes.shape, dtype=torch.float32, device=packed.device)
+    for index, value in enumerate(E2M1[1:], start=1):
+        values = torch.where(magnitude == index, value, values)
     return torch.where((codes & 0x08) != 0, -values, values)
 
 

@@ -11,8 +11,8 @@ cuBLAS through ``torch.mm``):
 - chained: the five GEMMs of ``CHAIN_LAYERS`` layers of distinct weights (far
   larger than L2) back to back in one graph, as they run in the step (with PDL
   where the provider launches with it); total weight bytes / median time;
-- the copy bandwidth: a ``COPY_BYTES`` device-to-device copy, (read + written
-  bytes) / median time.
+- the copy bandwidth: the step bench's (``floor.copy_bandwidth``, a 1 GiB eager
+  device-to-device copy), (read + written bytes) / median time.
 
 Each GEMM runs on ``ROWS`` rows (the verify step's 8).
 
@@ -43,7 +43,7 @@ from ..spec import ModelSpec
 from ..weights import ExpertWeights, ModelWeights, Sharding, quantize_experts, random_weights
 from .baseline import stock_expert_rows
 from .configs import ROWS
-from .floor import expert_bytes
+from .floor import copy_bandwidth, expert_bytes
 from .steer import CORRELATED_EXPERTS
 from .timing import FLUSH_BYTES, Timer
 
@@ -66,7 +66,6 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
     },
 }
 CHAIN_LAYERS = 2
-COPY_BYTES = 1 << 30
 REPLAYS = 50
 
 
@@ -101,13 +100,6 @@ def _io(shapes: dict[str, tuple[int, int]], device: torch.device) -> dict[str, t
 def weight_bytes(shapes: dict[str, tuple[int, int]], name: str) -> int:
     n, k = shapes[name]
     return n * k * (4 if name == "router" else 2)
-
-
-def copy_bandwidth(timer: Timer, replays: int) -> float:
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=timer.device)
-    dst = torch.empty_like(src)
-    graph = timer.capture(lambda: dst.copy_(src))
-    return 2 * COPY_BYTES / timer.time(graph, replays).median_s
 
 
 def linear_streams(
@@ -396,7 +388,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"{reg.name}: not measured ({reason})")
     replays = args.replays or REPLAYS
     timer = Timer(device)
-    copy = copy_bandwidth(timer, replays)
+    # The step bench's measure (floor.copy_bandwidth, an eager copy on the SMs): a
+    # memcpy captured in a graph runs on a copy engine, about two thirds as fast.
+    copy = copy_bandwidth(timer.device).bytes_per_s
     record = linear_streams(timer, providers, SHAPES[args.config], replays)
     print(report(args.config, copy, record))
     experts: list[dict[str, Any]] = []

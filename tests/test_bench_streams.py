@@ -4,14 +4,19 @@ widths (times meaningless here; the GPU record is the claim)."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from sparkdecode import plugins
 from sparkdecode.bench import streams
 from sparkdecode.bench.floor import expert_bytes
 from sparkdecode.bench.timing import Timer
 from sparkdecode.cli import main
 from sparkdecode.plugins import discover
+from sparkdecode.protocols import LINEAR_WEIGHTS
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
@@ -22,11 +27,24 @@ def test_streams_config_refuses_without_a_gpu(capsys):
 
 def test_expert_streams_account_and_check_every_provider():
     timer = Timer(torch.device("cpu"))
+    log: list[str] = []
     out = streams.expert_streams(
-        timer, discover(), 1e12, 1, preset="tiny-tp8", layers=2, routings=("correlated",), log=lambda m: None
+        timer,
+        discover(),
+        1e12,
+        1,
+        preset="tiny-tp8",
+        layers=2,
+        routings=("correlated",),
+        slow_s=float("inf"),
+        log=log.append,
     )
     assert [(s["stream"], s["routing"]) for s in out] == [(e.name, "correlated") for e in streams.EXPERT_STREAMS]
+    # a progress line per stream with the seconds elapsed
+    assert all(any(line.startswith("[") and e.name in line for line in log) for e in streams.EXPERT_STREAMS)
     for s in out:
+        # the tiny experts never fill CHAIN_BYTES: the chain is every layer drawn
+        assert s["chain_layers"] == 2 and len(s["distinct_experts"]) == 2
         reference = "reference.experts_nvfp4" if s["kind"] == "experts_nvfp4" else "reference.experts"
         assert set(s["providers"]) == {streams.TORCH, reference}
         assert "needs a CUDA GPU" in s["unsupported"][f"cuda.{s['kind']}"]
@@ -34,7 +52,10 @@ def test_expert_streams_account_and_check_every_provider():
         for figures in s["providers"].values():
             assert figures["isolated"]["bytes"] == s["distinct_experts"][0] * s["expert_bytes"]
             assert figures["chained"]["bytes"] == sum(s["distinct_experts"]) * s["expert_bytes"]
-            assert figures["relative_error_vs_torch"] < 1e-2
+            assert figures["relative_error_vs_torch"] < 1e-2 and figures["checked_layers"] == 2
+    # an expert TP and an EP stream of one format see the same routing
+    assert out[0]["distinct_experts"] == out[1]["distinct_experts"]
+    assert "isolated only (slow)" not in streams.experts_report(out, 1e12)
     nvfp4_tp = next(s for s in out if s["stream"] == "experts nvfp4 expert-TP")
     bf16_tp = next(s for s in out if s["stream"] == "experts bf16 expert-TP")
     # an NVFP4 expert: codes (half a byte), an e4m3 scale per 16 values, 3 fp32 globals
@@ -49,3 +70,65 @@ def test_draw_experts_shard_forms():
     tp = streams.draw_experts(spec, streams.EXPERT_STREAMS[0], g, torch.device("cpu"))
     assert tp.intermediate_slice == (0, spec.I // 8) and tp.w13.shape == (spec.E, 2 * spec.I // 8, spec.P)
     assert expert_bytes(type("L", (), {"experts": tp})) == 3 * (spec.I // 8) * spec.P * 2
+
+
+def test_slow_paths_are_timed_isolated_only():
+    timer, runs = Timer(torch.device("cpu")), []
+    works = [lambda: runs.append(0), lambda: runs.append(1)]
+    isolated, chained = streams._timed(timer, works, 7, slow_s=0.0)
+    assert chained is None and isolated.count == streams.SLOW_REPLAYS and set(runs) == {0}
+    isolated, chained = streams._timed(timer, works, 7, slow_s=float("inf"))
+    assert isolated.count == 7 and chained is not None and chained.count == 7 and 1 in runs
+    entry = streams._entry(10, isolated, 1e12)
+    stream = {"stream": "s", "routing": "random", "chain_layers": 2, "unsupported": {}}
+    stream["providers"] = {"slow": {"isolated": entry, "chained": None, "relative_error_vs_torch": 0.0}}
+    assert "isolated only (slow)" in streams.experts_report([stream], 1e12)
+
+
+def test_chain_length_reads_three_l2s_with_the_fewest_layers():
+    mb = 1_000_000
+    assert streams.chain_length([1, 1, 1, 1, 1], 50 * mb) == 3
+    assert streams.chain_length([10, 10, 10], 100 * mb) == 2  # a chain is at least 2 layers
+    assert streams.chain_length([0, 1, 0], 50 * mb) == 3  # never enough: all the layers there are
+
+
+def test_part_experts_is_streams_tp8_rank_only(capsys):
+    assert main(["bench", "streams-tp1", "--part", "experts"]) == 2
+    assert "streams-tp8-rank only" in capsys.readouterr().err
+
+
+def _fake_gpu(monkeypatch) -> None:
+    """main's GPU-only pieces replaced, so its parts and records run on the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(plugins, "discover", lambda: SimpleNamespace(of=lambda kind: []))
+    monkeypatch.setattr(streams, "Timer", lambda device: Timer(torch.device("cpu")))
+    monkeypatch.setattr(streams, "copy_bandwidth", lambda device: SimpleNamespace(bytes_per_s=1e12))
+
+
+def test_each_part_writes_the_record_when_it_finishes(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch)
+    linear = {"p": {name: (1e-6, 1e12) for name in (*LINEAR_WEIGHTS, "chain")}}
+    monkeypatch.setattr(streams, "linear_streams", lambda *a: linear)
+
+    def timed_out(*args, **kwargs):
+        raise TimeoutError("the experts part ran out of time")
+
+    monkeypatch.setattr(streams, "expert_streams", timed_out)
+    with pytest.raises(TimeoutError):
+        main(["bench", "streams-tp8-rank", "--out", str(tmp_path / "both"), "--quiet"])
+    (path,) = (tmp_path / "both").glob("streams-tp8-rank_*.json")
+    record = json.loads(path.read_text())
+    assert record["parts"] == ["linear"] and record["experts"] is None
+    assert record["linear"]["p"]["chain"] == {"median_s": 1e-6, "bytes_per_s": 1e12}
+
+    def not_run(*args):
+        raise AssertionError("--part experts ran the linear part")
+
+    monkeypatch.setattr(streams, "linear_streams", not_run)
+    monkeypatch.setattr(streams, "expert_streams", lambda *a, **k: [])
+    assert main(["bench", "streams-tp8-rank", "--part", "experts", "--out", str(tmp_path / "experts"), "--quiet"]) == 0
+    (path,) = (tmp_path / "experts").glob("streams-tp8-rank_*.json")
+    record = json.loads(path.read_text())
+    assert record["parts"] == ["experts"] and record["linear"] is None and record["experts"] == []

@@ -66,6 +66,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--plot", action="store_true", help="also a PNG of the per-block times beside their floors")
     p.add_argument("--plot-from", type=Path, default=None, metavar="RECORD", help="only plot an existing JSON record")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument(
+        "--part",
+        choices=("linear", "experts"),
+        default=None,
+        help="streams configs: only the dense weights or only the routed experts (default both)",
+    )
     p.set_defaults(run=main)
     return p
 

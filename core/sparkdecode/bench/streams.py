@@ -22,16 +22,24 @@ I / 8 slice) and EP (32 whole experts), 8 rows x top-8 routes, routing ``random`
 (each row's top-8 of all experts) and ``correlated`` (among ``CORRELATED_EXPERTS``
 per layer); every registered provider of the kind that supports the TP-8 rank and
 the torch path of the step bench's baseline (baseline.stock_expert_rows):
-isolated (one layer) and chained (``EXPERT_LAYERS`` distinct layers, far larger
-than L2, in one graph), L2 flushed before every replay. Bytes read = the distinct
-experts the rank holds x one expert's bytes (floor.expert_bytes, NVFP4 with its
-scales); each provider's rows are checked against the torch path's. The run's
-figures go to a JSON record in ``--out`` (command, commit, GPU, date).
+isolated (one layer) and chained (as many distinct layers as read ``CHAIN_BYTES``,
+three times the L2, at most ``EXPERT_LAYERS``, in one graph), L2 flushed before
+every replay. Each shard form's bf16 layers are drawn once and quantized once for
+its NVFP4 stream; each provider is built once per stream. The dequantizing paths
+(slower than ``SLOW_S`` a layer) are timed isolated only. Bytes read = the
+distinct experts the rank holds x one expert's bytes (floor.expert_bytes, NVFP4
+with its scales); each provider's rows are checked against the torch path's.
+
+``--part linear`` or ``--part experts`` runs one part (default both). The run's
+figures go to a JSON record in ``--out`` (command, commit, GPU, date), written
+after each part (``parts`` lists those finished), so a later timeout keeps what
+finished; without ``--quiet`` a progress line with the seconds elapsed.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -40,12 +48,12 @@ import torch
 
 from ..protocols import LINEAR_WEIGHTS, BuildContext, Deployment, ExpertsInput, RoutedTopk, scratch_buffer
 from ..spec import ModelSpec
-from ..weights import ExpertWeights, ModelWeights, Sharding, quantize_experts, random_weights
+from ..weights import ExpertWeights, quantize_experts
 from .baseline import stock_expert_rows
 from .configs import ROWS
 from .floor import copy_bandwidth, expert_bytes
 from .steer import CORRELATED_EXPERTS
-from .timing import FLUSH_BYTES, Timer
+from .timing import FLUSH_BYTES, Timer, Times
 
 # name -> (N, K) of Muse Spark's dense weights (H 8192, 128 q / 16 kv heads of 64,
 # E 256, P 4096); the router is fp32, the others bf16.
@@ -132,10 +140,20 @@ def linear_streams(
     return record
 
 
-EXPERT_LAYERS = 8
+EXPERT_LAYERS = 8  # the most layers a chain draws
 TP = 8
 EXPERT_ROUTINGS = ("random", "correlated")
 TORCH = "torch"  # baseline.stock_expert_rows
+# A chain reads at least three times the H200's 50 MB L2 (no layer's experts are
+# found in L2 by the next replay), with as few layers as that takes (at least 2).
+CHAIN_BYTES = 3 * 50_000_000
+# A path slower than this per layer is not streaming its weights (a TP-8 rank's
+# whole layer of experts is 3.2 GB, 0.8 ms at the copy bandwidth): the dequantizing
+# paths (the NVFP4 torch path dequantizes every route's expert per call,
+# reference.experts_nvfp4 every held expert). They are timed isolated only, with
+# SLOW_REPLAYS replays, and their rows checked on that one layer.
+SLOW_S = 5e-3
+SLOW_REPLAYS = 5
 
 
 @dataclass(frozen=True)
@@ -146,10 +164,12 @@ class ExpertStream:
     expert_format: str  # "bf16" or "nvfp4"
 
 
+# In the order they are measured: each shard form's bf16 layers are drawn once and
+# quantized for its NVFP4 stream.
 EXPERT_STREAMS = (
     ExpertStream("experts bf16 expert-TP", "experts", "tp", "bf16"),
-    ExpertStream("experts bf16 EP", "experts", "ep", "bf16"),
     ExpertStream("experts nvfp4 expert-TP", "experts_nvfp4", "tp", "nvfp4"),
+    ExpertStream("experts bf16 EP", "experts", "ep", "bf16"),
     ExpertStream("experts nvfp4 EP", "experts_nvfp4", "ep", "nvfp4"),
 )
 
@@ -188,7 +208,21 @@ def held_distinct(ids: torch.Tensor, experts: ExpertWeights) -> int:
     return int(torch.unique(local[(local >= 0) & (local < experts.num_local)]).numel())
 
 
-def experts_context(weights: ModelWeights, deployment: Deployment, device: torch.device) -> BuildContext:
+def chain_length(distinct: list[int], one: int, chain_bytes: int = CHAIN_BYTES) -> int:
+    """The fewest leading layers (at least 2) whose held experts (``distinct[i]``
+    experts of ``one`` bytes on layer i) read ``chain_bytes``; all of them if they
+    read less."""
+    total = 0
+    for n, d in enumerate(distinct, start=1):
+        total += d * one
+        if n >= 2 and total >= chain_bytes:
+            return n
+    return len(distinct)
+
+
+def experts_context(weights: Any, deployment: Deployment, device: torch.device) -> BuildContext:
+    """What an experts provider's build reads: ``weights.layers[i].experts``, the
+    spec, ``max_rows`` and the scratch."""
     return BuildContext(
         spec=weights.spec,
         weights=weights,
@@ -206,18 +240,127 @@ def experts_context(weights: ModelWeights, deployment: Deployment, device: torch
     )
 
 
-def _timed(timer: Timer, works: list, replays: int) -> float:
-    graph = timer.capture(lambda: [w() for w in works])
-    return timer.time(graph, replays).median_s
+def _timed(timer: Timer, works: list, replays: int, slow_s: float) -> tuple[Times, Times | None]:
+    """(isolated, chained) times of ``works`` (one per layer): the first alone, then
+    all back to back, each in one graph; a path slower than ``slow_s`` per layer is
+    timed isolated only, with ``SLOW_REPLAYS`` replays (chained None)."""
+    graph = timer.capture(works[0])
+    probe = timer.time(graph, min(SLOW_REPLAYS, replays))
+    if probe.median_s > slow_s:
+        return probe, None
+    isolated = probe if replays <= SLOW_REPLAYS else timer.time(graph, replays)
+    del graph
+    return isolated, timer.time(timer.capture(lambda: [w() for w in works]), replays)
 
 
-def _entry(bytes_read: int, seconds: float, copy: float) -> dict[str, Any]:
+def _entry(bytes_read: int, times: Times, copy: float) -> dict[str, Any]:
     return {
         "bytes": bytes_read,
-        "median_s": seconds,
-        "bytes_per_s": bytes_read / seconds,
-        "fraction_of_copy": bytes_read / seconds / copy,
+        "median_s": times.median_s,
+        "replays": times.count,
+        "bytes_per_s": bytes_read / times.median_s,
+        "fraction_of_copy": bytes_read / times.median_s / copy,
     }
+
+
+@dataclass
+class ShardRouting:
+    """One shard form's routing, shared by its bf16 and NVFP4 streams: per routing
+    each layer's ids and the distinct experts of them rank 0 holds."""
+
+    ids: dict[str, list[torch.Tensor]]
+    distinct: dict[str, list[int]]
+
+
+def measure_stream(
+    timer: Timer,
+    registry: Any,
+    spec: ModelSpec,
+    stream: ExpertStream,
+    experts: list[ExpertWeights],
+    xs: list[torch.Tensor],
+    routing: ShardRouting,
+    chains: dict[str, int],
+    copy: float,
+    replays: int,
+    slow_s: float,
+    progress: Any,
+) -> list[dict[str, Any]]:
+    """Per routing: every supported provider's and the torch path's isolated figure
+    (layer 0) and chained figure (the routing's ``chains`` layers), and their rows'
+    error against the torch path. Each provider is built once for all layers."""
+    from ..deployment import detect
+
+    device = timer.device
+    deployment = detect(
+        spec, tp=TP, device=device, expert_format=stream.expert_format, expert_parallel=stream.expert_parallel
+    )
+    classes, skipped = [], {}
+    for reg in registry.of(stream.kind):
+        reason = reg.cls.unsupported(deployment)
+        if reason is None:
+            classes.append(reg.cls)
+        else:
+            skipped[reg.name] = reason
+    layers = max(chains.values())
+    weights = SimpleNamespace(spec=spec, layers=[SimpleNamespace(experts=e) for e in experts[:layers]])
+    built = {}
+    for cls in classes:
+        progress(f"{stream.name}: building {cls.name}")
+        ctx = experts_context(weights, deployment, device)
+        built[cls.name] = [cls.build(ctx, i) for i in range(layers)]
+    one = expert_bytes(SimpleNamespace(experts=experts[0]))
+    out = []
+    for name, n in chains.items():
+        ids, distinct = routing.ids[name][:n], routing.distinct[name][:n]
+        topk = [RoutedTopk(i, torch.ones(ROWS, spec.top_k, device=device)) for i in ids]
+        reference = [stock_expert_rows(x, i, e) for x, i, e in zip(xs, ids, experts)]
+        outs = [torch.empty_like(r) for r in reference]
+        sides = [
+            (
+                TORCH,
+                [
+                    lambda x=x, i=i, e=e, o=o: o.copy_(stock_expert_rows(x, i, e))
+                    for x, i, e, o in zip(xs, ids, experts, outs)
+                ],
+                outs,
+            )
+        ]
+        for provider, ops in built.items():
+            rows = [torch.empty_like(r) for r in reference]
+            works = [
+                lambda op=op, x=x, t=t, r=r: op.run(ExpertsInput(x), t, r) for op, x, t, r in zip(ops, xs, topk, rows)
+            ]
+            sides.append((provider, works, rows))
+        results = {}
+        for provider, works, rows in sides:
+            progress(f"{stream.name}, {name} routing, {n} layers: {provider}")
+            isolated, chained = _timed(timer, works, replays, slow_s)
+            checked = 1 if chained is None else n
+            errors = [
+                ((r.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+                for r, ref in zip(rows[:checked], reference)
+            ]
+            results[provider] = {
+                "isolated": _entry(distinct[0] * one, isolated, copy),
+                "chained": None if chained is None else _entry(sum(distinct) * one, chained, copy),
+                "relative_error_vs_torch": max(errors),
+                "checked_layers": checked,
+            }
+        out.append(
+            {
+                "stream": stream.name,
+                "kind": stream.kind,
+                "routing": name,
+                "expert_bytes": one,
+                "chain_layers": n,
+                "distinct_experts": distinct,
+                "providers": results,
+                "unsupported": skipped,
+            }
+        )
+        del sides
+    return out
 
 
 def expert_streams(
@@ -230,114 +373,86 @@ def expert_streams(
     layers: int = EXPERT_LAYERS,
     routings: tuple[str, ...] = EXPERT_ROUTINGS,
     seed: int = 0,
+    chain_bytes: int = CHAIN_BYTES,
+    slow_s: float = SLOW_S,
     log: Any = print,
 ) -> list[dict[str, Any]]:
-    """Per (stream, routing): every supported provider's and the torch path's
-    isolated and chained figures, and their rows' error against the torch path."""
-    from ..deployment import detect
-
+    """Per (stream, routing), in ``EXPERT_STREAMS`` order: every supported provider's
+    and the torch path's isolated and chained figures, and their rows' error against
+    the torch path. Per shard form (expert TP, EP): one routing per routing kind for
+    both formats, the bf16 layers drawn once (as many as the longest chain needs,
+    at most ``layers``) and quantized once for the NVFP4 stream. ``log`` gets a
+    progress line with the seconds elapsed."""
     device = timer.device
     spec = ModelSpec.preset(preset, layers)
-    sharding = Sharding(tp=TP, expert_parallel="tp")
-    weights = random_weights(spec, seed=seed, device=device, keep_unfolded_router=False, sharding=sharding)
     g = torch.Generator(device=device).manual_seed(seed)
     host = torch.Generator().manual_seed(seed)
     xs = [torch.randn(ROWS, spec.P, generator=g, device=device).to(torch.bfloat16) for _ in range(layers)]
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        log(f"[{time.perf_counter() - start:6.1f} s] {message}")
+
     out: list[dict[str, Any]] = []
-    for stream in EXPERT_STREAMS:
-        for layer in weights.layers:
-            layer.experts = None  # the previous stream's, freed before the next draw
+    for parallel in ("tp", "ep"):
+        bf16_stream, nvfp4_stream = (s for s in EXPERT_STREAMS if s.expert_parallel == parallel)
+        bf16 = [draw_experts(spec, bf16_stream, g, device)]
+        nvfp4 = [quantize_experts(bf16[0])]
+        ids = {r: [route_ids(spec, r, host).to(device) for _ in range(layers)] for r in routings}
+        routing = ShardRouting(ids, {r: [held_distinct(i, bf16[0]) for i in ids[r]] for r in routings})
+        chains = {
+            stream: {
+                r: chain_length(routing.distinct[r], expert_bytes(SimpleNamespace(experts=e[0])), chain_bytes)
+                for r in routings
+            }
+            for stream, e in ((bf16_stream, bf16), (nvfp4_stream, nvfp4))
+        }
+        while len(bf16) < max(max(c.values()) for c in chains.values()):
+            bf16.append(draw_experts(spec, bf16_stream, g, device))
+        progress(f"{bf16_stream.name}: drew {len(bf16)} layers")
+        args = (xs, routing)
+        out += measure_stream(
+            timer, registry, spec, bf16_stream, bf16, *args, chains[bf16_stream], copy, replays, slow_s, progress
+        )
+        nvfp4 += [quantize_experts(e) for e in bf16[1 : max(chains[nvfp4_stream].values())]]
+        del bf16
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 layers and the bf16 stream's graph pools
+        progress(f"{nvfp4_stream.name}: quantized {len(nvfp4)} layers")
+        out += measure_stream(
+            timer, registry, spec, nvfp4_stream, nvfp4, *args, chains[nvfp4_stream], copy, replays, slow_s, progress
+        )
+        del nvfp4
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        log(f"{stream.name}: drawing {layers} layers")
-        for layer in weights.layers:
-            layer.experts = draw_experts(spec, stream, g, device)
-        deployment = detect(
-            spec, tp=TP, device=device, expert_format=stream.expert_format, expert_parallel=stream.expert_parallel
-        )
-        classes, skipped = [], {}
-        for reg in registry.of(stream.kind):
-            reason = reg.cls.unsupported(deployment)
-            if reason is None:
-                classes.append(reg.cls)
-            else:
-                skipped[reg.name] = reason
-        experts = [layer.experts for layer in weights.layers]
-        one = expert_bytes(SimpleNamespace(experts=experts[0]))
-        for routing in routings:
-            ids = [route_ids(spec, routing, host).to(device) for _ in range(layers)]
-            topk = [RoutedTopk(i, torch.ones(ROWS, spec.top_k, device=device)) for i in ids]
-            distinct = [held_distinct(i, e) for i, e in zip(ids, experts)]
-            reference = [stock_expert_rows(x, i, e) for x, i, e in zip(xs, ids, experts)]
-            outs = [torch.empty_like(r) for r in reference]
-            sides = [
-                (
-                    TORCH,
-                    [
-                        lambda x=x, i=i, e=e, o=o: o.copy_(stock_expert_rows(x, i, e))
-                        for x, i, e, o in zip(xs, ids, experts, outs)
-                    ],
-                    outs,
-                )
-            ]
-            for cls in classes:
-                ctx = experts_context(weights, deployment, device)
-                ops = [cls.build(ctx, i) for i in range(layers)]
-                rows = [torch.empty_like(r) for r in reference]
-                works = [
-                    lambda op=op, x=x, t=t, r=r: op.run(ExpertsInput(x), t, r)
-                    for op, x, t, r in zip(ops, xs, topk, rows)
-                ]
-                sides.append((cls.name, works, rows))
-            results = {}
-            for name, works, rows in sides:
-                log(f"{stream.name}, {routing} routing: {name}")
-                isolated = _timed(timer, works[:1], replays)
-                chained = _timed(timer, works, replays)
-                errors = [
-                    ((r.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
-                    for r, ref in zip(rows, reference)
-                ]
-                results[name] = {
-                    "isolated": _entry(distinct[0] * one, isolated, copy),
-                    "chained": _entry(sum(distinct) * one, chained, copy),
-                    "relative_error_vs_torch": max(errors),
-                }
-            out.append(
-                {
-                    "stream": stream.name,
-                    "kind": stream.kind,
-                    "routing": routing,
-                    "expert_bytes": one,
-                    "distinct_experts": distinct,
-                    "providers": results,
-                    "unsupported": skipped,
-                }
-            )
-            del sides
-    for layer in weights.layers:
-        layer.experts = None
+    progress("routed experts done")
     return out
 
 
-def experts_report(streams: list[dict[str, Any]], copy: float, layers: int = EXPERT_LAYERS) -> str:
+def experts_report(streams: list[dict[str, Any]], copy: float) -> str:
     lines = [
-        f"routed experts: {ROWS} rows x top-8; isolated = one layer, chained = {layers} distinct layers in one "
-        "graph; TB/s = distinct held experts' bytes / median; % of the copy bandwidth; err vs the torch path"
+        f"routed experts: {ROWS} rows x top-8; isolated = one layer, chained = the distinct layers in one graph "
+        f"(at least {CHAIN_BYTES / 1e6:.0f} MB); TB/s = distinct held experts' bytes / median; % of the copy "
+        f"bandwidth; err vs the torch path; a path slower than {SLOW_S * 1e3:.0f} ms a layer: isolated only"
     ]
     head = (
         f"{'stream':<24} {'routing':<10} {'provider':<24} {'iso MB':>7} {'iso us':>8} {'TB/s':>6} {'%':>5} "
-        f"{'chain MB':>9} {'chain us':>9} {'TB/s':>6} {'%':>5} {'err':>8}"
+        f"{'layers':>6} {'chain MB':>9} {'chain us':>9} {'TB/s':>6} {'%':>5} {'err':>8}"
     )
     lines += [head, "-" * len(head)]
     for s in streams:
         for provider, r in s["providers"].items():
             iso, ch = r["isolated"], r["chained"]
+            chain = (
+                f"{'':>6} {'isolated only (slow)':>32}"
+                if ch is None
+                else f"{s['chain_layers']:>6} {ch['bytes'] / 1e6:>9.1f} {ch['median_s'] * 1e6:>9.1f} "
+                f"{ch['bytes_per_s'] / 1e12:>6.3f} {100 * ch['fraction_of_copy']:>4.0f}%"
+            )
             lines.append(
                 f"{s['stream']:<24} {s['routing']:<10} {provider[:24]:<24} {iso['bytes'] / 1e6:>7.1f} "
                 f"{iso['median_s'] * 1e6:>8.1f} {iso['bytes_per_s'] / 1e12:>6.3f} {100 * iso['fraction_of_copy']:>4.0f}% "
-                f"{ch['bytes'] / 1e6:>9.1f} {ch['median_s'] * 1e6:>9.1f} {ch['bytes_per_s'] / 1e12:>6.3f} "
-                f"{100 * ch['fraction_of_copy']:>4.0f}% {r['relative_error_vs_torch']:>8.1e}"
+                f"{chain} {r['relative_error_vs_torch']:>8.1e}"
             )
         for provider, why in s["unsupported"].items():
             lines.append(f"{s['stream']:<24} {s['routing']:<10} {provider[:24]:<24} unsupported: {why}")
@@ -365,6 +480,7 @@ def report(config: str, copy: float, record: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """``sparkdecode bench streams-...``: needs a GPU."""
+    import datetime
     import sys
 
     from ..deployment import detect
@@ -373,6 +489,9 @@ def main(args: argparse.Namespace) -> int:
 
     if args.config not in SHAPES:
         print(f"sparkdecode bench: unknown streams config {args.config!r} ({', '.join(SHAPES)})", file=sys.stderr)
+        return 2
+    if args.part == "experts" and args.config != "streams-tp8-rank":
+        print("sparkdecode bench: the routed experts are measured by streams-tp8-rank only", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("sparkdecode bench: the weight streams are measured on a GPU only", file=sys.stderr)
@@ -391,23 +510,31 @@ def main(args: argparse.Namespace) -> int:
     # The step bench's measure (floor.copy_bandwidth, an eager copy on the SMs): a
     # memcpy captured in a graph runs on a copy engine, about two thirds as fast.
     copy = copy_bandwidth(timer.device).bytes_per_s
-    record = linear_streams(timer, providers, SHAPES[args.config], replays)
-    print(report(args.config, copy, record))
-    experts: list[dict[str, Any]] = []
-    if args.config == "streams-tp8-rank":
-        registry = discover()
-        experts = expert_streams(timer, registry, copy, replays, seed=args.seed, log=lambda m: None)
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record = None
+    if args.part != "experts":
+        record = linear_streams(timer, providers, SHAPES[args.config], replays)
+        print(report(args.config, copy, record))
+        print(f"record: {write_record(args, date, copy, replays, record, None)}", flush=True)
+    if args.part != "linear" and args.config == "streams-tp8-rank":
+        log = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
+        experts = expert_streams(timer, discover(), copy, replays, seed=args.seed, log=log)
         print(experts_report(experts, copy))
-    path = write_record(args, copy, replays, record, experts)
-    print(f"record: {path}")
+        print(f"record: {write_record(args, date, copy, replays, record, experts)}")
     return 0
 
 
 def write_record(
-    args: argparse.Namespace, copy: float, replays: int, linear: dict[str, Any], experts: list[dict[str, Any]]
+    args: argparse.Namespace,
+    date: str,
+    copy: float,
+    replays: int,
+    linear: dict[str, Any] | None,
+    experts: list[dict[str, Any]] | None,
 ) -> Any:
-    """The run's figures as JSON in ``args.out`` (named like the step bench's records)."""
-    import datetime
+    """The run's figures as JSON in ``args.out`` (named like the step bench's records
+    by the run's start ``date``: each part's write replaces the previous one); a part
+    not run (yet) is null and left out of ``parts``."""
     import shlex
     import sys
 
@@ -421,7 +548,8 @@ def write_record(
         "config": args.config,
         "command": "sparkdecode bench " + shlex.join(argv),
         **provenance(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": date,
+        "parts": [part for part, done in (("linear", linear), ("experts", experts)) if done is not None],
         "device": gpu,
         "gpu": gpu,
         "torch": torch.__version__,
@@ -430,11 +558,15 @@ def write_record(
         "replays": replays,
         "l2_flush_bytes": FLUSH_BYTES,
         "copy_bandwidth_bytes_per_s": copy,
-        "linear": {
+        "linear": None
+        if linear is None
+        else {
             provider: {name: {"median_s": t, "bytes_per_s": bw} for name, (t, bw) in row.items()}
             for provider, row in linear.items()
         },
         "expert_layers": EXPERT_LAYERS,
+        "expert_chain_bytes": CHAIN_BYTES,
+        "expert_slow_s": SLOW_S,
         "experts": experts,
     }
     return write(record, args.out)

@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -226,22 +227,53 @@ def test_check_cache_names_the_problem():
 
 
 def test_jit_cache_round_trip(tmp_path, monkeypatch):
-    """Saved modules go back into the AOT folder of an install with the same key only;
-    a module already there is kept."""
-    jit, aot, saved = tmp_path / "cached_ops", tmp_path / "aot", tmp_path / "saved"
+    """Saved modules go into one archive and back into the AOT folder of an install
+    with the same key only; a module already there is kept; a later save merges the
+    earlier archive's modules; a split archive loads as the whole."""
+    jit, aot, out = tmp_path / "cached_ops", tmp_path / "aot", tmp_path / "out"
     for name in ("xqa_a", "trtllm_comm"):
         (jit / name).mkdir(parents=True)
         (jit / name / f"{name}.so").write_bytes(name.encode())
     (jit / "half_built").mkdir()  # a build that never linked
     (jit / "half_built" / "half_built.o").write_bytes(b"")
-    monkeypatch.setattr(jit_cache, "_paths", lambda: (jit, aot, "0.7.2.post1/90a/cu13.0"))
-    assert [p.parent.name for p in jit_cache.save(saved)] == ["trtllm_comm", "xqa_a"]
-    assert (saved / "0.7.2.post1/90a/cu13.0/xqa_a/xqa_a.so").read_bytes() == b"xqa_a"
+    key = "0.7.2.post1/90a/cu13.0"
+    monkeypatch.setattr(jit_cache, "_paths", lambda: (jit, aot, key))
+    files, members = jit_cache.save(out)
+    assert files == [out / "flashinfer-jit.tar.gz"] and [p.name for p in out.iterdir()] == ["flashinfer-jit.tar.gz"]
+    assert members == [f"{key}/trtllm_comm/trtllm_comm.so", f"{key}/xqa_a/xqa_a.so"]
     (aot / "trtllm_comm").mkdir(parents=True)
     (aot / "trtllm_comm" / "trtllm_comm.so").write_bytes(b"shipped")
-    assert [p.parent.name for p in jit_cache.load(saved)] == ["xqa_a"]
+    assert [p.parent.name for p in jit_cache.load(files[0])] == ["xqa_a"]
     assert (aot / "xqa_a" / "xqa_a.so").read_bytes() == b"xqa_a"
     assert (aot / "trtllm_comm" / "trtllm_comm.so").read_bytes() == b"shipped"
     monkeypatch.setattr(jit_cache, "_paths", lambda: (jit, tmp_path / "other", "0.7.3/90a/cu13.0"))
-    assert jit_cache.load(saved) == []
-    assert jit_cache.load(tmp_path / "missing") == []
+    assert jit_cache.load(files[0]) == []
+    assert jit_cache.load(tmp_path / "missing.tar.gz") == []
+    # The next machine compiled only fa2 (it loaded the others): a save merging the
+    # carried archive keeps them all, in one plain tar, or in parts.
+    (jit / "xqa_a" / "xqa_a.so").unlink()
+    (jit / "trtllm_comm" / "trtllm_comm.so").unlink()
+    (jit / "fa2").mkdir()
+    (jit / "fa2" / "fa2.so").write_bytes(bytes(range(256)) * 64)
+    monkeypatch.setattr(jit_cache, "_paths", lambda: (jit, tmp_path / "aot2", key))
+    (merged,), members = jit_cache.save(tmp_path / "next.tar", merge=(files[0], tmp_path / "absent.tar.gz"))
+    assert members == [f"{key}/fa2/fa2.so", f"{key}/trtllm_comm/trtllm_comm.so", f"{key}/xqa_a/xqa_a.so"]
+    parts, _ = jit_cache.save(tmp_path / "split.tar", merge=(merged,), split_mib=4096 / 2**20)
+    assert [p.name for p in parts][:2] == ["split.tar.000", "split.tar.001"] and not (tmp_path / "split.tar").exists()
+    assert jit_cache.read_archive(tmp_path / "split.tar") == jit_cache.read_archive(merged)
+    loaded = jit_cache.load(tmp_path / "split.tar")
+    assert [p.parent.name for p in loaded] == ["fa2", "trtllm_comm", "xqa_a"]
+    assert (tmp_path / "aot2" / "fa2" / "fa2.so").read_bytes() == bytes(range(256)) * 64
+    # the older folder layout still loads
+    legacy = tmp_path / "legacy" / key / "old"
+    legacy.mkdir(parents=True)
+    (legacy / "old.so").write_bytes(b"old")
+    assert [p.parent.name for p in jit_cache.load(tmp_path / "legacy")] == ["old"]
+
+
+def test_jit_cache_archive_members_are_plain_module_paths():
+    assert jit_cache.MEMBER.match("0.7.2.post1/90a/cu13.0/xqa/xqa.so")
+    for bad in ("0.7.2/90a/cu13.0/../../x.so", "0.7.2/90a/cu13.0/a/b.so", "../90a/cu13.0/a/a.so", "a/b/c/d/d.so"):
+        assert not jit_cache.MEMBER.match(bad), bad
+    assert jit_cache.archive_path(Path("out")) == Path("out/flashinfer-jit.tar.gz")
+    assert jit_cache.archive_path(Path("x.tar.xz")) == Path("x.tar.xz")

@@ -189,11 +189,8 @@ def test_tail_and_norm_kernels(width, top_k):
     one_ulp_close(normed, fn.pre_norm(x, norm, 1e-5).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("shape", ["tiny", "tp8-rank"])
-def test_cuda_moe_provider(shape):
-    """The block against reference.model.moe on the provider's own router logits: the
-    routing must be the reference's for those logits (bitwise), and the output close
-    (the two norms' one-ulp differences through the unpooler GEMM: 2e-2 relative)."""
+def cuda_moe(shape: str) -> tuple:
+    """(spec, weights, executor, its layer-0 cuda.moe, x) at a tiny or a TP-8 rank's shape."""
     from sparkdecode.weights import Sharding
 
     if shape == "tiny":
@@ -202,8 +199,16 @@ def test_cuda_moe_provider(shape):
         spec, sharding = ModelSpec.preset("muse-spark-open", 1), Sharding(8, 0, "tp")
     weights = random_weights(spec, seed=1, device="cuda", sharding=sharding)
     executor = SpecializedDecode(weights, DecodeConfig(max_context=256, pins={"moe": "cuda.moe"}))
-    provider = executor.layers[0].moe
     x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    return spec, weights, executor, executor.layers[0].moe, x
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tp8-rank"])
+def test_cuda_moe_provider(shape):
+    """The block against reference.model.moe on the provider's own router logits: the
+    routing must be the reference's for those logits (bitwise), and the output close
+    (the two norms' one-ulp differences through the unpooler GEMM: 2e-2 relative)."""
+    spec, weights, executor, provider, x = cuda_moe(shape)
     provider.run(None, x)
     got = executor.mailboxes[0].gather(8).clone()
     ref_ids, ref_w = fn.route(provider.logits[:8], weights.layers[0].expert_bias, spec.top_k, 1.0)
@@ -213,6 +218,41 @@ def test_cuda_moe_provider(shape):
     ref = model.moe(spec, weights.layers[0], x, executor.collectives)
     err = (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
     assert err.max() < 2e-2, err
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tp8-rank"])
+def test_cuda_moe_side_stream_keeps_the_bits(shape):
+    """The router GEMM and routing kernel on the side stream (beside the pooler and
+    the pre-expert norm), eagerly and replayed from a CUDA graph, give the bits of the
+    same block run on one stream."""
+    _, _, executor, provider, x = cuda_moe(shape)
+    out = executor.mailboxes[0]
+    assert provider.side is not None
+
+    def result(run) -> list[torch.Tensor]:
+        for t, fill in ((provider.logits, float("nan")), (provider.ids, -1), (provider.weights, float("nan"))):
+            t.fill_(fill)
+        out.publish(8).fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        return [t[:8].clone() for t in (provider.logits, provider.ids, provider.weights)] + [out.gather(8).clone()]
+
+    side, provider.side = provider.side, None  # one stream: the block as it ran before
+    serial = result(lambda: provider.run(None, x))
+    provider.side = side
+    eager = result(lambda: provider.run(None, x))
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        provider.run(None, x)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # fails unless the side stream is joined back
+        provider.run(None, x)
+    replayed = result(graph.replay)
+    assert not any(t.float().isnan().any() for t in serial)  # every output written
+    for got in (eager, replayed):
+        assert all(torch.equal(a, b) for a, b in zip(got, serial))
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tp8-rank"])

@@ -10,6 +10,27 @@ At TP > 1 with ``cuda.all_reduce`` as the resolved sub-op, the reduction and the
 tail are one kernel (tail_all_reduce_kernel, the same Lamport call and the same
 bits as the sub-op's); with another all-reduce, the sub-op runs between kernels.
 
+On CUDA the router GEMM and the routing kernel run on a side stream, beside the
+pooler GEMM and the pre-expert norm on the current stream (issue 8: 31 us and 30 us
+at a TP-8 rank, back to back before): the side stream waits on an event recorded on
+the current stream (the fork), and the current stream waits on an event recorded
+after the routing kernel (the join) before the experts read the routing. The same
+launches in the same order per stream, so the same bits; in a CUDA graph the fork
+and join become edges (the capture needs every forked stream joined, which it is).
+The router runs through its own ``linear`` op, built from a context with its own
+scratch (shared by the layers' side ops), so a linear provider that shares scratch
+between its weights (a split-K workspace) never sees two of them at once.
+
+PDL (launch.py launches every pack kernel with programmatic stream serialization):
+that attribute relaxes only a kernel's dependency on the kernel before it in the
+same stream, and every pack kernel calls ``pdl_wait()`` (griddepcontrol.wait:
+until every grid it depends on has finished and its writes are visible) before it
+reads anything earlier work wrote. A launch right after the join's event wait (the
+experts, on the current stream) therefore cannot read the routing early: the event
+wait is a full dependency, and were it captured as a programmatic edge the kernel
+would still block in ``pdl_wait()`` until the routing kernel completes. The same
+holds for the first launch on the side stream after the fork.
+
 Against the reference: the routing kernel computes the same fp32 operations in the
 same order (sigmoid as 1 / (1 + exp(-z)), the sum in selection order), so ids and
 weights are bitwise equal for the same logits; the norms' row reductions sum in
@@ -17,6 +38,9 @@ another order (fp32 rounding, so a bf16 output may move by one ulp).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import weakref
 
 import torch
 
@@ -96,6 +120,21 @@ class MoEKernels:
         )
 
 
+_SIDE_MARKER = "cuda_moe_side_scratch"
+_SIDE_BUFFERS: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def side_context(ctx: BuildContext) -> BuildContext:
+    """``ctx`` with its own scratch for the ops that run on the side stream: one
+    buffers dict shared by every build from ``ctx`` (kept by a marker in its buffers)."""
+    marker = ctx.buffers.get(_SIDE_MARKER)
+    if marker is None:
+        marker = ctx.buffers[_SIDE_MARKER] = torch.empty(0, device=ctx.device)
+        _SIDE_BUFFERS[id(marker)] = {}
+        weakref.finalize(marker, _SIDE_BUFFERS.pop, id(marker), None)
+    return dataclasses.replace(ctx, buffers=_SIDE_BUFFERS[id(marker)])
+
+
 def _moe_width_unsupported(d: Deployment) -> str | None:
     s = d.spec
     if s.P % (ITEMS * 32) or s.P // ITEMS > 1024:
@@ -127,6 +166,14 @@ class CudaMoE(_Cuda):
         fusable = ctx.tp > 1 and ctx.ops.get("all_reduce") is CudaAllReduce and self.reduce_rows != self.reduce_out
         self.workspace = workspace(ctx) if fusable else None
         self.linear = ctx.ops["linear"].build(ctx, layer)
+        # The router on a side stream (CUDA only): its own linear op and scratch, the
+        # stream and the fork/join events made here, outside any capture.
+        self.side: torch.cuda.Stream | None = None
+        self.router_linear = self.linear
+        if ctx.device.type == "cuda":
+            self.side = torch.cuda.Stream(ctx.device)
+            self.fork, self.join = torch.cuda.Event(), torch.cuda.Event()
+            self.router_linear = ctx.ops["linear"].build(side_context(ctx), layer)
         rows = ctx.max_rows
         self.logits = ctx.scratch("cuda_moe_logits", (rows, spec.E), torch.float32)
         self.ids = ctx.scratch("cuda_moe_ids", (rows, spec.top_k), torch.int32)
@@ -148,18 +195,32 @@ class CudaMoE(_Cuda):
             self.all_reduce.run(x)
         return x
 
+    def _route(self, x: torch.Tensor, topk: RoutedTopk) -> None:
+        logits = self.logits[: x.shape[0]]
+        self.router_linear.run("router", x, logits)
+        self.kernels.route(logits, self.layer.expert_bias, self.spec.routed_scaling_factor, topk)
+
     def run(self, step: Step, x: torch.Tensor) -> None:
         spec, layer, b = self.spec, self.layer, x.shape[0]
-        logits = self.logits[:b]
-        self.linear.run("router", x, logits)
         topk = RoutedTopk(self.ids[:b], self.weights[:b])
-        self.kernels.route(logits, layer.expert_bias, spec.routed_scaling_factor, topk)
+        side, current = self.side, None
+        if side is None:
+            self._route(x, topk)
+        else:  # fork: the side stream starts where the current one is
+            current = torch.cuda.current_stream(x.device)
+            self.fork.record(current)
+            side.wait_event(self.fork)
+            with torch.cuda.stream(side):
+                self._route(x, topk)
+                self.join.record(side)
         pooled = self.pooled[:b]
         self.linear.run("pooler", x, pooled)
         if pooled.shape[1] != spec.P:  # a column-sharded pooler
             pooled = self.collectives.gather_columns(pooled, spec.P)
         h = self.h[:b]
         self.kernels.pre_norm(pooled, layer.pre_expert_norm, spec.rms_norm_eps, h)
+        if current is not None:  # join: the routing is read from here on
+            current.wait_event(self.join)
         rows = self.rows[:b]
         self.experts.run(ExpertsInput(h), topk, rows)
         m = self.m[:b]

@@ -96,3 +96,48 @@ def test_plan_reasons(gemv):
     assert "9 rows" in gemv.plan_gemv(64, 1024, False, 9)
     assert "16-byte" in gemv.plan_gemv(64, 1024, False, 8, w_stride=1030)
     assert "loads per thread" in gemv.plan_gemv(64, 65536, False, 8)
+
+
+def test_splitk_is_not_registered():
+    """cute.linear_splitk waits for its GPU test (tests/test_gpu_cute_linear_v2.py)."""
+    from sparkdecode_cute.linear_splitk import CuteLinearSplitK
+
+    assert CuteLinearSplitK not in plugin.PROVIDERS
+    hopper = _hopper(ModelSpec.preset("tiny"))
+    assert CuteLinearSplitK.unsupported(hopper) is None
+    assert (
+        CuteLinearSplitK.unsupported(dataclasses.replace(hopper, device="cpu", capability=None)) == "needs a CUDA GPU"
+    )
+
+
+@pytest.fixture(scope="module")
+def splitk():
+    return pytest.importorskip("sparkdecode_cute.gemv_splitk", reason="nvidia-cutlass-dsl is not installed")
+
+
+@pytest.mark.parametrize(
+    "deployment,name", [("tp1", name) for name in TP1] + [("tp8", name) for name in TP8], ids=lambda v: str(v)
+)
+def test_splitk_compiles_for_hopper(splitk, deployment, name):
+    """Every shape tiles exactly; a TP-8 rank's weights each run in one wave of an H200."""
+    n, k, fp32 = (TP1 if deployment == "tp1" else TP8)[name]
+    plan = splitk.plan_splitk(n, k, fp32, 8)
+    assert isinstance(plan, splitk.SplitKPlan), plan
+    assert plan.tiles * plan.tile_rows == n and plan.splits * plan.chunk == k
+    assert plan.batches * plan.depth * plan.vector * splitk.K_LANES * splitk.WARPS == plan.chunk
+    if deployment == "tp8":
+        assert plan.ctas <= splitk.H200_SMS
+    assert splitk.compile_splitk(plan, "sm_90a") is not None
+
+
+@pytest.mark.parametrize("max_rows", [1, 3])
+def test_splitk_compiles_for_fewer_rows(splitk, max_rows):
+    for n, k, fp32 in (TP8["router"], TP8["qkvg"]):
+        assert splitk.compile_splitk(splitk.plan_splitk(n, k, fp32, max_rows), "sm_90a") is not None
+
+
+def test_splitk_plan_reasons(splitk):
+    assert "K 1000" in splitk.plan_splitk(64, 1000, False, 8)
+    assert "9 rows" in splitk.plan_splitk(64, 1024, False, 9)
+    assert "16-byte" in splitk.plan_splitk(64, 1024, False, 8, w_stride=1030)
+    assert "N 60" in splitk.plan_splitk(60, 1024, False, 8)

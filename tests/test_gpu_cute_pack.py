@@ -75,11 +75,15 @@ def check_close(name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_cute_linear_equals_reference(shape, rows):
+    equals_reference(linear.CuteLinear, shape, rows)
+
+
+def equals_reference(cls: type, shape: str, rows: int) -> None:
     """Every weight at b rows (x a view with a row stride wider than K, out a view
-    into a wider buffer): within the bounds, the same bits on a second run and in a
-    replayed CUDA graph, and the rows past b untouched."""
+    into a wider buffer) by the provider ``cls``: within the bounds, the same bits on
+    a second run and in a replayed CUDA graph, and the rows past b untouched."""
     ctx = linear_context(SHAPES[shape], torch.device("cuda"))
-    cute = linear.CuteLinear.build(ctx, 0)
+    cute = cls.build(ctx, 0)
     ref = ReferenceLinear.build(ctx, 0)
     g = torch.Generator(device="cuda").manual_seed(rows)
     lw = ctx.layer(0)

@@ -67,15 +67,24 @@ class GemvPlan:
         return self.threads // 32
 
 
+def operands_reason(k: int, vector: int, max_rows: int, w_stride: int) -> str | None:
+    """Why a weight of rows ``w_stride`` elements apart (K ``k``, ``vector``
+    elements a 16-byte load) or ``max_rows`` rows of x are not taken, if so."""
+    if w_stride % vector or w_stride < k:
+        return f"weight rows {w_stride} elements apart (K {k}): not whole 16-byte vectors"
+    if not 1 <= max_rows <= 8:
+        return f"{max_rows} rows (the GEMV takes 1..8)"
+    return None
+
+
 def plan_gemv(n: int, k: int, weight_fp32: bool, max_rows: int, w_stride: int | None = None) -> GemvPlan | str:
     """The tiling for W [n, k] (rows ``w_stride`` apart, default k), or why the
     kernel does not take the shape."""
     vector = VECTOR_BYTES // (4 if weight_fp32 else 2)
     w_stride = k if w_stride is None else w_stride
-    if w_stride % vector or w_stride < k:
-        return f"weight rows {w_stride} elements apart (K {k}): not whole 16-byte vectors"
-    if not 1 <= max_rows <= 8:
-        return f"{max_rows} rows (the GEMV takes 1..8)"
+    reason = operands_reason(k, vector, max_rows, w_stride)
+    if reason:
+        return reason
     if k % (vector * 32):
         return f"K {k} is not a multiple of {vector * 32}"
     vectors = k // vector

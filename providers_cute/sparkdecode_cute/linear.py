@@ -20,15 +20,20 @@ from .common import CuteProvider, compiled, current_stream, pointer
 VECTOR_BYTES = 16
 
 
+def weight_fp32(name: str, w: torch.Tensor) -> bool:
+    """Whether ``w`` is the fp32 router (else bf16); an error for any other form."""
+    if w.dim() != 2 or w.stride(1) != 1 or w.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"cute.linear: {name} is {tuple(w.shape)} {w.dtype} strides {w.stride()}")
+    return w.dtype == torch.float32
+
+
 class _Weight:
     """One weight's compiled kernel and its pointer."""
 
     def __init__(self, name: str, w: torch.Tensor, max_rows: int):
         from . import gemv
 
-        if w.dim() != 2 or w.stride(1) != 1 or w.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"cute.linear: {name} is {tuple(w.shape)} {w.dtype} strides {w.stride()}")
-        fp32 = w.dtype == torch.float32
+        fp32 = weight_fp32(name, w)
         plan = gemv.plan_gemv(w.shape[0], w.shape[1], fp32, max_rows, w.stride(0))
         if isinstance(plan, str):
             raise ValueError(f"cute.linear: {name} {tuple(w.shape)}: {plan}")
@@ -37,6 +42,7 @@ class _Weight:
         self.out_dtype = w.dtype
         self.kernel = compiled(("gemv", plan), lambda: gemv.compile_gemv(plan))
         self.w_ptr = pointer(w, VECTOR_BYTES)
+        self.buffers: tuple = ()  # the kernel's pointers after out, if any
 
     def check(self, x: torch.Tensor, out: torch.Tensor) -> None:
         b, p = x.shape[0], self.plan
@@ -59,6 +65,7 @@ class _Weight:
             self.w_ptr,
             pointer(x, VECTOR_BYTES),
             pointer(out, out.element_size()),
+            *self.buffers,
             Int32(x.shape[0]),
             Int32(x.stride(0)),
             Int32(out.stride(0)),

@@ -1,0 +1,341 @@
+"""The weight-streaming GEMM for a few rows, split over K: ``out[b, N] = x[b, K] @
+W[N, K]^T``, b <= ``max_rows`` (a handful), in the CuTe DSL. Imports no torch: the
+kernels compile (``compile_splitk``) from fake pointers on a machine without a GPU.
+
+The second form of gemv.py's kernel, laid out for the copy bandwidth:
+
+- a CTA owns a tile of ``8 * rows`` weight rows by a ``chunk`` of K, and the grid
+  (tiles x ``splits``) is chosen for the SM count (``plan_splitk``): every SM gets
+  the same number of equal tiles where the shape allows, in as few waves as it can;
+- the CTA stages its chunk of x once in shared memory, as fp32 (rows past b repeat
+  row b - 1), and every weight row of the tile reuses it: a lane holds one step's x
+  (max_rows x 8 values) in registers across its ``rows`` weight rows;
+- lane (g, t) of a warp reads rows g, g + 8, ... of the tile, the 16-byte vectors
+  ``t + 4 * warp + 32 * step`` of the chunk (each row's 512 contiguous bytes per step
+  over the CTA), ``depth`` steps a batch, in two register buffers: a buffer is
+  refilled with the batch after next as soon as it is multiplied;
+- the first two batches are issued before ``griddepcontrol.wait`` (PDL): the weight
+  is constant for the step, x (which the kernel before may write) is staged after it;
+- every product accumulates in fp32; the four lanes of a row are summed by
+  butterfly shuffles, the warps in index order through shared memory; with
+  ``splits`` > 1 the CTA writes its fp32 sums to a workspace and the last CTA of the
+  tile to arrive (an atomic counter per tile, set back to 0 by that CTA for the next
+  launch) adds the splits in split order and rounds once into the output. Results
+  are identical from run to run.
+
+bf16 weights take bf16 x and write bf16; the fp32 router takes bf16 x (exact in
+fp32) and writes fp32. b is a runtime argument: rows past b are never stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from .gemv import VECTOR_BYTES, fake_pointer, operands_reason
+
+WARPS = 8  # per CTA, all along K
+ROW_LANES = 8  # lanes of a warp on distinct rows; the other 4 split K
+K_LANES = 4
+MAX_ROWS_PER_LANE = 9  # Muse Spark's TP8-rank qkvg (2304 = 9 x 256) in one wave
+MAX_BATCH_LOADS = 8  # 16-byte weight vectors of one register buffer (two are in flight)
+MAX_CHUNK_BYTES = 128 * 1024  # x's chunk in shared memory (fp32, max_rows rows)
+H200_SMS = 132
+MIN_BALANCE = 0.9  # mean / most CTAs per SM taken before fewer waves
+
+
+@dataclass(frozen=True)
+class SplitKPlan:
+    """The compile-time shape of one kernel: W [n, k] (row stride ``w_stride``) of
+    ``weight_fp32`` (else bf16), up to ``max_rows`` rows of x, and the tiling."""
+
+    n: int
+    k: int
+    w_stride: int
+    weight_fp32: bool
+    max_rows: int
+    rows: int  # weight rows per lane; a tile has ROW_LANES * rows
+    splits: int  # K chunks, one CTA each
+    depth: int  # steps per register batch
+
+    @property
+    def vector(self) -> int:
+        """Elements per 16-byte weight vector (8 bf16, 4 fp32)."""
+        return VECTOR_BYTES // (4 if self.weight_fp32 else 2)
+
+    @property
+    def tile_rows(self) -> int:
+        return ROW_LANES * self.rows
+
+    @property
+    def tiles(self) -> int:
+        return self.n // self.tile_rows
+
+    @property
+    def chunk(self) -> int:
+        return self.k // self.splits
+
+    @property
+    def steps(self) -> int:
+        """Weight vectors of one row per lane over the chunk."""
+        return self.chunk // (self.vector * K_LANES * WARPS)
+
+    @property
+    def batches(self) -> int:
+        return self.steps // self.depth
+
+    @property
+    def ctas(self) -> int:
+        return self.tiles * self.splits
+
+    @property
+    def threads(self) -> int:
+        return 32 * WARPS
+
+    @property
+    def workspace(self) -> int:
+        """fp32 elements of the split-K workspace (0 without a split)."""
+        return 0 if self.splits == 1 else self.splits * self.n * self.max_rows
+
+
+def plan_splitk(
+    n: int, k: int, weight_fp32: bool, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS
+) -> SplitKPlan | str:
+    """The tiling for W [n, k] (rows ``w_stride`` apart, default k) on ``sms`` SMs,
+    or why the kernel does not take the shape. Of the tilings whose chunk of x fits
+    ``MAX_CHUNK_BYTES``: those balanced over the SMs (mean / most CTAs per SM at
+    least ``MIN_BALANCE``) first, then the fewest waves (one CTA per SM), the best
+    balance, the fewest splits, the fewest rows per lane."""
+    vector = VECTOR_BYTES // (4 if weight_fp32 else 2)
+    w_stride = k if w_stride is None else w_stride
+    reason = operands_reason(k, vector, max_rows, w_stride)
+    if reason:
+        return reason
+    step = vector * K_LANES * WARPS
+    if k % step:
+        return f"K {k} is not a multiple of {step}"
+    if n % ROW_LANES:
+        return f"N {n} is not a multiple of {ROW_LANES}"
+    best: tuple | None = None
+    for rows in range(1, MAX_ROWS_PER_LANE + 1):
+        if n % (ROW_LANES * rows):
+            continue
+        for splits in (1 << s for s in range(12)):
+            if k % (splits * step) or max_rows * (k // splits) * 4 > MAX_CHUNK_BYTES:
+                continue
+            ctas = n // (ROW_LANES * rows) * splits
+            waves = math.ceil(ctas / sms)
+            balance = round(ctas / sms / waves, 2)
+            steps = k // splits // step
+            depth = max(d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or rows * d <= MAX_BATCH_LOADS))
+            key = (balance < MIN_BALANCE, waves, -balance, splits, rows)
+            if best is None or key < best[0]:
+                best = (key, SplitKPlan(n, k, w_stride, weight_fp32, max_rows, rows, splits, depth))
+    if best is None:
+        return f"K {k}: x's chunk of {max_rows} rows does not fit {MAX_CHUNK_BYTES} bytes of shared memory"
+    return best[1]
+
+
+class SplitKGemv:
+    """One compiled shape: ``__call__(w, x, out, workspace, counters, b, x_stride,
+    out_stride, stream)`` on pointers (W [n, k] with contiguous rows; x and out rows
+    contiguous, row strides in elements, x's a multiple of the vector; pointers
+    16-byte aligned; ``workspace`` fp32 of ``plan.workspace`` elements and
+    ``counters`` int32 of ``plan.tiles``, zero before the first launch, both
+    unused without a split)."""
+
+    def __init__(self, plan: SplitKPlan):
+        self.plan = plan
+        self.weight_dtype = Float32 if plan.weight_fp32 else BFloat16
+        self.out_dtype = self.weight_dtype
+
+    @cute.jit
+    def __call__(
+        self,
+        w: cute.Pointer,
+        x: cute.Pointer,
+        out: cute.Pointer,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
+        b: Int32,
+        x_stride: Int32,
+        out_stride: Int32,
+        stream: cuda.CUstream,
+    ):
+        p = self.plan
+        self.kernel(w, x, out, workspace, counters, b, x_stride, out_stride).launch(
+            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
+        )
+
+    def load(self, mW, buffer, batch, row, vector):
+        """Batch ``batch`` of the lane's weight vectors (rows ``row + 8 r``, the
+        chunk's vectors ``vector + 32 step``) into the register ``buffer``."""
+        p = self.plan
+        for d in range(p.depth):
+            kv = vector + (batch * p.depth + d) * (K_LANES * WARPS)
+            for r in range(p.rows):
+                tile = cute.local_tile(mW, (1, p.vector), (row + ROW_LANES * r, kv))
+                buffer[r * p.depth + d].store(tile.load())
+
+    def multiply(self, sX, acc, buffer, batch, vector):
+        """``acc[r, i] += w[r] . x[i]`` over batch ``batch``: a step's x (max_rows
+        vectors of fp32) held across the lane's rows."""
+        p = self.plan
+        V, B = p.vector, p.max_rows
+        for d in range(p.depth):
+            kv = vector + (batch * p.depth + d) * (K_LANES * WARPS)
+            xv = [cute.local_tile(sX, (1, V), (i, kv)).load() for i in range(B)]
+            for r in range(p.rows):
+                wv = buffer[r * p.depth + d].load().to(Float32)
+                for i in range(B):
+                    total = acc[r * B + i]
+                    for e in range(V):
+                        total = total + wv[e] * xv[i][e]
+                    acc[r * B + i] = total
+
+    @cute.kernel
+    def kernel(
+        self,
+        w: cute.Pointer,
+        x: cute.Pointer,
+        out: cute.Pointer,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
+        b: Int32,
+        x_stride: Int32,
+        out_stride: Int32,
+    ):
+        p = self.plan
+        V, R, D, B, TN, TK = p.vector, p.rows, p.depth, p.max_rows, p.tile_rows, p.chunk
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        g = lane // K_LANES
+        t = lane - g * K_LANES
+        tile = bidx // p.splits
+        split = bidx - tile * p.splits
+        n0 = tile * TN
+        chunk0 = split * (TK // V)  # the chunk's first vector
+        lane_vector = warp * K_LANES + t  # of each step's K_LANES * WARPS
+
+        mW = cute.make_tensor(w, cute.make_layout((p.n, p.k), stride=(p.w_stride, 1)))
+        buffers = [[cute.make_rmem_tensor((V,), self.weight_dtype) for _ in range(R * D)] for _ in range(2)]
+
+        # The weight first: constant for the step, so read before the wait.
+        w_row, w_vector = n0 + g, chunk0 + lane_vector
+        self.load(mW, buffers[0], 0, w_row, w_vector)
+        if cutlass.const_expr(p.batches > 1):
+            self.load(mW, buffers[1], 1, w_row, w_vector)
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+
+        # x's chunk, fp32, in shared memory; rows past b repeat row b - 1.
+        smem = cutlass.memory.SmemAllocator()
+        sX = smem.allocate_tensor(Float32, cute.make_layout((B, TK), stride=(TK, 1)), 16)
+        xs = cute.assume(x_stride, divby=8)
+        mX = cute.make_tensor(x, cute.make_layout((B, p.k), stride=(xs, 1)))
+        x_vectors = TK // 8
+        for it in cutlass.range_constexpr((B * x_vectors + p.threads - 1) // p.threads):
+            idx = it * p.threads + tidx
+            if idx < B * x_vectors:
+                i = idx // x_vectors
+                kv = idx - i * x_vectors
+                x_row = cutlass.min(i, b - 1)
+                xv = cute.local_tile(mX, (1, 8), (x_row, split * x_vectors + kv)).load()
+                cute.local_tile(sX, (1, 8), (i, kv)).store(xv.to(Float32))
+        cute.arch.sync_threads()
+
+        acc = cute.make_rmem_tensor((R * B,), Float32)
+        acc.fill(0.0)
+
+        # Two batches in flight: each buffer is refilled as soon as it is multiplied.
+        for pair in cutlass.range(p.batches // 2, unroll=1):
+            batch = pair * 2
+            self.multiply(sX, acc, buffers[0], batch, lane_vector)
+            if batch + 2 < p.batches:
+                self.load(mW, buffers[0], batch + 2, w_row, w_vector)
+            self.multiply(sX, acc, buffers[1], batch + 1, lane_vector)
+            if batch + 3 < p.batches:
+                self.load(mW, buffers[1], batch + 3, w_row, w_vector)
+        if p.batches % 2 == 1:
+            self.multiply(sX, acc, buffers[0], p.batches - 1, lane_vector)
+
+        # The four K lanes of a row, then the warps in index order.
+        partial = smem.allocate_tensor(Float32, cute.make_layout((WARPS, TN * B), stride=(TN * B, 1)), 16)
+        for r in cutlass.range_constexpr(R):
+            for i in cutlass.range_constexpr(B):
+                lanes = acc[r * B + i]
+                lanes = lanes + cute.arch.shuffle_sync_bfly(lanes, offset=1)
+                lanes = lanes + cute.arch.shuffle_sync_bfly(lanes, offset=2)
+                if t == i % K_LANES:
+                    partial[warp, (g + ROW_LANES * r) * B + i] = lanes
+        cute.arch.sync_threads()
+
+        mO = cute.make_tensor(out, cute.make_layout((B, p.n), stride=(out_stride, 1)))
+        rounds = (TN * B + p.threads - 1) // p.threads  # (row, i) = divmod(q, B) of the tile
+        if cutlass.const_expr(p.splits == 1):
+            for u in cutlass.range_constexpr(rounds):
+                q = u * p.threads + tidx
+                row = q // B
+                i = q - row * B
+                if q < TN * B and i < b:
+                    total = Float32(0.0)
+                    for wi in cutlass.range_constexpr(WARPS):
+                        total = total + partial[wi, q]
+                    mO[i, n0 + row] = total.to(self.out_dtype)
+        else:
+            mWs = cute.make_tensor(workspace, cute.make_layout((p.splits, p.n * B), stride=(p.n * B, 1)))
+            mC = cute.make_tensor(counters, cute.make_layout((p.tiles,)))
+            for u in cutlass.range_constexpr(rounds):
+                q = u * p.threads + tidx
+                if q < TN * B:
+                    total = Float32(0.0)
+                    for wi in cutlass.range_constexpr(WARPS):
+                        total = total + partial[wi, q]
+                    mWs[split, n0 * B + q] = total
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            last = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+            if tidx == 0:
+                last[0] = cute.arch.atomic_add(mC.iterator + tile, Int32(1), sem="acq_rel", scope="gpu")
+            cute.arch.sync_threads()
+            if last[0] == p.splits - 1:
+                cute.arch.fence_acq_rel_gpu()
+                if tidx == 0:
+                    mC[tile] = Int32(0)  # for the next launch
+                for u in cutlass.range_constexpr(rounds):
+                    q = u * p.threads + tidx
+                    row = q // B
+                    i = q - row * B
+                    if q < TN * B and i < b:
+                        total = Float32(0.0)
+                        for s in cutlass.range_constexpr(p.splits):
+                            total = total + mWs[s, n0 * B + q]
+                        mO[i, n0 + row] = total.to(self.out_dtype)
+
+
+def compile_splitk(plan: SplitKPlan, arch: str | None = None):
+    """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
+    ``CUTE_DSL_ARCH`` or the GPU's)."""
+    gemv = SplitKGemv(plan)
+    dtype = gemv.weight_dtype
+    options = {} if arch is None else {"options": f"--gpu-arch {arch}"}
+    return cute.compile(
+        gemv,
+        fake_pointer(dtype),
+        fake_pointer(BFloat16),
+        fake_pointer(dtype, dtype.width // 8),
+        fake_pointer(Float32),
+        fake_pointer(Int32, 4),
+        Int32(1),
+        Int32(plan.k),
+        Int32(plan.n),
+        cute.runtime.make_fake_stream(),
+        **options,
+    )

@@ -1,0 +1,77 @@
+"""Sub-op ``linear`` in the CuTe DSL, second form: the layer's five dense GEMMs as
+the split-K weight stream of gemv_splitk.py (tiles sized for the GPU's SM count,
+x staged once per CTA in shared memory, the splits added in a fixed order by the
+last CTA of each tile), launched with programmatic dependent launch.
+
+Numerics as cute.linear's: the same products accumulated in fp32 in another order
+(per split, then the splits in split order), rounded once to the output dtype;
+results are identical from run to run. Not registered until its GPU test passes
+(tests/test_gpu_cute_linear_v2.py); the streams bench takes it by import path
+(``--linear-provider sparkdecode_cute.linear_splitk:CuteLinearSplitK``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparkdecode.protocols import LINEAR_WEIGHTS, BuildContext
+
+from .common import compiled, pointer
+from .linear import VECTOR_BYTES, CuteLinear, _Weight, weight_fp32
+
+X_VECTOR = 8  # bf16 elements of x per 16-byte load
+
+
+class _SplitKWeight(_Weight):
+    """One weight's compiled split-K kernel, its pointer and the shared workspace."""
+
+    def __init__(self, name: str, w: torch.Tensor, max_rows: int, sms: int):
+        from . import gemv_splitk
+
+        fp32 = weight_fp32(name, w)
+        plan = gemv_splitk.plan_splitk(w.shape[0], w.shape[1], fp32, max_rows, w.stride(0), sms)
+        if isinstance(plan, str):
+            raise ValueError(f"cute.linear_splitk: {name} {tuple(w.shape)}: {plan}")
+        self.name, self.plan, self.w = name, plan, w
+        self.vector = X_VECTOR
+        self.out_dtype = w.dtype
+        self.kernel = compiled(("gemv_splitk", plan), lambda: gemv_splitk.compile_splitk(plan))
+        self.w_ptr = pointer(w, VECTOR_BYTES)
+        self.buffers = ()  # share() sets the workspace and the counters
+
+    def share(self, workspace: torch.Tensor, counters: torch.Tensor) -> None:
+        """The fp32 workspace and int32 tile counters (zero) the launches share."""
+        if workspace.numel() < self.plan.workspace or counters.numel() < self.plan.tiles:
+            raise ValueError(f"cute.linear_splitk {self.name}: workspace or counters too small for {self.plan}")
+        self.buffers = (pointer(workspace, VECTOR_BYTES), pointer(counters, 4))
+
+
+class CuteLinearSplitK(CuteLinear):
+    """Sub-op ``linear``: every dense weight of the layer streamed by the split-K GEMV.
+
+    The workspace and counters are scratch shared by every layer of the same
+    shapes: the kernels of one stream touch them only after ``griddepcontrol.wait``
+    (the kernel before has finished), and each tile's counter is back at 0 when its
+    kernel ends."""
+
+    name = "cute.linear_splitk"
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        lw = ctx.layer(layer)
+        device = lw.qkvg.device
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.weights = {name: _SplitKWeight(name, getattr(lw, name), ctx.max_rows, sms) for name in LINEAR_WEIGHTS}
+        plans = [w.plan for w in self.weights.values()]
+        size = max(1, *(p.workspace for p in plans))
+        tiles = max(p.tiles for p in plans)
+        workspace = ctx.scratch(f"cute.linear_splitk.workspace.{size}", (size,), torch.float32)
+        counters = ctx.scratch(f"cute.linear_splitk.counters.{tiles}", (tiles,), torch.int32)
+        counters.zero_()
+        self.counters = counters
+        for w in self.weights.values():
+            w.share(workspace, counters)
+
+    @classmethod
+    def build(cls, ctx: BuildContext, layer: int | None) -> CuteLinearSplitK:
+        assert layer is not None
+        return cls(ctx, layer)

@@ -1,0 +1,80 @@
+"""cute.linear_splitk (gemv_splitk.py) on a Hopper GPU (marker gpu): against the
+reference within test_gpu_cute_pack's bounds (the same numerics as cute.linear:
+fp32 sums in another order, rounded once), eager and in a replayed graph, at TP1
+and TP8-rank shapes; and the weight streams of torch.mm, cute.linear and
+cute.linear_splitk printed side by side (run with -s; nothing asserted about speed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
+    ),
+]
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+from test_gpu_cute_pack import SHAPES, equals_reference  # noqa: E402
+
+from sparkdecode.bench import streams  # noqa: E402
+from sparkdecode.bench.floor import copy_bandwidth  # noqa: E402
+from sparkdecode.bench.timing import Timer  # noqa: E402
+from sparkdecode.protocols import LINEAR_WEIGHTS  # noqa: E402
+from sparkdecode.reference.providers import ReferenceLinear  # noqa: E402
+from sparkdecode_cute.linear import CuteLinear  # noqa: E402
+from sparkdecode_cute.linear_splitk import CuteLinearSplitK  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_splitk_equals_reference(shape, rows):
+    equals_reference(CuteLinearSplitK, shape, rows)
+
+
+def test_splitk_counters_return_to_zero():
+    """After eager runs and graph replays of every weight (each with a split over
+    K at TP1), every tile counter is back at 0, ready for the next launch."""
+    ctx = streams.linear_context(SHAPES["tp1"], torch.device("cuda"))
+    op = CuteLinearSplitK.build(ctx, 0)
+    assert any(w.plan.splits > 1 for w in op.weights.values())
+    io = {}
+    for name in LINEAR_WEIGHTS:
+        w = getattr(ctx.layer(0), name)
+        io[name] = (
+            torch.randn(8, w.shape[1], device="cuda").to(torch.bfloat16),
+            torch.empty(8, w.shape[0], dtype=w.dtype, device="cuda"),
+        )
+        op.run(name, *io[name])
+    torch.cuda.synchronize()
+    assert not op.counters.any()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for name in LINEAR_WEIGHTS:
+            op.run(name, *io[name])
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert not op.counters.any()
+
+
+def test_print_streams():
+    """Isolated and chained bandwidth of torch.mm, cute.linear and
+    cute.linear_splitk over the TP8-rank weights, as ``sparkdecode bench
+    streams-tp8-rank`` measures them."""
+    device = torch.device("cuda")
+    timer = Timer(device)
+    copy = copy_bandwidth(device).bytes_per_s
+    config = "streams-tp8-rank"
+    record = streams.linear_streams(
+        timer, [ReferenceLinear, CuteLinear, CuteLinearSplitK], streams.SHAPES[config], streams.REPLAYS
+    )
+    print()
+    print(streams.report(config, copy, record))

@@ -19,7 +19,7 @@ pytestmark = [
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from test_gpu_cute_pack import SHAPES, equals_reference  # noqa: E402
+from test_gpu_cute_pack import SHAPES, check_close, equals_reference  # noqa: E402
 
 from sparkdecode.bench import streams  # noqa: E402
 from sparkdecode.bench.floor import copy_bandwidth  # noqa: E402
@@ -78,3 +78,37 @@ def test_print_streams():
     )
     print()
     print(streams.report(config, copy, record))
+
+
+def test_tilings_equal_reference_and_print_their_streams():
+    """Each TP8-rank weight under the planner's first four tilings (rows per lane,
+    splits, batch depth): within the bounds against the reference, and its isolated
+    bandwidth printed (for tuning the planner; nothing asserted about speed)."""
+    from sparkdecode_cute.gemv_splitk import splitk_plans
+    from sparkdecode_cute.linear_splitk import SplitKWeight
+
+    device = torch.device("cuda")
+    timer = Timer(device)
+    ctx = streams.linear_context(streams.SHAPES["streams-tp8-rank"], device)
+    ref = ReferenceLinear.build(ctx, 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    lines = []
+    for name in LINEAR_WEIGHTS:
+        w = getattr(ctx.layer(0), name)
+        x = torch.randn(8, w.shape[1], device=device).to(torch.bfloat16)
+        expected = torch.empty(8, w.shape[0], dtype=w.dtype, device=device)
+        ref.run(name, x, expected)
+        for plan in splitk_plans(*w.shape, w.dtype == torch.float32, 8, sms=sms)[:4]:
+            op = SplitKWeight(name, w, 8, sms, plan)
+            workspace = torch.zeros(max(1, plan.workspace), device=device)
+            op.share(workspace, torch.zeros(plan.tiles, dtype=torch.int32, device=device))
+            out = torch.empty_like(expected)
+            op(x, out)
+            check_close(f"{name} {plan}", x, w, out, expected)
+            seconds = timer.time(timer.capture(lambda op=op, x=x, out=out: op(x, out)), streams.REPLAYS).median_s
+            bandwidth = w.numel() * w.element_size() / seconds
+            lines.append(
+                f"{name:<9} rows/lane {plan.rows} splits {plan.splits:>2} depth {plan.depth} CTAs {plan.ctas:>4}: "
+                f"{seconds * 1e6:7.1f} us {bandwidth / 1e12:5.2f} TB/s"
+            )
+    print("\n" + "\n".join(lines))

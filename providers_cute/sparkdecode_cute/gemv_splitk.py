@@ -106,11 +106,20 @@ class SplitKPlan:
 def plan_splitk(
     n: int, k: int, weight_fp32: bool, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS
 ) -> SplitKPlan | str:
-    """The tiling for W [n, k] (rows ``w_stride`` apart, default k) on ``sms`` SMs,
-    or why the kernel does not take the shape. Of the tilings whose chunk of x fits
-    ``MAX_CHUNK_BYTES``: those balanced over the SMs (mean / most CTAs per SM at
-    least ``MIN_BALANCE``) first, then the fewest waves (one CTA per SM), the best
-    balance, the fewest splits, the fewest rows per lane."""
+    """The tiling for W [n, k] (rows ``w_stride`` apart, default k) on ``sms`` SMs
+    (the first of ``splitk_plans``), or why the kernel does not take the shape."""
+    plans = splitk_plans(n, k, weight_fp32, max_rows, w_stride, sms)
+    return plans if isinstance(plans, str) else plans[0]
+
+
+def splitk_plans(
+    n: int, k: int, weight_fp32: bool, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS
+) -> list[SplitKPlan] | str:
+    """Every tiling of W [n, k] whose chunk of x fits ``MAX_CHUNK_BYTES``, best
+    first: those balanced over the SMs (mean / most CTAs per SM at least
+    ``MIN_BALANCE``), then the fewest waves (one CTA per SM), the best balance, the
+    fewest splits, the fewest rows per lane; or why the kernel does not take the
+    shape."""
     vector = VECTOR_BYTES // (4 if weight_fp32 else 2)
     w_stride = k if w_stride is None else w_stride
     reason = operands_reason(k, vector, max_rows, w_stride)
@@ -121,7 +130,7 @@ def plan_splitk(
         return f"K {k} is not a multiple of {step}"
     if n % ROW_LANES:
         return f"N {n} is not a multiple of {ROW_LANES}"
-    best: tuple | None = None
+    ranked = []
     for rows in range(1, MAX_ROWS_PER_LANE + 1):
         if n % (ROW_LANES * rows):
             continue
@@ -134,11 +143,10 @@ def plan_splitk(
             steps = k // splits // step
             depth = max(d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or rows * d <= MAX_BATCH_LOADS))
             key = (balance < MIN_BALANCE, waves, -balance, splits, rows)
-            if best is None or key < best[0]:
-                best = (key, SplitKPlan(n, k, w_stride, weight_fp32, max_rows, rows, splits, depth))
-    if best is None:
+            ranked.append((key, SplitKPlan(n, k, w_stride, weight_fp32, max_rows, rows, splits, depth)))
+    if not ranked:
         return f"K {k}: x's chunk of {max_rows} rows does not fit {MAX_CHUNK_BYTES} bytes of shared memory"
-    return best[1]
+    return [plan for _, plan in sorted(ranked, key=lambda r: r[0])]
 
 
 class SplitKGemv:

@@ -12,6 +12,8 @@ results are identical from run to run. Not registered until its GPU test passes
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from sparkdecode.protocols import LINEAR_WEIGHTS, BuildContext
@@ -22,14 +24,16 @@ from .linear import VECTOR_BYTES, CuteLinear, _Weight, weight_fp32
 X_VECTOR = 8  # bf16 elements of x per 16-byte load
 
 
-class _SplitKWeight(_Weight):
+class SplitKWeight(_Weight):
     """One weight's compiled split-K kernel, its pointer and the shared workspace."""
 
-    def __init__(self, name: str, w: torch.Tensor, max_rows: int, sms: int):
+    def __init__(self, name: str, w: torch.Tensor, max_rows: int, sms: int, plan: Any = None):
+        """``plan`` (a ``SplitKPlan`` of ``w``'s shape) in place of the planner's."""
         from . import gemv_splitk
 
         fp32 = weight_fp32(name, w)
-        plan = gemv_splitk.plan_splitk(w.shape[0], w.shape[1], fp32, max_rows, w.stride(0), sms)
+        if plan is None:
+            plan = gemv_splitk.plan_splitk(w.shape[0], w.shape[1], fp32, max_rows, w.stride(0), sms)
         if isinstance(plan, str):
             raise ValueError(f"cute.linear_splitk: {name} {tuple(w.shape)}: {plan}")
         self.name, self.plan, self.w = name, plan, w
@@ -60,7 +64,7 @@ class CuteLinearSplitK(CuteLinear):
         lw = ctx.layer(layer)
         device = lw.qkvg.device
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.weights = {name: _SplitKWeight(name, getattr(lw, name), ctx.max_rows, sms) for name in LINEAR_WEIGHTS}
+        self.weights = {name: SplitKWeight(name, getattr(lw, name), ctx.max_rows, sms) for name in LINEAR_WEIGHTS}
         plans = [w.plan for w in self.weights.values()]
         size = max(1, *(p.workspace for p in plans))
         tiles = max(p.tiles for p in plans)

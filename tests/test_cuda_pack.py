@@ -124,6 +124,9 @@ def test_experts_unsupported_shapes():
         hopper = dataclasses.replace(cpu, device="cuda", capability=(9, 0), tp=8, expert_parallel="tp")
         assert cls.unsupported(hopper) is None
         assert "rows" in cls.unsupported(dataclasses.replace(hopper, max_rows=16))
+    marlin = dataclasses.replace(hopper, expert_format="nvfp4_marlin")
+    assert experts.CudaExperts.unsupported(marlin) is None  # the bf16 edge layers
+    assert "not nvfp4_marlin" in experts.CudaExpertsNvfp4.unsupported(marlin)
 
 
 def test_markov_kernel_compiles_and_says_what_it_takes(tmp_path, monkeypatch):

@@ -87,7 +87,7 @@ class SpecializedDecode:
             self.device,
             max_rows=config.max_rows,
             max_context=config.max_context,
-            expert_format="nvfp4" if any(w.experts.format == "nvfp4" for w in weights.layers) else "bf16",
+            expert_format=weights.expert_format,
             expert_parallel=sharding.expert_parallel,
             shard_pooler=sharding.shard_pooler,
             shard_unpooler=sharding.shard_unpooler,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .plugins import Registered, Registry
 from .protocols import ALL_KINDS, BLOCKS, KINDS, Deployment
+from .weights import NVFP4_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def needed_kinds(deployment: Deployment) -> tuple[str, ...]:
     where the checkpoint has NVFP4 layers), the attention core, and the all-reduce
     transport where there is more than one rank."""
     skip = {"all_reduce"} if deployment.tp == 1 else set()
-    if deployment.expert_format != "nvfp4":
+    if deployment.expert_format not in NVFP4_FORMATS:
         skip.add("experts_nvfp4")
     return tuple(k for k in KINDS if k not in skip)
 

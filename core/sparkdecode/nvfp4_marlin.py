@@ -14,8 +14,10 @@ up/gate; ``prepare_nvfp4_moe_layer_for_marlin`` then, per expert:
   the fp16's exponent and top three mantissa bits (one byte, no sign);
 - global scales: fp32 times 2^119 (bf16 activations) divided by ``sf``.
 
-``from_marlin`` inverts all of it (a copy, for the reference and tests; a kernel
-reads Marlin's tensors in place). The block scale times the global scale of every
+``from_marlin`` inverts all of it (a copy, for tests); ``marlin_experts`` holds
+vLLM's tensors as they are (``ExpertWeights("nvfp4_marlin")``, views, no copy)
+and ``dequantize`` decodes them straight from Marlin's layout, capturably (the
+permutations are device tensors made once), to the same bits. The block scale times the global scale of every
 block is Marlin's exactly, so the dequantized weights are the ones Marlin
 computes with; the split between the two differs from the checkpoint's by a power
 of two, and W13's up half and W2 carry the gate's global scale and the up/gate
@@ -26,10 +28,12 @@ of 64 where K % 128 == 0; the Muse Spark widths need none).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import nvfp4
-from .weights import ExpertWeights, Nvfp4Scales
+from .weights import ExpertWeights, Nvfp4MarlinScales, Nvfp4Scales
 
 TILE = 16
 # 2^(bf16 exponent bias - fp4 exponent bias - 7): what Marlin multiplies the global scale by.
@@ -62,7 +66,25 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return torch.argsort(perm)
 
 
-def unpack_weight(marlin: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
+class MarlinPerms(NamedTuple):
+    """Where each value of a row-major block sits in Marlin's order, as device
+    index tensors (made once, so a decode under graph capture makes no host tensor)."""
+
+    weight: torch.Tensor  # int64 [1024]: codes of a 16-row tile row, by their row-major position
+    scale: torch.Tensor  # int64 [64]: block scales (pair swap and scale permutation undone)
+
+
+def marlin_perms(device: torch.device | str = "cpu") -> MarlinPerms:
+    """The inverse permutations of Marlin's NVFP4 layout on ``device``."""
+    # The scales were pair-swapped within fours ([0, 2, 1, 3]) after the 64-wide
+    # permutation: undo both with one index per 64.
+    inverse = _inverse(_scale_perm())
+    swap = torch.tensor([0, 2, 1, 3])
+    scale = 4 * (inverse // 4) + swap[inverse % 4]
+    return MarlinPerms(_inverse(_weight_perm()).to(device), scale.to(device))
+
+
+def unpack_weight(marlin: torch.Tensor, size_k: int, size_n: int, perms: MarlinPerms | None = None) -> torch.Tensor:
     """int32 [..., K / 16, 2 N] Marlin codes -> uint8 [..., N, K / 2], the
     checkpoint's layout (element 2i of a row in the low nibble)."""
     lead = marlin.shape[:-2]
@@ -73,18 +95,16 @@ def unpack_weight(marlin: torch.Tensor, size_k: int, size_n: int) -> torch.Tenso
         )
     if size_k % 64 or size_n % 64:
         raise ValueError(f"K={size_k} and N={size_n} must be multiples of 64 (padded Marlin widths are not read)")
-    words = marlin.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(8, device=marlin.device) * 4
-    codes = ((words[..., None] >> shifts) & 0xF).flatten(-2)  # [..., K/16, 16 N]
-    perm = _weight_perm().to(marlin.device)
-    chunks = codes.unflatten(-1, (-1, perm.numel()))
-    codes = chunks[..., _inverse(perm)].flatten(-2)
+    perms = perms or marlin_perms(marlin.device)
+    codes = torch.stack([(marlin >> (4 * i)) & 0xF for i in range(8)], dim=-1).flatten(-2)  # [..., K/16, 16 N]
+    chunks = codes.unflatten(-1, (-1, perms.weight.numel()))
+    codes = chunks[..., perms.weight].flatten(-2)
     codes = codes.unflatten(-1, (size_n // TILE, TILE, TILE)).transpose(-3, -2)  # [..., K/16, 16, N/16, 16]
     codes = codes.reshape(*lead, size_k, size_n).transpose(-2, -1)  # [..., N, K]
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).contiguous()
 
 
-def unpack_scales(marlin: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
+def unpack_scales(marlin: torch.Tensor, size_k: int, size_n: int, perms: MarlinPerms | None = None) -> torch.Tensor:
     """Marlin's one-byte block scales [..., K / 16, N] -> fp32 [..., N, K / 16]: the
     checkpoint's e4m3 scale times Marlin's power of two ``sf`` (0 where Marlin
     zeroed it)."""
@@ -93,11 +113,11 @@ def unpack_scales(marlin: torch.Tensor, size_k: int, size_n: int) -> torch.Tenso
             f"Marlin NVFP4 scales of K={size_k}, N={size_n} are bytes [..., {size_k // nvfp4.BLOCK}, {size_n}], "
             f"got {marlin.dtype} {list(marlin.shape)}"
         )
+    perms = perms or marlin_perms(marlin.device)
     half = (marlin.view(torch.uint8).to(torch.int16) << 7).view(torch.float16).float() / SCALE_SHIFT
     lead = half.shape[:-2]
-    half = half.reshape(*lead, -1, 4)[..., [0, 2, 1, 3]].reshape(*lead, -1)
-    half = half.unflatten(-1, (-1, 64))[..., _inverse(_scale_perm())].reshape(*lead, size_k // nvfp4.BLOCK, size_n)
-    return half.transpose(-2, -1).contiguous()
+    half = half.unflatten(-1, (-1, perms.scale.numel()))[..., perms.scale]
+    return half.reshape(*lead, size_k // nvfp4.BLOCK, size_n).transpose(-2, -1).contiguous()
 
 
 def _e4m3_split(scale: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,11 +151,74 @@ def from_marlin(
     scale (``w13_global[:, 0] == w13_global[:, 1]``); input scales are not kept
     (Marlin runs W4A16)."""
     num = w13.shape[0]
-    codes13 = unpack_weight(w13, hidden, 2 * intermediate)
-    codes2 = unpack_weight(w2, intermediate, hidden)
-    scale13, power13 = _e4m3_split(unpack_scales(w13_scale, hidden, 2 * intermediate), "w13_weight_scale")
-    scale2, power2 = _e4m3_split(unpack_scales(w2_scale, intermediate, hidden), "w2_weight_scale")
+    perms = marlin_perms(w13.device)
+    codes13 = unpack_weight(w13, hidden, 2 * intermediate, perms)
+    codes2 = unpack_weight(w2, intermediate, hidden, perms)
+    scale13, power13 = _e4m3_split(unpack_scales(w13_scale, hidden, 2 * intermediate, perms), "w13_weight_scale")
+    scale2, power2 = _e4m3_split(unpack_scales(w2_scale, intermediate, hidden, perms), "w2_weight_scale")
     g13 = w13_global.float().reshape(num) / GLOBAL_SHIFT * power13
     g2 = w2_global.float().reshape(num) / GLOBAL_SHIFT * power2
     scales = Nvfp4Scales(scale13, torch.stack([g13, g13], dim=1), scale2, g2)
     return ExpertWeights("nvfp4", codes13, codes2, first_expert, intermediate_slice, scales)
+
+
+def marlin_experts(
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    hidden: int,
+    intermediate: int,
+    first_expert: int = 0,
+    intermediate_slice: tuple[int, int] | None = None,
+) -> ExpertWeights:
+    """vLLM's Marlin-repacked NVFP4 experts (the same tensors as ``from_marlin``)
+    held as they are: ``ExpertWeights("nvfp4_marlin")`` of the tensors themselves
+    (no copy), after checking each one's shape and type; raises ValueError naming
+    the first that differs."""
+    num = w13.shape[0]
+    for name, t, shape, dtype in (
+        ("w13_weight", w13, (num, hidden // TILE, 4 * intermediate), torch.int32),
+        ("w13_weight_scale", w13_scale, (num, hidden // nvfp4.BLOCK, 2 * intermediate), None),
+        ("w13_weight_scale_2", w13_global, (num,), torch.float32),
+        ("w2_weight", w2, (num, intermediate // TILE, 2 * hidden), torch.int32),
+        ("w2_weight_scale", w2_scale, (num, intermediate // nvfp4.BLOCK, hidden), None),
+        ("w2_weight_scale_2", w2_global, (num,), torch.float32),
+    ):
+        kind = "one-byte" if dtype is None else str(dtype)
+        if tuple(t.shape) != shape or (t.element_size() != 1 if dtype is None else t.dtype != dtype):
+            raise ValueError(f"Marlin's {name} is {t.dtype} {list(t.shape)}, expected {kind} {list(shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"Marlin's {name} is not contiguous")
+    if hidden % 64 or intermediate % 64:
+        raise ValueError(
+            f"P={hidden}, I={intermediate}: the unpadded Marlin layout needs multiples of 64 "
+            "(vLLM pads other widths, and padded layouts are not read)"
+        )
+    scales = Nvfp4MarlinScales(w13_scale, w13_global, w2_scale, w2_global, marlin_perms(w13.device))
+    return ExpertWeights("nvfp4_marlin", w13, w2, first_expert, intermediate_slice, marlin=scales)
+
+
+def dequantize(experts: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 (w13 [E, 2I, P], w2 [E, P, I]) of experts in Marlin's layout: the
+    weights Marlin computes with, the same bits as ``from_marlin``'s dequantized.
+    Each block decodes as e2m1 * (Marlin's scale / 2^7 * Marlin's global / 2^119):
+    the checkpoint's scale and the global times the powers of two vLLM moved
+    between them, so the fp32 product is the same. Capturable: no host tensor."""
+    m = experts.marlin
+    if m is None:
+        raise ValueError(f"{experts.format} experts are not in Marlin's layout")
+    hidden, inter = m.w13_scale.shape[1] * nvfp4.BLOCK, m.w2_scale.shape[1] * nvfp4.BLOCK
+    w13 = nvfp4.dequantize(
+        unpack_weight(experts.w13, hidden, 2 * inter, m.perms),
+        unpack_scales(m.w13_scale, hidden, 2 * inter, m.perms),
+        m.w13_global / GLOBAL_SHIFT,
+    )
+    w2 = nvfp4.dequantize(
+        unpack_weight(experts.w2, inter, hidden, m.perms),
+        unpack_scales(m.w2_scale, inter, hidden, m.perms),
+        m.w2_global / GLOBAL_SHIFT,
+    )
+    return w13, w2

@@ -9,7 +9,7 @@ backbone adapter (the reference model, or vLLM's loaded modules) fills them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,7 +17,14 @@ from . import nvfp4
 from .reference import functional as fn
 from .spec import ModelSpec
 
-EXPERT_FORMATS = ("bf16", "nvfp4")
+if TYPE_CHECKING:
+    from .nvfp4_marlin import MarlinPerms
+
+# How a rank holds its routed experts: a checkpoint's own layout (bf16, NVFP4) or
+# vLLM's SM90 Marlin repack of NVFP4 experts (held in place, nvfp4_marlin.py).
+CHECKPOINT_FORMATS = ("bf16", "nvfp4")
+EXPERT_FORMATS = (*CHECKPOINT_FORMATS, "nvfp4_marlin")
+NVFP4_FORMATS = ("nvfp4", "nvfp4_marlin")
 
 
 @dataclass
@@ -34,13 +41,27 @@ class Nvfp4Scales:
 
 
 @dataclass
+class Nvfp4MarlinScales:
+    """The scales of NVFP4 experts as vLLM keeps them after its SM90 Marlin repack
+    (nvfp4_marlin.py), per rank, and the permutations that read them back."""
+
+    w13_scale: torch.Tensor  # one byte [E_local, P / 16, 2I_local]: Marlin's permuted S0E5M3 block scales
+    w13_global: torch.Tensor  # fp32 [E_local]: the gate's global scale (both halves) * 2^119 / sf
+    w2_scale: torch.Tensor  # one byte [E_local, I_local / 16, P]
+    w2_global: torch.Tensor  # fp32 [E_local]: W2's global scale * up / gate * 2^119 / sf
+    perms: MarlinPerms  # on the weights' device
+
+
+@dataclass
 class ExpertWeights:
     """The routed experts this rank holds.
 
     ``format`` names the storage: ``bf16`` (w13 bf16 [E_local, 2I_local, P], gate
     rows first; w2 bf16 [E_local, P, I_local]) or ``nvfp4`` (w13 uint8
     [E_local, 2I_local, P / 2], w2 uint8 [E_local, P, I_local / 2], two e2m1 codes a
-    byte, with ``nvfp4`` scales). Under EP a rank holds the whole experts
+    byte, with ``nvfp4`` scales) or ``nvfp4_marlin`` (vLLM's SM90 Marlin tiles: w13
+    int32 [E_local, P / 16, 4I_local], w2 int32 [E_local, I_local / 16, 2P], eight
+    codes a word, with ``marlin`` scales). Under EP a rank holds the whole experts
     ``first_expert .. first_expert + E_local - 1``; under expert TP every expert
     with an I-slice (``intermediate_slice``, this rank's rows of I).
     """
@@ -51,12 +72,15 @@ class ExpertWeights:
     first_expert: int = 0
     intermediate_slice: tuple[int, int] | None = None
     nvfp4: Nvfp4Scales | None = None
+    marlin: Nvfp4MarlinScales | None = None
 
     def __post_init__(self) -> None:
         if self.format not in EXPERT_FORMATS:
             raise ValueError(f"expert format {self.format!r} is not one of {EXPERT_FORMATS}")
         if (self.format == "nvfp4") != (self.nvfp4 is not None):
             raise ValueError("NVFP4 experts need their scales, and only they have them")
+        if (self.format == "nvfp4_marlin") != (self.marlin is not None):
+            raise ValueError("NVFP4 experts in Marlin's layout need Marlin's scales, and only they have them")
 
     @property
     def num_local(self) -> int:
@@ -65,7 +89,12 @@ class ExpertWeights:
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 (w13, w2) of every expert held: the weights themselves for bf16;
         for NVFP4 a new dequantized copy (gate and up rows with their own global
-        scales), as the reference computes with them."""
+        scales), as the reference computes with them; for Marlin's layout the weights
+        Marlin computes with (nvfp4_marlin.dequantize)."""
+        if self.marlin is not None:
+            from . import nvfp4_marlin
+
+            return nvfp4_marlin.dequantize(self)
         if self.nvfp4 is None:
             return self.w13, self.w2
         s = self.nvfp4
@@ -208,6 +237,15 @@ class ModelWeights:
     def device(self) -> torch.device:
         return self.embed.device
 
+    @property
+    def expert_format(self) -> str:
+        """What ``Deployment.expert_format`` says of these weights: the quantized
+        format of their routed experts (bf16 edge layers beside it), else bf16."""
+        formats = {layer.experts.format for layer in self.layers} - {"bf16"}
+        if len(formats) > 1:
+            raise ValueError(f"the layers hold routed experts in several quantized formats: {sorted(formats)}")
+        return formats.pop() if formats else "bf16"
+
     def rope_table(self, theta: float, max_positions: int) -> torch.Tensor:
         """The fp32 [cos | sin] table of ``theta``, built once and shared by every layer."""
         table = self.rope_tables.get(theta)
@@ -313,8 +351,8 @@ def random_weights(
 
     ``expert_format="nvfp4"``: the routed experts of every layer but the first and
     the last (the edge layers) quantized with ModelOpt's formula, as released."""
-    if expert_format not in EXPERT_FORMATS:
-        raise ValueError(f"expert format {expert_format!r} is not one of {EXPERT_FORMATS}")
+    if expert_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"expert format {expert_format!r} is not one of {CHECKPOINT_FORMATS}")
     sharding = sharding or Sharding()
     sharding.check(spec)
     dev = torch.device(device)
@@ -404,6 +442,8 @@ def _shard_experts(spec: ModelSpec, e: ExpertWeights, sharding: Sharding) -> Exp
     """EP: this rank's whole experts. Expert TP: every expert's I-slice: W13's gate and
     up rows of the slice, W2's columns of it (packed NVFP4: its bytes and its scale
     blocks; the global scales stay per expert)."""
+    if e.marlin is not None:
+        raise ValueError("experts in Marlin's layout are one rank's already (vLLM cut them); shard the checkpoint's")
     q = e.nvfp4
     if sharding.expert_parallel == "ep":
         part = sharding.part(spec.E)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk
+from sparkdecode.weights import CHECKPOINT_FORMATS
 
 from .boundary import _Cuda, cuda_unsupported
 from .launch import Kernel, i32, ptr
@@ -178,6 +179,16 @@ class CudaExpertsNvfp4(CudaExperts):
     block = "experts_nvfp4"
     name = "cuda.experts_nvfp4"
     format = "nvfp4"
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        reason = super().unsupported(deployment)
+        if reason is None and deployment.expert_format not in CHECKPOINT_FORMATS:
+            reason = (
+                f"reads NVFP4 experts in the checkpoint's layout, not {deployment.expert_format} "
+                "(vLLM's SM90 Marlin repack: no kernel of this pack reads Marlin's tiles yet)"
+            )
+        return reason
 
     def _check_layout(self, layer: int) -> None:
         super()._check_layout(layer)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from vllm_support import MakeConfig, free_port, gate_rank, tiny_spec, write_multimodal_config
 
+from sparkdecode.checkpoint import Nvfp4Config
 from sparkdecode.deployment import DeploymentError
 from sparkdecode.layout import needed_kinds
 from sparkdecode.vllm import gate
@@ -192,19 +193,14 @@ def test_the_gpu(make_config: MakeConfig, capability, words: str) -> None:
     assert found.startswith(words) and "Hopper" in found
 
 
-@pytest.mark.parametrize(
-    "name, words",
-    [
-        ("modelopt_fp4", "The checkpoint's routed experts are NVFP4 (modelopt_fp4): on SM90 vLLM repacks them"),
-        ("fp8", "The checkpoint is quantized (fp8): the executor reads bf16 weights"),
-    ],
-)
-def test_a_quantized_checkpoint_is_refused(make_config: MakeConfig, name: str, words: str) -> None:
+def test_a_quantized_checkpoint_is_refused(make_config: MakeConfig) -> None:
     config = make_config()
     config.quant_config = None
-    config.model_config.quantization = name
+    config.model_config.quantization = "fp8"
     (found,) = reasons(config)
-    assert found.startswith(words)
+    assert found.startswith(
+        "The checkpoint is quantized (fp8): the executor reads bf16 weights and ModelOpt NVFP4 routed experts only"
+    )
 
 
 def test_a_text_config_the_executor_does_not_take(make_config: MakeConfig, checkpoint: Path, tmp_path: Path) -> None:
@@ -260,21 +256,51 @@ def test_every_unmet_line_is_reported(make_config: MakeConfig) -> None:
         assert sentence in str(raised.value)
 
 
-def test_a_quantized_checkpoint_on_disk(make_config: MakeConfig, checkpoint: Path, tmp_path: Path) -> None:
-    """The same line from a checkpoint whose config carries ModelOpt NVFP4 (vLLM
-    resolves it to its ModelOpt NVFP4 config, then the gate refuses it)."""
-    directory = tmp_path / "nvfp4"
+def nvfp4_config(make_config: MakeConfig, checkpoint: Path, directory: Path, quantization: dict, **kwargs):
+    """A config of the tiny checkpoint under a ModelOpt quantization config (vLLM
+    resolves it to its ModelOpt NVFP4 config; the weights are not read here)."""
     shutil.copytree(checkpoint, directory)
-    write_multimodal_config(
-        directory,
-        tiny_spec(),
-        quantization={"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []},
-    )
-    config = make_config(directory=directory)
+    write_multimodal_config(directory, tiny_spec(), quantization=quantization)
+    config = make_config(directory=directory, **kwargs)
     assert type(config.quant_config).__name__ == "ModelOptNvFp4Config"
+    return config
+
+
+def test_nvfp4_experts_are_served_in_marlins_layout(make_config: MakeConfig, checkpoint: Path, tmp_path: Path) -> None:
+    """ModelOpt NVFP4 routed experts: the deployment's experts are vLLM's Marlin
+    repack (``nvfp4_marlin``), which the reference experts read; the CUDA pack's
+    NVFP4 kernels read the checkpoint's layout only, and pinning them is refused
+    with their reason."""
+    quantization = Nvfp4Config.for_layers(tiny_spec(), range(1, tiny_spec().num_layers - 1)).to_config()
+    config = nvfp4_config(make_config, checkpoint, tmp_path / "nvfp4", quantization)
+    assert reasons(config) == []
+    settings = gate.check(config, capability=HOPPER)
+    assert settings is not None and settings.deployment.expert_format == "nvfp4_marlin"
+    assert "experts_nvfp4" in needed_kinds(settings.deployment)
+    pinned = nvfp4_config(
+        make_config,
+        checkpoint,
+        tmp_path / "pinned",
+        quantization,
+        additional={"decode_providers": {"experts_nvfp4": "cuda.experts_nvfp4"}},
+    )
+    (found,) = reasons(pinned)
+    assert "cuda.experts_nvfp4" in found and "not nvfp4_marlin" in found and "Marlin" in found
+
+
+def test_nvfp4_beyond_the_experts_is_refused(make_config: MakeConfig, checkpoint: Path, tmp_path: Path) -> None:
+    """A ModelOpt NVFP4 config that quantizes more than the routed experts (here
+    everything: no excluded modules) gets one sentence naming a module."""
+    config = nvfp4_config(
+        make_config,
+        checkpoint,
+        tmp_path / "nvfp4",
+        {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []},
+    )
     (found,) = reasons(config)
-    assert "no experts provider of the executor reads that layout yet" in found
-    with pytest.raises(DeploymentError, match="routed experts are NVFP4"):
+    assert found.startswith("The checkpoint's ModelOpt NVFP4 config is not one the executor serves")
+    assert "quantizes lm_head" in found
+    with pytest.raises(DeploymentError, match="ModelOpt NVFP4 config is not one the executor serves"):
         gate.check(config, capability=HOPPER)
 
 

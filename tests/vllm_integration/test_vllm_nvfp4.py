@@ -2,27 +2,31 @@
 ``quantization_config``, the packed experts and their scales under the Hugging
 Face names) as vLLM's config machinery, module builder and ``load_weights`` read
 it; what vLLM's SM90 experts method hands to its Marlin repack; Marlin's layout
-read back (``nvfp4_marlin``); the adapter's refusal of the repacked experts.
+read back (``nvfp4_marlin``); the adapter's views of the repacked experts and
+served steps on them.
 
 The CPU platform has no NVFP4 MoE backend, so vLLM's backend choice is replaced
-by the one it makes on Hopper (Marlin) for these tests. Marlin's repack itself
-(``process_weights_after_loading``) runs CUDA ops and is not run here: the test of
-what it receives stops it before them."""
+by the one it makes on Hopper (Marlin) for these tests. Marlin's repack
+(``process_weights_after_loading``) runs with its one CUDA op, ``gptq_marlin_repack``,
+replaced by vLLM's Python model of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from vllm_support import build_config, iter_checkpoint, tiny_spec, write_multimodal_config
+from vllm_support import MAX_CONTEXT, build_config, iter_checkpoint, load_model, tiny_spec, write_multimodal_config
 
 from sparkdecode.checkpoint import MULTIMODAL_PREFIX, Nvfp4Config, load_checkpoint, save_checkpoint
-from sparkdecode.vllm import adapter
-from sparkdecode.weights import ModelWeights, random_weights
+from sparkdecode.layout import needed_kinds
+from sparkdecode.vllm import gate
+from sparkdecode.weights import ExpertWeights, ModelWeights, Nvfp4Scales, random_weights
 
 SEED = 13
 
@@ -149,12 +153,6 @@ def test_sm90_marlin_takes_the_gate_scale_for_both_halves(
     assert torch.equal(seen["w13"], ours.layers[1].experts.w13)
 
 
-def test_the_adapter_refuses_the_nvfp4_experts(loaded: Any) -> None:
-    sharding = adapter.sharding_of(loaded.model, 1, 0, False)
-    with pytest.raises(adapter.AdapterError, match=r"layer 1: feed_forward\.experts: NVFP4 experts .*Marlin's layout"):
-        adapter.model_weights(tiny_spec(), loaded.model, loaded.lm_head, sharding)
-
-
 def python_marlin_repack(weight: torch.Tensor, size_n: int, size_k: int, is_a_8bit: bool) -> torch.Tensor:
     """vLLM's ``_repack_marlin_experts`` with its CUDA op (``gptq_marlin_repack`` of
     the GPTQ words) replaced by vLLM's own Python model of it (``marlin_weights``
@@ -204,3 +202,144 @@ def test_marlin_layout_reads_back_to_the_weights_marlin_computes_with(
     assert torch.equal(w2, nvfp4.dequantize(e.w2, s.w2_scale, w2_global))
     # Marlin's weights are not the checkpoint's: its up half carries the gate's scale.
     assert not torch.equal(w13, e.dequantized()[0])
+
+
+def marlin_definition(experts: ExpertWeights) -> ExpertWeights:
+    """The checkpoint's NVFP4 experts with the global scales vLLM's SM90 method
+    hands to Marlin (the gate's for both halves of W13, W2's times up/gate): the
+    weights Marlin computes with, in the core's NVFP4 form."""
+    s = experts.nvfp4
+    assert s is not None
+    gate, up = s.w13_global[:, 0], s.w13_global[:, 1]
+    scales = Nvfp4Scales(s.w13_scale, torch.stack([gate, gate], dim=1), s.w2_scale, s.w2_global * (up / gate))
+    return dataclasses.replace(experts, nvfp4=scales)
+
+
+@pytest.fixture(scope="module")
+def marlin_repack_on_the_cpu() -> Iterator[None]:
+    """vLLM's Marlin repack with its CUDA op replaced by vLLM's Python model of it."""
+    from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(marlin_utils_fp4, "_repack_marlin_experts", python_marlin_repack)
+        yield
+
+
+@pytest.fixture(scope="module")
+def served(
+    nvfp4_checkpoint: Path, draft: Path, distributed: None, marlin_as_on_hopper: None, marlin_repack_on_the_cpu: None
+) -> Any:
+    """The NVFP4 checkpoint served with decode_backend=latency_specialized as vLLM
+    builds it on an H200 (the gate, the load, the SM90 Marlin repack, the
+    ModelState and its executor on the reference providers)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.model_states import init_model_state
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gate, "platform_capability", lambda: (9, 0))  # this CPU stands in for an H200
+        probe = gate.check(build_config(nvfp4_checkpoint, draft), capability=(9, 0))
+        assert probe is not None and probe.deployment.expert_format == "nvfp4_marlin"
+        pins = {kind: f"reference.{kind}" for kind in needed_kinds(probe.deployment)}
+        config = build_config(nvfp4_checkpoint, draft, additional={"decode_providers": pins})
+        model = load_model(config, nvfp4_checkpoint)
+    set_eagle3_aux_hidden_state_layers(model, config.speculative_config)
+    with set_current_vllm_config(config):
+        state = init_model_state(config, model, None, torch.device("cpu"))
+    return SimpleNamespace(config=config, model=model, state=state)
+
+
+def test_the_adapter_views_marlins_tensors(served: Any, ours: ModelWeights) -> None:
+    """The executor's NVFP4 experts are vLLM's Marlin tensors themselves (no copy),
+    and dequantize, bit for bit, to what ``from_marlin`` reads back and to the
+    checkpoint's experts under vLLM's SM90 global scales."""
+    from sparkdecode import nvfp4_marlin
+
+    spec = tiny_spec()
+    weights = served.state.decode.weights
+    assert weights.expert_format == "nvfp4_marlin"
+    for layer, mine in zip(served.model.model.layers, weights.layers, strict=True):
+        e, experts = mine.experts, routed(layer)
+        if not 0 < layer.layer_idx < spec.num_layers - 1:
+            assert e.format == "bf16"
+            continue
+        m = e.marlin
+        assert e.format == "nvfp4_marlin" and m is not None
+        for mine_t, name in (
+            (e.w13, "w13_weight"),
+            (m.w13_scale, "w13_weight_scale"),
+            (m.w13_global, "w13_weight_scale_2"),
+            (e.w2, "w2_weight"),
+            (m.w2_scale, "w2_weight_scale"),
+            (m.w2_global, "w2_weight_scale_2"),
+        ):
+            assert mine_t.data_ptr() == getattr(experts, name).data_ptr(), (layer.layer_idx, name)
+        w13, w2 = e.dequantized()
+        back = nvfp4_marlin.from_marlin(e.w13, m.w13_scale, m.w13_global, e.w2, m.w2_scale, m.w2_global, spec.P, spec.I)
+        b13, b2 = back.dequantized()
+        assert torch.equal(w13, b13) and torch.equal(w2, b2), layer.layer_idx
+        d13, d2 = marlin_definition(ours.layers[layer.layer_idx].experts).dequantized()
+        assert torch.equal(w13, d13) and torch.equal(w2, d2), layer.layer_idx
+
+
+def test_the_cuda_experts_refuse_marlins_layout(served: Any) -> None:
+    from sparkdecode_cuda.experts import CudaExpertsNvfp4
+
+    deployment = dataclasses.replace(served.state.decode.settings.deployment, device="cuda", capability=(9, 0))
+    assert "not nvfp4_marlin" in CudaExpertsNvfp4.unsupported(deployment)
+
+
+def test_served_steps_equal_the_reference(served: Any, ours: ModelWeights, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of one request of 8 tokens through the served model's ``forward``
+    (inside a pretended FULL capture, the executor reading Marlin's layout with
+    ``reference.experts_nvfp4``) equal the reference model on the checkpoint's
+    weights, its NVFP4 experts taken with vLLM's SM90 global scales, bit for bit;
+    the checkpoint's own scales give other bits (the up half rounds otherwise)."""
+    from test_vllm_served import MAX_REQS, Q, Request, bind
+    from vllm.config import set_current_vllm_config
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.input_batch import InputBuffers
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from sparkdecode.reference.kvcache import PagedKVCache
+    from sparkdecode.reference.model import ReferenceModel
+    from sparkdecode.vllm import model as served_model
+
+    kv_cache_config, attn_groups, _ = bind(served, "LBNHC")
+    monkeypatch.setattr(served_model, "stream_capturing", lambda: True)
+    monkeypatch.setattr(DefaultModelState, "prepare_attn", lambda self, *args, **kw: {"stock": True})
+    model, state, spec = served.model, served.state, tiny_spec()
+    marlin_weights = dataclasses.replace(
+        ours,
+        layers=[
+            dataclasses.replace(layer, experts=marlin_definition(layer.experts))
+            if layer.experts.format == "nvfp4"
+            else layer
+            for layer in ours.layers
+        ],
+    )
+    references = [ReferenceModel(w, MAX_CONTEXT) for w in (marlin_weights, ours)]
+    caches = [PagedKVCache(spec, num_pages=64, max_context=MAX_CONTEXT, max_rows=Q) for _ in references]
+    aux_layers = model.model.aux_hidden_state_layers
+    buffers = InputBuffers(MAX_REQS, 64, torch.device("cpu"))
+    request = Request(len(kv_cache_config.kv_cache_groups))
+    gen = torch.Generator().manual_seed(5)
+    differs = False
+    for first in range(0, 3 * Q, Q):
+        tokens = torch.randint(0, spec.vocab_size, (Q,), generator=gen)
+        batch, tables, slots = request.step(first, Q, buffers)
+        with set_current_vllm_config(served.config):
+            state.prepare_attn(batch, CUDAGraphMode.FULL, tables, slots, attn_groups, kv_cache_config)
+        positions = buffers.positions[:Q]
+        hidden, aux = model(tokens, positions)
+        rows = model.model.embed_tokens(tokens)
+        outs = []
+        for reference, cache in zip(references, caches, strict=True):
+            cache.begin_step(first, Q)
+            outs.append(reference.forward(rows, positions, cache.kv(), aux_layers))
+        (hidden_ref, aux_ref), (hidden_ckpt, _) = outs
+        assert torch.equal(hidden, hidden_ref), first
+        for a, b in zip(aux, aux_ref, strict=True):
+            assert torch.equal(a, b), first
+        differs |= not torch.equal(hidden, hidden_ckpt)
+    assert differs

@@ -23,7 +23,7 @@ from ..protocols import (
     Step,
     check_kv_form,
 )
-from ..weights import LayerWeights
+from ..weights import NVFP4_FORMATS, LayerWeights
 from . import functional as fn
 from . import model
 
@@ -186,8 +186,9 @@ class ReferenceMoE(_Reference):
 
 def experts_kind(layer: LayerWeights) -> str:
     """The sub-op that serves this layer's routed experts: ``experts`` for bf16,
-    ``experts_nvfp4`` for NVFP4 (the released checkpoint's layers 1..60)."""
-    return "experts_nvfp4" if layer.experts.format == "nvfp4" else "experts"
+    ``experts_nvfp4`` for NVFP4 (the released checkpoint's layers 1..60), in the
+    checkpoint's layout or in vLLM's Marlin repack."""
+    return "experts_nvfp4" if layer.experts.format in NVFP4_FORMATS else "experts"
 
 
 class ReferenceExperts(_Reference):
@@ -196,12 +197,14 @@ class ReferenceExperts(_Reference):
 
     block = "experts"
     name = "reference.experts"
-    format = "bf16"
+    formats: tuple[str, ...] = ("bf16",)
 
     def __init__(self, ctx: BuildContext, layer: int):
         self.experts = ctx.layer(layer).experts
-        if self.experts.format != self.format:
-            raise ValueError(f"layer {layer}: {self.name} serves {self.format} experts, not {self.experts.format}")
+        if self.experts.format not in self.formats:
+            raise ValueError(
+                f"layer {layer}: {self.name} serves {' or '.join(self.formats)} experts, not {self.experts.format}"
+            )
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> ReferenceExperts:
@@ -216,11 +219,12 @@ class ReferenceExperts(_Reference):
 
 class ReferenceExpertsNvfp4(ReferenceExperts):
     """Sub-op ``experts_nvfp4``: the NVFP4 experts dequantized to bf16 (nvfp4.py, as
-    vLLM defines it), then as ``reference.experts``."""
+    vLLM defines it; from Marlin's layout the weights Marlin computes with,
+    nvfp4_marlin.py), then as ``reference.experts``."""
 
     block = "experts_nvfp4"
     name = "reference.experts_nvfp4"
-    format = "nvfp4"
+    formats = NVFP4_FORMATS
 
 
 class ReferenceAllReduce(_Reference):

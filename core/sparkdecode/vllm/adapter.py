@@ -21,6 +21,7 @@ instead of in the numbers:
 | ``feed_forward.pooler.weight`` | ``pooler`` | bf16 [P, H] (this rank's rows when vLLM shards it) |
 | ``feed_forward.pre_expert_norm.weight`` | ``pre_expert_norm`` | ``rms(x) * (w + 1)`` |
 | ``feed_forward.experts.routed_experts.w13_weight / w2_weight`` | ``experts`` | bf16, checkpoint layout (SM90 Triton path) |
+| ``...routed_experts.w13_* / w2_*`` (NVFP4) | ``experts`` (``nvfp4_marlin``) | Marlin's tiles and scales (SM90 Marlin path) |
 | ``feed_forward.post_expert_norm.weight`` | ``post_expert_norm`` | ``rms(x * (w + 1))``, eps ``post_norm_eps`` |
 | ``feed_forward.unpooler.weight`` | ``unpooler`` | bf16 [H, P] (this rank's rows when vLLM shards it) |
 | ``post_ffn_norm.weight``, ``add_ffn.*`` | ``post_ffn_norm``, ``ffn_*`` | ``rms(x * (w + 1))`` |
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 
+from .. import nvfp4_marlin
 from ..protocols import KVGroupMetadata, LayerKV
 from ..spec import ModelSpec
 from ..weights import ExpertWeights, LayerWeights, ModelWeights, Sharding
@@ -108,31 +110,9 @@ def _rows(t: torch.Tensor, sharded: bool, sharding: Sharding) -> torch.Tensor:
     return t.narrow(0, sharding.part(t.shape[0]).start, t.shape[0] // sharding.tp) if sharded else t
 
 
-def expert_weights(spec: ModelSpec, index: int, runner: Any, sharding: Sharding) -> ExpertWeights:
-    """The routed experts vLLM keeps, as the checkpoint lays them out: w13 bf16
-    [E_local, 2 I_local, P] (gate rows, then up rows, of this rank's I-slice) and
-    w2 bf16 [E_local, P, I_local]. vLLM's SM90 bf16 path (the Triton experts behind
-    the route-major finalize) keeps exactly that; other paths repack and are
-    refused."""
-    where = f"layer {index}: feed_forward.experts"
-    experts = getattr(runner, "routed_experts", runner)
-    method = getattr(experts, "quant_method", None)
-    if type(method).__name__ == "MuseSparkModelOptNvFp4FusedMoE":
-        raise AdapterError(
-            f"{where}: NVFP4 experts ({type(method).__name__}, backend {getattr(method, 'nvfp4_backend', None)}): "
-            "on SM90 vLLM repacks them into Marlin's layout at load, and no experts provider reads that layout yet"
-        )
-    if type(method).__name__ != "MuseSparkUnquantizedFusedMoE" or not getattr(method, "use_route_major", False):
-        raise AdapterError(
-            f"{where}: vLLM's experts method {type(method).__name__} "
-            f"(route-major: {getattr(method, 'use_route_major', None)}) keeps its own weight layout; only the SM90 "
-            "bf16 path (MuseSparkUnquantizedFusedMoE on the Triton experts) keeps the checkpoint's"
-        )
-    ep = sharding.expert_parallel == "ep"
-    e_local = spec.E // sharding.tp if ep else spec.E
-    i_local = spec.I if ep else spec.I // sharding.tp
-    w13 = _tensor(f"{where}.w13_weight", experts.w13_weight, (e_local, 2 * i_local, spec.P), BF16)
-    w2 = _tensor(f"{where}.w2_weight", experts.w2_weight, (e_local, spec.P, i_local), BF16)
+def _first_expert(where: str, experts: Any, e_local: int, sharding: Sharding, spec: ModelSpec) -> int:
+    """The first expert this rank holds (vLLM's expert map under EP), checked to be
+    one contiguous range in expert order at the linear placement."""
     first = 0
     expert_map = getattr(experts, "expert_map", None)
     if expert_map is not None:
@@ -142,16 +122,55 @@ def expert_weights(spec: ModelSpec, index: int, runner: Any, sharding: Sharding)
         if not torch.equal(expert_map.cpu()[local], torch.arange(e_local, dtype=expert_map.dtype)):
             raise AdapterError(f"{where}: this rank's experts are not stored in expert order")
         first = int(local[0])
-    if ep and first != sharding.part(spec.E).start:
+    if sharding.expert_parallel == "ep" and first != sharding.part(spec.E).start:
         raise AdapterError(f"{where}: rank {sharding.rank} holds experts from {first}, expected the linear placement")
+    return first
+
+
+def expert_weights(spec: ModelSpec, index: int, runner: Any, sharding: Sharding) -> ExpertWeights:
+    """The routed experts vLLM keeps. bf16 (vLLM's SM90 path, the Triton experts
+    behind the route-major finalize) as the checkpoint lays them out: w13 bf16
+    [E_local, 2 I_local, P] (gate rows, then up rows, of this rank's I-slice) and
+    w2 bf16 [E_local, P, I_local]. ModelOpt NVFP4 (SM90: Marlin behind the same
+    finalize) as vLLM repacked them at load, Marlin's tiles and scales held in
+    place (``nvfp4_marlin.marlin_experts``). Other paths repack otherwise and are
+    refused."""
+    where = f"layer {index}: feed_forward.experts"
+    experts = getattr(runner, "routed_experts", runner)
+    method = getattr(experts, "quant_method", None)
+    name = type(method).__name__
+    nvfp4 = name == "MuseSparkModelOptNvFp4FusedMoE"
+    route_major = getattr(method, "use_route_major", False)
+    if nvfp4 and not (route_major and getattr(getattr(method, "nvfp4_backend", None), "name", None) == "MARLIN"):
+        raise AdapterError(
+            f"{where}: NVFP4 experts on backend {getattr(method, 'nvfp4_backend', None)} (route-major: "
+            f"{route_major}); only vLLM's SM90 Marlin path, whose repacked layout the executor reads, is served"
+        )
+    if not nvfp4 and (name != "MuseSparkUnquantizedFusedMoE" or not route_major):
+        raise AdapterError(
+            f"{where}: vLLM's experts method {name} (route-major: {route_major}) keeps its own weight layout; only "
+            "the SM90 paths (MuseSparkUnquantizedFusedMoE on the Triton experts, bf16 in the checkpoint's layout; "
+            "MuseSparkModelOptNvFp4FusedMoE on Marlin) are read"
+        )
+    ep = sharding.expert_parallel == "ep"
+    e_local = spec.E // sharding.tp if ep else spec.E
+    i_local = spec.I if ep else spec.I // sharding.tp
+    first = _first_expert(where, experts, e_local, sharding, spec)
     part = sharding.part(spec.I)
-    return ExpertWeights(
-        "bf16",
-        w13,
-        w2,
-        first,
-        None if ep or sharding.tp == 1 else (part.start, part.stop),
-    )
+    i_slice = None if ep or sharding.tp == 1 else (part.start, part.stop)
+    if nvfp4:
+        tensors = [
+            _data(getattr(experts, f"{w}_weight{suffix}"))
+            for w in ("w13", "w2")
+            for suffix in ("", "_scale", "_scale_2")
+        ]
+        try:
+            return nvfp4_marlin.marlin_experts(*tensors, spec.P, i_local, first, i_slice)
+        except ValueError as e:
+            raise AdapterError(f"{where}: {e}") from None
+    w13 = _tensor(f"{where}.w13_weight", experts.w13_weight, (e_local, 2 * i_local, spec.P), BF16)
+    w2 = _tensor(f"{where}.w2_weight", experts.w2_weight, (e_local, spec.P, i_local), BF16)
+    return ExpertWeights("bf16", w13, w2, first, i_slice)
 
 
 def layer_weights(spec: ModelSpec, layer: Any, sharding: Sharding) -> LayerWeights:

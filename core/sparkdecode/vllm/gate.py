@@ -17,13 +17,15 @@ sentence per unmet requirement, after the TP ranks agree
   other than DSpark with 7 tokens and no adaptive verification, no dynamic
   token counts; a model dtype or KV cache dtype other than bf16; KV blocks other
   than 16 tokens; KV transfer; batch-invariant mode; the MegaMoE backend;
-  quantized checkpoints (``quantization_reason``: ModelOpt NVFP4 experts, which
-  vLLM repacks into Marlin's layout on SM90, are not served yet);
+  quantized checkpoints other than ModelOpt NVFP4 (``quantization_reason``);
 - the text config (``ModelSpec`` validation);
 - once those hold, the core gate on the ``Deployment`` this config makes: the
   executor's own requirements, every block's providers (each provider's
-  ``unsupported`` sees the GPU, TP size, expert layout, KV dtype and block
-  size) and the pins of ``additional_config["decode_providers"]``.
+  ``unsupported`` sees the GPU, TP size, expert layout and format, KV dtype and
+  block size) and the pins of ``additional_config["decode_providers"]``. ModelOpt
+  NVFP4 experts, which vLLM repacks on SM90 into Marlin's layout and keeps using
+  there, make the format ``nvfp4_marlin``: served where an ``experts_nvfp4``
+  provider reads that layout in place.
 
 The KV cache's physical layout is resolved by vLLM's engine core after the model
 is built (``resolve_kv_cache_layout``), so it cannot be read here: the adapter
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 
 from .. import deployment as core
+from ..checkpoint import MULTIMODAL_PREFIX, CheckpointError, Nvfp4Config
 from ..deployment import DeploymentError
 from ..plugins import Registry
 from ..protocols import ALL_KINDS, KINDS, Deployment
@@ -50,7 +53,8 @@ from . import LOGGER
 logger = logging.getLogger(LOGGER)
 
 # Hopper (H100, H200): the GPUs the project's kernels target and vLLM's SM90
-# Muse Spark path (bf16 experts kept in the checkpoint layout) serves.
+# Muse Spark path (bf16 experts kept in the checkpoint layout, NVFP4 experts in
+# Marlin's) serves.
 CAPABILITIES = ((9, 0),)
 DRAFT_TOKENS = 7  # DSpark drafts; a verify step carries 1 + 7 tokens
 KV_BLOCK_SIZE = 16
@@ -253,33 +257,53 @@ def serving_reasons(vllm_config: Any, capability: tuple[int, int] | None) -> lis
 NVFP4_QUANTIZATION = "modelopt_fp4"
 
 
-def quantization_reason(vllm_config: Any) -> str | None:
-    """Why the checkpoint's quantization is not served (None for bf16).
+def expert_format(vllm_config: Any) -> str:
+    """How the executor finds the routed experts: ``nvfp4_marlin`` for a ModelOpt
+    NVFP4 checkpoint (on SM90 vLLM's Muse Spark experts method repacks them at load,
+    ``process_weights_after_loading``, into Marlin's tiles, with e4m3 scales
+    re-encoded for Marlin, the gate's global scale applied to both halves of W13
+    and the up/gate ratio folded into W2's global scale; its stock forward keeps
+    running Marlin on those tensors, so the executor reads them where they are);
+    else ``bf16``."""
+    quant = _quant(vllm_config)
+    return "nvfp4_marlin" if quant is not None and _quant_name(quant) == NVFP4_QUANTIZATION else "bf16"
 
-    ModelOpt NVFP4 experts: on SM90 vLLM's Muse Spark experts method repacks them at
-    load (``process_weights_after_loading``) into Marlin's tiles, with e4m3 scales
-    re-encoded for Marlin, the gate's global scale applied to both halves of W13 and
-    the up/gate ratio folded into W2's global scale. The stock forward (prefills,
-    every step the executor does not take) runs Marlin on those tensors, so the
-    executor must read them where they are (a second copy in the checkpoint's
-    layout would cost as much memory as the experts themselves); no experts
-    provider reads Marlin's layout yet."""
-    model = vllm_config.model_config
-    quant = vllm_config.quant_config if vllm_config.quant_config is not None else model.quantization
+
+def quantization_reason(vllm_config: Any) -> str | None:
+    """Why the checkpoint's quantization is not served (None for bf16 and ModelOpt
+    NVFP4, whose experts the providers' gate decides on: ``expert_format``)."""
+    quant = _quant(vllm_config)
     if quant is None:
         return None
-    name = _quant_name(quant)
-    if name == NVFP4_QUANTIZATION:
-        return (
-            f"The checkpoint's routed experts are NVFP4 ({name}): on SM90 vLLM repacks them at load into Marlin's "
-            "layout (the gate's global scale for both halves of W13, the up/gate ratio folded into W2's), which "
-            "its stock forward keeps using, and no experts provider of the executor reads that layout yet; serve "
-            "a bf16 checkpoint."
-        )
+    if _quant_name(quant) == NVFP4_QUANTIZATION:
+        return _nvfp4_reason(vllm_config)
     return (
-        f"The checkpoint is quantized ({name}): the executor reads bf16 weights (and, later, ModelOpt NVFP4 "
-        "routed experts) only; serve a bf16 checkpoint."
+        f"The checkpoint is quantized ({_quant_name(quant)}): the executor reads bf16 weights and ModelOpt NVFP4 "
+        "routed experts only; serve a bf16 or ModelOpt NVFP4 checkpoint."
     )
+
+
+def _nvfp4_reason(vllm_config: Any) -> str | None:
+    """Why a ModelOpt NVFP4 config is not served: it quantizes more than the routed
+    experts (its ``ignore`` / ``exclude_modules`` matched as vLLM matches them,
+    checkpoint.Nvfp4Config). None when it quantizes routed experts only."""
+    model = vllm_config.model_config
+    for hf in (model.hf_config, model.hf_text_config):
+        value = getattr(hf, "quantization_config", None)
+        if value is None:
+            continue
+        try:
+            config = Nvfp4Config.from_config(dict(value), "quantization_config")
+            config.quantized_layers(model_spec(vllm_config), MULTIMODAL_PREFIX, "quantization_config")
+        except (CheckpointError, SpecError) as e:
+            return f"The checkpoint's ModelOpt NVFP4 config is not one the executor serves: {e}."
+        return None
+    return None
+
+
+def _quant(vllm_config: Any) -> Any:
+    model = vllm_config.model_config
+    return vllm_config.quant_config if vllm_config.quant_config is not None else model.quantization
 
 
 def _quant_name(quant: Any) -> str:
@@ -333,7 +357,7 @@ def make_deployment(
         device="cuda" if capability is not None else "cpu",
         capability=None if capability is None else tuple(capability),
         gpu_name=gpu_name,
-        expert_format="bf16",
+        expert_format=expert_format(vllm_config),
         kv_dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
         kv_block_size=vllm_config.cache_config.block_size,
         max_rows=q,

@@ -132,3 +132,22 @@ def test_each_part_writes_the_record_when_it_finishes(tmp_path, monkeypatch):
     (path,) = (tmp_path / "experts").glob("streams-tp8-rank_*.json")
     record = json.loads(path.read_text())
     assert record["parts"] == ["experts"] and record["linear"] is None and record["experts"] == []
+
+
+def test_linear_provider_by_import_path(monkeypatch, capsys, tmp_path):
+    """--linear-provider measures a class by its import path beside the registered
+    ones (none here); a path that is not module:Class is an error."""
+    _fake_gpu(monkeypatch)
+    measured = []
+
+    def linear_streams(timer, providers, shapes, replays):
+        measured.extend(providers)
+        return {cls.name: {name: (1e-6, 1e12) for name in (*LINEAR_WEIGHTS, "chain")} for cls in providers}
+
+    monkeypatch.setattr(streams, "linear_streams", linear_streams)
+    path = "sparkdecode.reference.providers:ReferenceLinear"
+    args = ["bench", "streams-tp1", "--linear-provider", path, "--part", "linear", "--out", str(tmp_path), "--quiet"]
+    assert main(args) == 0
+    assert [cls.name for cls in measured] == ["reference.linear"]
+    assert main(["bench", "streams-tp1", "--linear-provider", "sparkdecode.reference.providers"]) == 2
+    assert "not module:Class" in capsys.readouterr().err

@@ -72,6 +72,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help="streams configs: only the dense weights or only the routed experts (default both)",
     )
+    p.add_argument(
+        "--linear-provider",
+        action="append",
+        default=[],
+        metavar="MODULE:CLASS",
+        help="streams configs: also measure this linear provider class, registered or not (repeatable)",
+    )
     p.set_defaults(run=main)
     return p
 

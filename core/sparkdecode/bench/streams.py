@@ -3,7 +3,8 @@ reads its weights, against the copy bandwidth measured in the same run.
 
 ``sparkdecode bench streams-tp8-rank`` (or ``streams-tp1``) on a GPU prints, for
 every provider of ``linear`` that supports the GPU (``reference.linear`` is
-cuBLAS through ``torch.mm``):
+cuBLAS through ``torch.mm``; ``--linear-provider module:Class`` adds one that is
+not registered):
 
 - isolated: each of Muse Spark's dense weights (qkvg, o_proj, router, pooler,
   unpooler at the config's shard) alone in a CUDA graph, L2 flushed before every
@@ -478,6 +479,17 @@ def report(config: str, copy: float, record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def provider_class(path: str) -> type:
+    """The provider class at ``module:Class`` (``--linear-provider``: one not
+    registered yet, measured beside the registered ones)."""
+    import importlib
+
+    module, sep, name = path.partition(":")
+    if not (sep and module and name):
+        raise ValueError(f"{path!r} is not module:Class")
+    return getattr(importlib.import_module(module), name)
+
+
 def main(args: argparse.Namespace) -> int:
     """``sparkdecode bench streams-...``: needs a GPU."""
     import datetime
@@ -498,13 +510,18 @@ def main(args: argparse.Namespace) -> int:
         return 2
     device = torch.device("cuda")
     deployment = detect(ModelSpec.preset("muse-spark-open", 1), device=device, max_rows=ROWS)
+    try:
+        classes = [reg.cls for reg in discover().of("linear")] + [provider_class(p) for p in args.linear_provider]
+    except (ValueError, ImportError, AttributeError) as e:
+        print(f"sparkdecode bench: --linear-provider: {e}", file=sys.stderr)
+        return 2
     providers = []
-    for reg in discover().of("linear"):
-        reason = reg.cls.unsupported(deployment)
+    for cls in classes:
+        reason = cls.unsupported(deployment)
         if reason is None:
-            providers.append(reg.cls)
+            providers.append(cls)
         else:
-            print(f"{reg.name}: not measured ({reason})")
+            print(f"{cls.name}: not measured ({reason})")
     replays = args.replays or REPLAYS
     timer = Timer(device)
     # The step bench's measure (floor.copy_bandwidth, an eager copy on the SMs): a

@@ -97,7 +97,7 @@ def test_unsupported_off_hopper(monkeypatch):
     assert "hidden size 1088" in boundary.CudaBoundary.unsupported(odd)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "nvfp4_marlin"])
 @pytest.mark.parametrize("width,intermediate,top_k", [(4096, 512, 8), (4096, 4096, 8), (512, 512, 4), (512, 256, 4)])
 def test_experts_kernels_compile_for_hopper(fmt, width, intermediate, top_k, tmp_path, monkeypatch):
     """The routed experts at the TP8 rank's expert-TP slice (I 512) and EP (whole
@@ -106,13 +106,13 @@ def test_experts_kernels_compile_for_hopper(fmt, width, intermediate, top_k, tmp
 
     monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
     assert experts.shape_unsupported(width, intermediate, fmt, top_k, 8) is None
-    defines = {"P_DIM": width, "I_LOCAL": intermediate, "FMT": int(fmt == "nvfp4"), "TOP_K": top_k}
+    defines = {"P_DIM": width, "I_LOCAL": intermediate, "FMT": experts.FMT[fmt], "TOP_K": top_k}
     cubin = nvrtc.compile_cubin(experts.SOURCE, "sm_90a", defines, experts.COMPILE_OPTIONS)
     assert b"experts_up_kernel" in cubin and b"experts_down_kernel" in cubin
 
 
 def test_experts_unsupported_shapes():
-    from sparkdecode_cuda import experts
+    from sparkdecode_cuda import experts, plugin
 
     assert "at most 8 rows" in experts.shape_unsupported(4096, 512, "nvfp4", 8, 16)
     assert "multiples of 128" in experts.shape_unsupported(4096, 96, "nvfp4", 8, 8)
@@ -127,6 +127,11 @@ def test_experts_unsupported_shapes():
     marlin = dataclasses.replace(hopper, expert_format="nvfp4_marlin")
     assert experts.CudaExperts.unsupported(marlin) is None  # the bf16 edge layers
     assert "not nvfp4_marlin" in experts.CudaExpertsNvfp4.unsupported(marlin)
+    # Marlin's layout: its own provider, not registered until its GPU test passes
+    assert experts.CudaExpertsNvfp4Marlin.unsupported(marlin) is None
+    assert "SM90 Marlin layout, not" in experts.CudaExpertsNvfp4Marlin.unsupported(hopper)
+    assert "multiples of 64" in experts.shape_unsupported(4096, 96, "nvfp4_marlin", 8, 8)
+    assert experts.CudaExpertsNvfp4Marlin not in plugin.PROVIDERS
 
 
 def test_markov_kernel_compiles_and_says_what_it_takes(tmp_path, monkeypatch):

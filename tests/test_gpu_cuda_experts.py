@@ -1,5 +1,6 @@
-"""providers_cuda's routed experts (cuda.experts, cuda.experts_nvfp4) on a Hopper GPU
-against the reference (marker gpu).
+"""providers_cuda's routed experts (cuda.experts, cuda.experts_nvfp4, and
+cuda.experts_nvfp4_marlin on vLLM's SM90 Marlin layout, made by tests/marlin_pack.py)
+on a Hopper GPU against the reference (marker gpu).
 
 Bounds, and why: the NVFP4 values are dequantized to the reference's bf16 bits
 (checked exactly below), x and the weights are the same bf16 numbers, and both GEMM
@@ -12,7 +13,8 @@ ulps in rare elements. Asserted: relative Frobenius error below 2^-8 and every
 element within 4 ulps of the reference's magnitude plus 1e-3 of the row's scale.
 With inputs whose products and sums are exact in fp32 (small integers times powers
 of two), the orders cannot differ and the outputs are asserted bit for bit: that
-checks the in-register dequantization against nvfp4.dequantize exactly.
+checks the in-register dequantization against nvfp4.dequantize (Marlin's layout:
+nvfp4_marlin.dequantize) exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from expert_check import assert_experts_close
+from marlin_pack import marlin_form, random_marlin
 from sparkdecode.protocols import BuildContext, ExpertsInput, RoutedTopk
 from sparkdecode.reference import functional as fn
 from sparkdecode.spec import ModelSpec
@@ -70,9 +73,10 @@ def random_experts(spec: ModelSpec, fmt: str, sharding: Sharding, seed: int) -> 
         w13[e].copy_(torch.randn(2 * I, P, generator=g, device="cuda") * P**-0.5)
         w2[e].copy_(torch.randn(P, I, generator=g, device="cuda") * I**-0.5)
     full = ExpertWeights("bf16", w13, w2)
-    if fmt == "nvfp4":
+    if fmt != "bf16":
         full = quantize_experts(full)
-    return full if sharding.tp == 1 else shard_experts(spec, full, sharding)
+    rank = full if sharding.tp == 1 else shard_experts(spec, full, sharding)
+    return marlin_form(rank) if fmt == "nvfp4_marlin" else rank  # vLLM repacks each rank's experts
 
 
 def routing(b: int, k: int, experts: int, kind: str, g: torch.Generator) -> torch.Tensor:
@@ -102,10 +106,17 @@ SHAPES = {
 
 
 def provider(fmt: str):
-    return experts_mod.CudaExpertsNvfp4 if fmt == "nvfp4" else experts_mod.CudaExperts
+    return {
+        "bf16": experts_mod.CudaExperts,
+        "nvfp4": experts_mod.CudaExpertsNvfp4,
+        "nvfp4_marlin": experts_mod.CudaExpertsNvfp4Marlin,
+    }[fmt]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+FORMATS = ["bf16", "nvfp4", "nvfp4_marlin"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_experts_equal_reference(fmt, shape):
     spec, sharding = SHAPES[shape]
@@ -123,7 +134,7 @@ def test_experts_equal_reference(fmt, shape):
             close(rows, experts, x, ids)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_experts_replay_with_changing_ids(fmt):
     """One graph capture, replayed with new ids and x each time (no host sync)."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
@@ -169,15 +180,20 @@ def exact_nvfp4_experts(spec: ModelSpec, num: int, intermediate: int, g: torch.G
     return ExpertWeights("nvfp4", w13, w2, nvfp4=Nvfp4Scales(w13_scale, w13_global, w2_scale, w2_global))
 
 
-def test_nvfp4_dequantization_bit_exact():
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_marlin"])
+def test_nvfp4_dequantization_bit_exact(fmt):
     """x one-hot at column c: the up GEMM's sum has one term, so gate and up are the
     dequantized W13 column c itself and the act buffer (bf16(silu(gate) * up), one
     slot per expert in route order) must equal the reference's SwiGLU of
-    nvfp4.dequantize's bf16 values bit for bit, at columns across scale blocks."""
+    nvfp4.dequantize's bf16 values bit for bit, at columns across scale blocks.
+    Marlin's layout: random words, every finite scale byte, random globals."""
     spec = dataclasses.replace(ModelSpec.preset("muse-spark-open"), moe_intermediate_size=512)
     g = torch.Generator().manual_seed(5)
-    experts = exact_nvfp4_experts(spec, 4, 512, g)
-    op = experts_mod.CudaExpertsNvfp4.build(context(spec, experts), 0)
+    if fmt == "nvfp4":
+        experts = exact_nvfp4_experts(spec, 4, 512, g)
+    else:
+        experts = random_marlin(4, spec.P, 512, g, device="cuda")
+    op = provider(fmt).build(context(spec, experts), 0)
     w13, _ = experts.dequantized()
     k = spec.top_k
     ids = (torch.arange(k, dtype=torch.int32) % 4)[None].cuda()  # experts 0..3, each twice
@@ -193,7 +209,8 @@ def test_nvfp4_dequantization_bit_exact():
         close(rows, experts, x, ids)
 
 
-def test_nvfp4_down_projection_bit_exact():
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_marlin"])
+def test_nvfp4_down_projection_bit_exact(fmt):
     """act with one nonzero column per row: the down GEMM's sum has one term, so the
     rows are W2's dequantized column times an exact bf16 value: bit for bit."""
     spec = dataclasses.replace(ModelSpec.preset("muse-spark-open"), moe_intermediate_size=512)
@@ -210,7 +227,9 @@ def test_nvfp4_down_projection_bit_exact():
     experts = ExpertWeights(
         "nvfp4", w13, experts.w2, nvfp4=Nvfp4Scales(w13_scale, torch.ones_like(q.w13_global), q.w2_scale, q.w2_global)
     )
-    op = experts_mod.CudaExpertsNvfp4.build(context(spec, experts), 0)
+    if fmt == "nvfp4_marlin":
+        experts = marlin_form(experts)
+    op = provider(fmt).build(context(spec, experts), 0)
     _, w2 = experts.dequantized()
     k = spec.top_k
     x = torch.zeros(8, spec.P, dtype=torch.bfloat16, device="cuda")

@@ -6,13 +6,15 @@ kernels/experts.cu, one source templated on the weight format:
     experts_down_kernel: each one's W2 read once -> rows[b, k, P]
 
 The kernels read the weights as the checkpoint stores them (bf16 rows; NVFP4 codes
-row-major two a byte, e4m3 scales row-major per 16 values, fp32 globals per expert):
-there is nothing to repack, so the provider keeps views of the layer's tensors and
-no second copy. Under EP the routes to other ranks' experts get zero rows; under
+row-major two a byte, e4m3 scales row-major per 16 values, fp32 globals per expert),
+or as vLLM keeps NVFP4 experts on SM90 (``nvfp4_marlin``: Marlin's 16 x 64 tiles,
+its permuted one-byte scales and scaled globals, nvfp4_marlin.py): there is nothing
+to repack, so the provider keeps views of the layer's tensors and no second copy. Under EP the routes to other ranks' experts get zero rows; under
 expert TP the rows are this rank's partial over its I-slice.
 
 Against the reference (``reference.experts`` / ``reference.experts_nvfp4``): the
-NVFP4 values are dequantized to the reference's bf16 bits (nvfp4.dequantize), both
+NVFP4 values are dequantized to the reference's bf16 bits (nvfp4.dequantize,
+nvfp4_marlin.dequantize), both
 GEMM outputs are rounded to bf16 where the reference rounds them, SwiGLU is the same
 fp32 operations; the GEMMs' fp32 sums run in another order (tensor-core MMA over
 16 values, the K-slices of the warps added in a fixed order), so an output differs
@@ -21,8 +23,11 @@ by fp32 rounding of the sums, a bf16 ulp where that crosses a rounding boundary.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
+from sparkdecode.nvfp4_marlin import GLOBAL_SHIFT, SCALE_SHIFT
 from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk
 from sparkdecode.weights import CHECKPOINT_FORMATS
 
@@ -34,8 +39,14 @@ COMPILE_OPTIONS = ("--fmad=false",)
 MAX_ROWS = 8  # the MMA's n
 MAX_ROUTES = 64
 MAX_LOCAL = 256  # experts one rank holds (the kernels' first-route table)
-# Codes' bytes per 16-byte load (NVFP4: 32 values; bf16: 8), times the 4 threads of a row.
-CHUNK = {"bf16": 32, "nvfp4": 128}
+# The K a warp covers per batch of loads (experts.cu's CHUNK_K): 16-byte loads of 32
+# NVFP4 or 8 bf16 values times the 4 threads of a row; Marlin: four MMA steps of 16.
+CHUNK = {"bf16": 32, "nvfp4": 128, "nvfp4_marlin": 64}
+FMT = {"bf16": 0, "nvfp4": 1, "nvfp4_marlin": 2}
+# A warp's intermediate columns in the up GEMM and output rows in the down GEMM
+# (experts.cu's UP_COLS, DOWN_ROWS: Marlin's 64-row blocks).
+UP_COLS = {"bf16": 16, "nvfp4": 16, "nvfp4_marlin": 64}
+DOWN_ROWS = {"bf16": 32, "nvfp4": 32, "nvfp4_marlin": 64}
 BLOCKS_PER_SM = 2  # the kernels' 256 threads fit twice on an SM
 # dequantization is exact while scale * global * 2^126 stays finite (experts.cu)
 MAX_BLOCK_SCALE = 4.0
@@ -61,13 +72,18 @@ def shape_unsupported(
     for what, k in (("moe_hidden_size", width), ("this rank's moe_intermediate_size", intermediate)):
         if k % chunk:
             return f"{what} {k}: the {fmt} experts kernels take multiples of {chunk}"
-    wm1 = 8 // _warps_k(width, chunk)
-    wm2 = 8 // _warps_k(intermediate, chunk)
-    if intermediate % (16 * wm1):
-        return f"this rank's moe_intermediate_size {intermediate}: not a multiple of {16 * wm1}"
-    if width % (32 * wm2):
-        return f"moe_hidden_size {width}: not a multiple of {32 * wm2}"
+    up = UP_COLS[fmt] * (8 // _warps_k(width, chunk))
+    down = DOWN_ROWS[fmt] * (8 // _warps_k(intermediate, chunk))
+    if intermediate % up:
+        return f"this rank's moe_intermediate_size {intermediate}: not a multiple of {up}"
+    if width % down:
+        return f"moe_hidden_size {width}: not a multiple of {down}"
     return None
+
+
+def _intermediate(w2: torch.Tensor, fmt: str) -> int:
+    """This rank's I from W2 (bf16 [E, P, I], NVFP4 [E, P, I / 2], Marlin int32 [E, I / 16, 2P])."""
+    return {"bf16": w2.shape[2], "nvfp4": 2 * w2.shape[2], "nvfp4_marlin": 16 * w2.shape[1]}[fmt]
 
 
 class CudaExperts(_Cuda):
@@ -89,7 +105,7 @@ class CudaExperts(_Cuda):
         e = self.experts = ctx.layer(layer).experts
         if e.format != self.format:
             raise ValueError(f"layer {layer}: {self.name} serves {self.format} experts, not {e.format}")
-        self.intermediate = e.w2.shape[2] * (2 if e.format == "nvfp4" else 1)
+        self.intermediate = _intermediate(e.w2, e.format)
         why = shape_unsupported(spec.P, self.intermediate, self.format, spec.top_k, ctx.max_rows, e.num_local)
         if why:
             raise ValueError(f"layer {layer}: {why}")
@@ -98,7 +114,7 @@ class CudaExperts(_Cuda):
         defines = {
             "P_DIM": spec.P,
             "I_LOCAL": self.intermediate,
-            "FMT": 1 if self.format == "nvfp4" else 0,
+            "FMT": FMT[self.format],
             "TOP_K": spec.top_k,
         }
         self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -109,8 +125,8 @@ class CudaExperts(_Cuda):
         )
         sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         chunk = CHUNK[self.format]
-        tiles_up = self.intermediate // (16 * (8 // _warps_k(spec.P, chunk)))
-        tiles_down = spec.P // (32 * (8 // _warps_k(self.intermediate, chunk)))
+        tiles_up = self.intermediate // (UP_COLS[self.format] * (8 // _warps_k(spec.P, chunk)))
+        tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // _warps_k(self.intermediate, chunk)))
         self.grid_up = max(1, min(slots * tiles_up, BLOCKS_PER_SM * sms))
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, BLOCKS_PER_SM * sms))
         self.scales = self._scale_views()
@@ -179,15 +195,17 @@ class CudaExpertsNvfp4(CudaExperts):
     block = "experts_nvfp4"
     name = "cuda.experts_nvfp4"
     format = "nvfp4"
+    layouts: ClassVar[tuple[str, ...]] = CHECKPOINT_FORMATS
+    refusal = (
+        "reads NVFP4 experts in the checkpoint's layout, not {} (vLLM's SM90 Marlin repack is read by "
+        "cuda.experts_nvfp4_marlin, not registered until verified on a GPU)"
+    )
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
         reason = super().unsupported(deployment)
-        if reason is None and deployment.expert_format not in CHECKPOINT_FORMATS:
-            reason = (
-                f"reads NVFP4 experts in the checkpoint's layout, not {deployment.expert_format} "
-                "(vLLM's SM90 Marlin repack: no kernel of this pack reads Marlin's tiles yet)"
-            )
+        if reason is None and deployment.expert_format not in cls.layouts:
+            reason = cls.refusal.format(deployment.expert_format)
         return reason
 
     def _check_layout(self, layer: int) -> None:
@@ -204,6 +222,9 @@ class CudaExpertsNvfp4(CudaExperts):
             (q.w13_scale.float().amax(dim=(1, 2))[:, None] * q.w13_global.abs()).max().item(),
             (q.w2_scale.float().amax(dim=(1, 2)) * q.w2_global.abs()).max().item(),
         )
+        self._check_bound(layer, largest)
+
+    def _check_bound(self, layer: int, largest: float) -> None:
         if not largest < MAX_BLOCK_SCALE:
             raise ValueError(
                 f"layer {layer}: a block scale times its global scale is {largest:g}; {self.name} "
@@ -214,3 +235,42 @@ class CudaExpertsNvfp4(CudaExperts):
         q = self.experts.nvfp4
         assert q is not None
         return (q.w13_scale.view(torch.uint8), q.w13_global, q.w2_scale.view(torch.uint8), q.w2_global)
+
+
+def _marlin_scale_max(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [E]: each expert's largest Marlin block scale (byte << 7 as fp16, over 2^7)."""
+    half = (scale.view(torch.uint8).to(torch.int16) << 7).view(torch.float16)
+    return half.float().amax(dim=(1, 2)) / SCALE_SHIFT
+
+
+class CudaExpertsNvfp4Marlin(CudaExpertsNvfp4):
+    """Sub-op ``experts_nvfp4`` on vLLM's SM90 Marlin layout (``nvfp4_marlin``):
+    Marlin's tiles and scales read in place by the same kernels (FMT 2), dequantized
+    in registers to nvfp4_marlin.dequantize's bits. Not registered until its GPU
+    test (tests/test_gpu_cuda_experts.py, the marlin cases) passes."""
+
+    name = "cuda.experts_nvfp4_marlin"
+    format = "nvfp4_marlin"
+    layouts = ("nvfp4_marlin",)
+    refusal = "reads NVFP4 experts in vLLM's SM90 Marlin layout, not {}"
+
+    def _check_layout(self, layer: int) -> None:
+        CudaExperts._check_layout(self, layer)
+        m = self.experts.marlin
+        assert m is not None
+        for name, t in (("w13_scale", m.w13_scale), ("w2_scale", m.w2_scale)):
+            if t.element_size() != 1 or not t.is_contiguous():
+                raise ValueError(f"layer {layer}: {self.name} takes Marlin's contiguous one-byte scales ({name})")
+        for name, t in (("w13_global", m.w13_global), ("w2_global", m.w2_global)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 1:
+                raise ValueError(f"layer {layer}: {self.name} takes Marlin's fp32 [E] global scales ({name})")
+        largest = max(
+            (_marlin_scale_max(m.w13_scale) * (m.w13_global / GLOBAL_SHIFT).abs()).max().item(),
+            (_marlin_scale_max(m.w2_scale) * (m.w2_global / GLOBAL_SHIFT).abs()).max().item(),
+        )
+        self._check_bound(layer, largest)
+
+    def _scale_views(self) -> tuple[torch.Tensor | None, ...]:
+        m = self.experts.marlin
+        assert m is not None
+        return (m.w13_scale.view(torch.uint8), m.w13_global, m.w2_scale.view(torch.uint8), m.w2_global)

@@ -1,6 +1,7 @@
 // The routed experts of one layer for up to 8 rows (MUSE_SPARK.md, "MoE"): two
 // kernels, the gate/up GEMM with SwiGLU (experts_up_kernel) and the down GEMM
-// (experts_down_kernel), templated on the weight format (FMT 0: bf16, 1: NVFP4).
+// (experts_down_kernel), templated on the weight format (FMT 0: bf16, 1: NVFP4 in the
+// checkpoint's layout, 2: NVFP4 in vLLM's SM90 Marlin layout, read in place).
 //
 // Every block finds the distinct selected experts this rank holds from the ids on
 // the device (in route order of first occurrence, the same list in every block and
@@ -19,6 +20,18 @@
 // make the fp32 number e2m1 * 2^-126 (a subnormal for the codes 0 and 1), and
 // s * 2^126 is exact while s < 4 (checked at build), so one fp32 multiply gives
 // exactly fp32(e2m1 * s), then one rounding to bf16: the reference's bits.
+//
+// Marlin's layout (FMT 2, nvfp4_marlin.py; per expert, a GEMM of N rows over K):
+// codes int32 [K / 16, 2N], each row of 16 k cut into 64-row blocks of 128 words;
+// lane l = 4g + t of a warp finds in words 4l + j (j = 0..3) of a block exactly its
+// m16n8k16 A fragments of the 16-row tile j: nibbles 0, 4 row g, k 2t, 2t + 1 (a0);
+// 2, 6 row g + 8, k 2t, 2t + 1 (a1); 1, 5 row g, k 2t + 8, 2t + 9 (a2); 3, 7 row
+// g + 8, k 2t + 8, 2t + 9 (a3); so one 16-byte load gives a thread its A of the four
+// tiles for one MMA step, and x is read in plain k order. Scales: one byte [K / 16, N]
+// (the fp16 bits 14..7 of Marlin's scale, whose value is the byte << 7 as fp16 over
+// 2^7), permuted per 64 rows so that lane g's 8 bytes at 8g of a block are its own:
+// byte 4 (j >> 1) + (j & 1) + 2h for row 16j + g + 8h. The fp32 global is Marlin's
+// times 2^-119 (nvfp4_marlin.dequantize); then as above, the same bits.
 #include "common.cuh"
 
 #if !defined(P_DIM) || !defined(I_LOCAL) || !defined(FMT) || !defined(TOP_K)
@@ -31,8 +44,16 @@
 #define NTHREADS (WARPS * 32)
 
 // Elements a thread loads per weight row per 16-byte load, and per chunk of a warp.
+// Marlin: a chunk is four MMA steps of 16 k.
 constexpr int G = FMT == 1 ? 32 : 8;
-constexpr int CHUNK_K = 4 * G;
+constexpr int CHUNK_K = FMT == 2 ? 64 : 4 * G;
+// A warp's rows: 16-row tiles in blocks of TPB consecutive tiles (Marlin: its 64-row
+// blocks); up: UP_COLS intermediate columns (gate rows and up rows, NT1 tiles); down:
+// DOWN_ROWS output rows (NT2 tiles).
+constexpr int TPB = FMT == 2 ? 4 : 1;
+constexpr int UP_COLS = 16 * TPB;
+constexpr int DOWN_ROWS = FMT == 2 ? 64 : 32;
+constexpr int NT1 = 2 * UP_COLS / 16, NT2 = DOWN_ROWS / 16;
 
 // Warps along K: as many as keep at least two chunks per warp, at most 8.
 __host__ __device__ constexpr int warps_k(int k) {
@@ -40,12 +61,13 @@ __host__ __device__ constexpr int warps_k(int k) {
 }
 constexpr int WK1 = warps_k(P_DIM), WM1 = WARPS / WK1;
 constexpr int WK2 = warps_k(I_LOCAL), WM2 = WARPS / WK2;
-// Up: an item is 16 * WM1 intermediate columns (gate and up rows); down: 32 * WM2 output rows.
-constexpr int TILES1 = I_LOCAL / (16 * WM1);
-constexpr int TILES2 = P_DIM / (32 * WM2);
+// Up: an item is UP_COLS * WM1 intermediate columns (gate and up rows); down:
+// DOWN_ROWS * WM2 output rows.
+constexpr int TILES1 = I_LOCAL / (UP_COLS * WM1);
+constexpr int TILES2 = P_DIM / (DOWN_ROWS * WM2);
 static_assert(P_DIM % (CHUNK_K * WK1) == 0, "P_DIM: a multiple of the chunk times the warps along K");
 static_assert(I_LOCAL % (CHUNK_K * WK2) == 0, "I_LOCAL: a multiple of the chunk times the warps along K");
-static_assert(I_LOCAL % (16 * WM1) == 0 && P_DIM % (32 * WM2) == 0, "tile widths");
+static_assert(I_LOCAL % (UP_COLS * WM1) == 0 && P_DIM % (DOWN_ROWS * WM2) == 0, "tile widths");
 
 #define MAX_LOCAL 256  // experts a rank may hold (the provider refuses more)
 
@@ -116,18 +138,30 @@ __device__ __forceinline__ float e4m3_to_float(u32 v) {
   return __uint_as_float(__float_as_uint(mag) | sign);
 }
 
-// Codes nib and nib + 1 of w, dequantized with s126 = s * 2^126: bf16x2.
-__device__ __forceinline__ u32 dequant2(u32 w, int nib, float s126) {
-  const u32 c0 = w >> (4 * nib), c1 = w >> (4 * nib + 4);
+// Marlin's one-byte scale: float(fp16 bits byte << 7) / 2^7, exact (5 exponent bits,
+// bias 15, 3 mantissa bits, no sign; exponent 31 is inf / NaN as in fp16).
+__device__ __forceinline__ float marlin_scale_to_float(u32 v) {
+  const u32 exp = v >> 3, man = v & 7u;
+  if (exp == 31u) return __uint_as_float(0x7f800000u | (man << 20));
+  if (exp == 0) return (float)man * 0x1p-24f;  // man * 2^-17 / 2^7, exact
+  return __uint_as_float(((exp + 105u) << 23) | (man << 20));
+}
+
+// Codes lo and hi of w (nibble indices), dequantized with s126 = s * 2^126: bf16x2.
+__device__ __forceinline__ u32 dequant_pair(u32 w, int lo, int hi, float s126) {
+  const u32 c0 = w >> (4 * lo), c1 = w >> (4 * hi);
   const float f0 = __uint_as_float(((c0 & 7u) << 22) | ((c0 & 8u) << 28)) * s126;
   const float f1 = __uint_as_float(((c1 & 7u) << 22) | ((c1 & 8u) << 28)) * s126;
   return pack_bf16x2(f0, f1);
 }
 
+// Codes nib and nib + 1 of w.
+__device__ __forceinline__ u32 dequant2(u32 w, int nib, float s126) { return dequant_pair(w, nib, nib + 1, s126); }
+
 // The weights of one expert for one GEMM: rows of K values.
 struct Weights {
-  const unsigned char* w;      // bf16 [rows, K] or NVFP4 codes [rows, K / 2]
-  const unsigned char* scale;  // NVFP4: e4m3 [rows, K / 16]
+  const unsigned char* w;      // bf16 [rows, K], NVFP4 codes [rows, K / 2] or Marlin's int32 [K / 16, 2 rows]
+  const unsigned char* scale;  // NVFP4: e4m3 [rows, K / 16]; Marlin: its bytes [K / 16, rows]
   float global_lo, global_hi;  // NVFP4: the global scale of rows below / from `split`
   int split;
 };
@@ -211,26 +245,98 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
   }
 }
 
+// Marlin's layout (FMT 2): a warp's NBLK blocks of 64 rows (block b: rows blk0[b] + 0..63,
+// tiles c[4b + j]) of a GEMM of N rows over its K-slice [k0, k0 + K / WK_), against
+// B = x rows as warp_gemm. Per MMA step (16 k) a thread loads one 16-byte word run per
+// block and 8 scale bytes per block: the layout's own fragments (see the top).
+template <int K, int N, int WK_, int NBLK>
+__device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
+                                                 const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4]) {
+  constexpr int STEPS = K / WK_ / 16;
+  constexpr int SB = STEPS < 4 ? STEPS : 4;  // steps loaded together
+  static_assert(STEPS % SB == 0, "steps per batch");
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int a = 0; a < 4 * NBLK; ++a)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
+  const bf16_t* xr = x + (long)g * xs;
+  const bool xrow = g < nx;
+#pragma unroll 1
+  for (int batch = 0; batch < STEPS; batch += SB) {
+    uint4 q[NBLK][SB];
+    uint2 sc[NBLK][SB];
+#pragma unroll
+    for (int sb = 0; sb < SB; ++sb) {
+      const long kt = k0 / 16 + batch + sb;  // the row of 16 k
+#pragma unroll
+      for (int b = 0; b < NBLK; ++b) {
+        q[b][sb] = __ldg(reinterpret_cast<const uint4*>(W.w) + (kt * 2 * N + 2 * blk0[b]) / 4 + lane);
+        sc[b][sb] = __ldg(reinterpret_cast<const uint2*>(W.scale + kt * N + blk0[b]) + g);
+      }
+    }
+#pragma unroll
+    for (int sb = 0; sb < SB; ++sb) {
+      const int k = k0 + (batch + sb) * 16 + 2 * t;
+      u32 b0 = 0u, b1 = 0u;
+      if (xrow) {
+        b0 = __ldg(reinterpret_cast<const u32*>(xr + k));
+        b1 = __ldg(reinterpret_cast<const u32*>(xr + k + 8));
+      }
+#pragma unroll
+      for (int b = 0; b < NBLK; ++b) {
+        const float glob = blk0[b] < W.split ? W.global_lo : W.global_hi;
+        const uint4 v = q[b][sb];
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+        const u32 scales[2] = {sc[b][sb].x, sc[b][sb].y};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u32 sw = scales[j >> 1] >> (8 * (j & 1));
+          const float s0 = (marlin_scale_to_float(sw & 0xffu) * glob) * 0x1p126f;          // row g
+          const float s1 = (marlin_scale_to_float((sw >> 16) & 0xffu) * glob) * 0x1p126f;  // row g + 8
+          const u32 w = words[j];
+          mma_bf16(c[4 * b + j], dequant_pair(w, 0, 4, s0), dequant_pair(w, 2, 6, s1), dequant_pair(w, 1, 5, s0),
+                   dequant_pair(w, 3, 7, s1), b0, b1);
+        }
+      }
+    }
+  }
+}
+
+// A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
+// rows row0[b], K-slice from k0.
+template <int K, int N, int WK_, int NT>
+__device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT / TPB], int k0,
+                                            const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4]) {
+#if FMT == 2
+  warp_gemm_marlin<K, N, WK_, NT / TPB>(W, row0, k0, x, xs, nx, c);
+#else
+  static_assert(NT == 2, "two tiles a warp");
+  warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
+#endif
+}
+
 // Adds the warps' partial sums over K in warp order; the warp wk == 0 of each wm
-// ends with the total in c. `red`: WARPS * 8 * 32 floats.
-template <int WK_>
-__device__ __forceinline__ void reduce_k(float c[2][4], float* red, int wm, int wk) {
+// ends with the total in c. `red`: WARPS * NT * 4 * 32 floats.
+template <int WK_, int NT>
+__device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int wk) {
   const int lane = threadIdx.x & 31;
+  constexpr int WARP_FLOATS = NT * 4 * 32;
   if (WK_ > 1) {
     __syncthreads();  // red may still be read from the previous item
-    float* mine = red + (wm * WK_ + wk) * 8 * 32;
+    float* mine = red + (wm * WK_ + wk) * WARP_FLOATS;
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < NT; ++a)
 #pragma unroll
       for (int e = 0; e < 4; ++e) mine[(a * 4 + e) * 32 + lane] = c[a][e];
     __syncthreads();
     if (wk == 0) {
 #pragma unroll
-      for (int a = 0; a < 2; ++a)
+      for (int a = 0; a < NT; ++a)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float s = red[(wm * WK_) * 8 * 32 + (a * 4 + e) * 32 + lane];
-          for (int w = 1; w < WK_; ++w) s += red[(wm * WK_ + w) * 8 * 32 + (a * 4 + e) * 32 + lane];
+          float s = red[(wm * WK_) * WARP_FLOATS + (a * 4 + e) * 32 + lane];
+          for (int w = 1; w < WK_; ++w) s += red[(wm * WK_ + w) * WARP_FLOATS + (a * 4 + e) * 32 + lane];
           c[a][e] = s;
         }
     }
@@ -246,39 +352,41 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_up_kernel(
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
     const unsigned char* __restrict__ w13,                         // [E_local, 2I, P] bf16 or [E_local, 2I, P/2]
     const unsigned char* __restrict__ w13_scale,                   // NVFP4: [E_local, 2I, P/16]
-    const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]
+    const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
     bf16_t* __restrict__ act) {                                    // [slots, 8, I_LOCAL]
   __shared__ Routes routes;
-  __shared__ float red[WARPS * 8 * 32];
+  __shared__ float red[WARPS * NT1 * 4 * 32];
   pdl_wait();  // x and ids come from the kernels before
   pdl_launch_dependents();
   find_experts(ids, b * TOP_K, first_expert, num_local, routes);
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int items = routes.n_slots * TILES1;
-  constexpr long EXPERT_BYTES = (long)2 * I_LOCAL * (FMT == 1 ? P_DIM / 2 : P_DIM * 2);
+  constexpr long EXPERT_BYTES = (long)2 * I_LOCAL * (FMT >= 1 ? P_DIM / 2 : P_DIM * 2);
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / TILES1, tile = item % TILES1;
     const int e = routes.slot_expert[slot];
-    const int i0 = (tile * WM1 + wm) * 16;
+    const int i0 = (tile * WM1 + wm) * UP_COLS;
     Weights W;
     W.w = w13 + e * EXPERT_BYTES;
-    W.scale = FMT == 1 ? w13_scale + (long)e * 2 * I_LOCAL * (P_DIM / 16) : nullptr;
-    W.global_lo = FMT == 1 ? w13_global[2 * e] : 1.f;
-    W.global_hi = FMT == 1 ? w13_global[2 * e + 1] : 1.f;
+    W.scale = FMT >= 1 ? w13_scale + (long)e * 2 * I_LOCAL * (P_DIM / 16) : nullptr;
+    W.global_lo = FMT == 1 ? w13_global[2 * e] : FMT == 2 ? w13_global[e] * 0x1p-119f : 1.f;
+    W.global_hi = FMT == 1 ? w13_global[2 * e + 1] : FMT == 2 ? w13_global[e] * 0x1p-119f : 1.f;
     W.split = I_LOCAL;
     const int row0[2] = {i0, I_LOCAL + i0};  // gate rows, up rows
-    float c[2][4];
-    warp_gemm<P_DIM, WK1>(W, row0, wk * (P_DIM / WK1), x, x_stride, b, c);
-    reduce_k<WK1>(c, red, wm, wk);
+    float c[NT1][4];                         // gate tiles, then up tiles
+    expert_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(W, row0, wk * (P_DIM / WK1), x, x_stride, b, c);
+    reduce_k<WK1, NT1>(c, red, wm, wk);
     if (wk == 0) {
 #pragma unroll
-      for (int e4 = 0; e4 < 4; ++e4) {
-        const int i = i0 + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
-        const float gate = round_bf16(c[0][e4]), up = round_bf16(c[1][e4]);
-        const float silu = gate / (1.0f + expf(-gate));
-        act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);
-      }
+      for (int a = 0; a < TPB; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          const int i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
+          const float gate = round_bf16(c[a][e4]), up = round_bf16(c[TPB + a][e4]);
+          const float silu = gate / (1.0f + expf(-gate));
+          act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);
+        }
     }
   }
 }
@@ -293,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_down_kernel(
     const float* __restrict__ w2_global,                           // NVFP4: [E_local]
     bf16_t* __restrict__ rows) {                                   // [b, TOP_K, P]
   __shared__ Routes routes;
-  __shared__ float red[WARPS * 8 * 32];
+  __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
   // so the experts are found, and their weights loaded, before this kernel's wait.
   find_experts(ids, b * TOP_K, first_expert, num_local, routes);
@@ -301,36 +409,47 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_down_kernel(
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n_slots = routes.n_slots;
   const int items = (n_slots > 0 ? n_slots : 1) * TILES2;
-  constexpr long EXPERT_BYTES = (long)P_DIM * (FMT == 1 ? I_LOCAL / 2 : I_LOCAL * 2);
+  constexpr long EXPERT_BYTES = (long)P_DIM * (FMT >= 1 ? I_LOCAL / 2 : I_LOCAL * 2);
   // Warm the first item's weights into L2 before waiting for act.
   if (n_slots > 0 && (int)blockIdx.x < items) {
     const int e = routes.slot_expert[blockIdx.x / TILES2];
-    const int p0 = (blockIdx.x % TILES2) * WM2 * 32;
+    const int p0 = (blockIdx.x % TILES2) * WM2 * DOWN_ROWS;
+#if FMT == 2
+    // Marlin: the item's rows are a run of 8 bytes a row in each of the I / 16 rows of tiles.
+    constexpr int RUN = 8 * WM2 * DOWN_ROWS;
+    const unsigned char* base = w2 + e * EXPERT_BYTES + (long)p0 * 8;
+    for (int off = threadIdx.x * 128; off < (I_LOCAL / 16) * RUN; off += NTHREADS * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (long)(off / RUN) * 8 * P_DIM + off % RUN));
+#else
     constexpr int ROW_BYTES = FMT == 1 ? I_LOCAL / 2 : I_LOCAL * 2;
     const unsigned char* base = w2 + e * EXPERT_BYTES + (long)p0 * ROW_BYTES;
     for (int off = threadIdx.x * 128; off < WM2 * 32 * ROW_BYTES; off += NTHREADS * 128)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
+#endif
   }
   pdl_wait();
   pdl_launch_dependents();
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / TILES2, tile = item % TILES2;
-    const int p0 = (tile * WM2 + wm) * 32;
-    float c[2][4];
+    const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
+    float c[NT2][4];
     if (n_slots > 0) {
       const int e = routes.slot_expert[slot];
       Weights W;
       W.w = w2 + e * EXPERT_BYTES;
-      W.scale = FMT == 1 ? w2_scale + (long)e * P_DIM * (I_LOCAL / 16) : nullptr;
-      W.global_lo = W.global_hi = FMT == 1 ? w2_global[e] : 1.f;
+      W.scale = FMT >= 1 ? w2_scale + (long)e * P_DIM * (I_LOCAL / 16) : nullptr;
+      W.global_lo = W.global_hi = FMT == 1 ? w2_global[e] : FMT == 2 ? w2_global[e] * 0x1p-119f : 1.f;
       W.split = P_DIM;
-      const int row0[2] = {p0, p0 + 16};
-      warp_gemm<I_LOCAL, WK2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
-      reduce_k<WK2>(c, red, wm, wk);
+      int row0[NT2 / TPB];  // blocks of TPB tiles
+#pragma unroll
+      for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
+      expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL,
+                                            NB, c);
+      reduce_k<WK2, NT2>(c, red, wm, wk);
     }
     if (wk != 0) continue;
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < NT2; ++a)
 #pragma unroll
       for (int e4 = 0; e4 < 4; ++e4) {
         const int p = p0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);

@@ -383,12 +383,19 @@ def random_weights(
             "pre_ffn_norm": normal(H, std=0.1),
             "router": normal(E, H, std=H**-0.5, dtype=fn.FP32),
             "expert_bias": normal(E, std=0.02, dtype=fn.FP32),
-            "pooler": normal(part(P) if sharding.shard_pooler else P, H, std=H**-0.5, g=local),
+            "pooler": normal(
+                part(P) if sharding.shard_pooler else P, H, std=H**-0.5, g=local if sharding.shard_pooler else shared
+            ),
             "pre_expert_norm": normal(P, std=0.1),
             "w13": w13,
             "w2": normal(e_rows, P, i_rows, std=I**-0.5, g=local),
             "post_expert_norm": normal(P, std=0.1),
-            "unpooler": normal(part(H) if sharding.shard_unpooler else H, P, std=P**-0.5, g=local),
+            "unpooler": normal(
+                part(H) if sharding.shard_unpooler else H,
+                P,
+                std=P**-0.5,
+                g=local if sharding.shard_unpooler else shared,
+            ),
             "post_ffn_norm": normal(H, std=0.1),
             "ffn_gate": normal(H, std=0.5),
             "first_expert": sharding.part(E).start if ep else 0,

@@ -10,6 +10,11 @@ the step must read over the copy bandwidth measured in the same run (the floor,
 ``floor.py``); a table, a JSON record, and with ``--plot`` a PNG
 (``report.py``). On the CPU it runs eagerly and says it is not a speed claim.
 
+A config of every rank (``tp{2,4,8}-L<N>-bf16``, ``tiny-tp{2,4,8}``) spawns one
+process a rank and times the step with its real collectives (``ranks.py``): one
+rank per GPU over NCCL; ``--one-gpu``, every rank on cuda:0 over gloo (an
+emulation, never a speed claim); on the CPU over gloo, a smoke run.
+
 | module | holds |
 | --- | --- |
 | configs.py | the named configs |
@@ -18,6 +23,7 @@ the step must read over the copy bandwidth measured in the same run (the floor,
 | timing.py | capture once, time each replay alone after an L2 flush |
 | floor.py | bytes per block, copy bandwidth |
 | runner.py | one config end to end, into a record |
+| ranks.py | a config of every rank: one process a rank, the step with its collectives and detached, rank 0's record |
 | report.py | table, JSON, PNG |
 """
 
@@ -45,7 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "config",
         nargs="?",
-        help="tiny, tp1-real-L2, tp8-rank-L<N>-bf16 or tp8-rank-Lmax-bf16; streams-tp8-rank or streams-tp1 (streams.py)",
+        help="tiny, tp1-real-L2, tp8-rank-L<N>-bf16 or tp8-rank-Lmax-bf16; every rank: tp{2,4,8}-L<N>-bf16, "
+        "tiny-tp{2,4,8} (ranks.py); streams-tp8-rank or streams-tp1 (streams.py)",
     )
     p.add_argument("--context", type=int, action="append", help="a context length (repeatable; default: the config's)")
     p.add_argument("--routing", choices=ROUTINGS, action="append", help="random or correlated (default: both)")
@@ -61,6 +68,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="also time every provider that supports this kind, per layer, each alone in a graph (repeatable)",
+    )
+    p.add_argument(
+        "--one-gpu",
+        action="store_true",
+        help="configs of every rank: all ranks on cuda:0 over gloo (an emulation, not a speed claim)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="configs of every rank: the process group's backend (default: nccl with one rank per GPU, else gloo)",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON record (and PNG) go")
     p.add_argument("--plot", action="store_true", help="also a PNG of the per-block times beside their floors")
@@ -106,9 +124,17 @@ def main(args: argparse.Namespace) -> int:
         return streams_main(args)
     try:
         cfg = named(args.config)
+        if not cfg.all_ranks and (args.one_gpu or args.backend):
+            raise BenchConfigError(f"--one-gpu and --backend are for configs of every rank, not {cfg.name}")
     except BenchConfigError as e:
         print(f"sparkdecode bench: {e}", file=sys.stderr)
         return 2
+    argv = sys.argv[sys.argv.index("bench") + 1 :] if "bench" in sys.argv else [args.config]
+    command = "sparkdecode bench " + shlex.join(argv)
+    if cfg.all_ranks:
+        from .ranks import main as ranks_main
+
+        return ranks_main(cfg, args, command)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         if cfg.layers == 0:
@@ -120,8 +146,6 @@ def main(args: argparse.Namespace) -> int:
     except BenchConfigError as e:
         print(f"sparkdecode bench: {e}", file=sys.stderr)
         return 2
-    argv = sys.argv[sys.argv.index("bench") + 1 :] if "bench" in sys.argv else [args.config]
-    command = "sparkdecode bench " + shlex.join(argv)
     record = run(
         cfg,
         device=device,

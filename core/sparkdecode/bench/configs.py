@@ -6,8 +6,10 @@
 | ``tp1-real-L2`` | real widths, 2 layers, bf16 experts (26 GB a layer) | TP 1 | 4096, 32768 | yes |
 | ``tp8-rank-L<N>-bf16`` | real widths, N layers, bf16 experts | rank 0 of TP 8, expert TP, pooler and unpooler replicated (as vLLM's SM90 path keeps them) | 4096, 32768 | yes, collectives left out |
 | ``tp8-rank-L<N>-nvfp4`` | as above, the routed experts of layers 1..N-2 in NVFP4, the first and last layer's bf16 (as the released checkpoint stores them at N = 62) | as above | 4096, 32768 | yes, collectives left out |
+| ``tp{2,4,8}-L<N>-bf16`` (``-nvfp4``) | real widths, N layers | every rank of TP 2, 4 or 8, one process each, expert TP (``ranks.py``) | 4096, 32768 | yes with one rank per GPU, the collectives in the time; ``--one-gpu``: no |
+| ``tiny-tp2``, ``tiny-tp4``, ``tiny-tp8`` | the tiny preset (``tiny-tp8`` widths at TP 4 and 8) | every rank, as above | 300 | no: a smoke run |
 
-``tp8-rank-Lmax-bf16`` (or ``-nvfp4``) is the TP-8 rank with as many layers as fit beside the
+``tp8-rank-Lmax-bf16`` (or ``-nvfp4``, or ``tp{2,4,8}-Lmax-...``) is the TP-8 rank (each rank) with as many layers as fit beside the
 bench's own memory (``RESERVE_BYTES``) on this GPU; its record carries the
 resolved name. A config whose weights do not fit is refused before anything is drawn.
 
@@ -29,6 +31,8 @@ ROUTINGS = ("random", "correlated")
 # two KV caches, graph pools, L2-flush and FlashInfer workspaces reuse it.
 RESERVE_BYTES = 16 << 30
 _TP8_RANK = re.compile(r"tp8-rank-L(\d+|max)-(bf16|nvfp4)")
+_ALL_RANKS = re.compile(r"tp([248])-L(\d+|max)-(bf16|nvfp4)")
+_TINY_RANKS = re.compile(r"tiny-tp([248])")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class BenchConfig:
     expert_parallel: str = "ep"  # "tp": an I-slice of every expert on each rank
     expert_format: str = "bf16"
     speed_claim: bool = True
+    # Every rank of the TP group, one process each, its collectives in the step
+    # (ranks.py); False: rank ``rank`` alone, detached when tp > 1.
+    all_ranks: bool = False
 
     def spec(self) -> ModelSpec:
         return ModelSpec.preset(self.preset, self.layers)
@@ -79,7 +86,7 @@ class BenchConfig:
             layers += 1
         if layers < 1:
             raise BenchConfigError(f"not one layer of {self.name} fits in {free_bytes / 1e9:.1f} GB")
-        return replace(self, name=f"tp8-rank-L{layers}-{self.expert_format}", layers=layers)
+        return replace(self, name=self.name.replace("Lmax", f"L{layers}"), layers=layers)
 
     def check_fits(self, free_bytes: int) -> None:
         need = self.weights_bytes() + RESERVE_BYTES
@@ -97,23 +104,39 @@ class BenchConfigError(ValueError):
 def named(name: str) -> BenchConfig:
     """The config of a name: ``tiny``, ``tp1-real-L2``, ``tp8-rank-L<N>-bf16``,
     ``tp8-rank-L<N>-nvfp4`` or ``tp8-rank-Lmax-...`` (layers 0 until ``fitting``
-    resolves it)."""
+    resolves it); every rank: ``tp{2,4,8}-L<N>-...`` (or ``-Lmax-``), ``tiny-tp{2,4,8}``."""
     if name == "tiny":
         return BenchConfig(name, "tiny", 4, (1024, 4096), speed_claim=False)
     if name == "tp1-real-L2":
         return BenchConfig(name, "muse-spark-open", 2, (4096, 32768))
-    match = _TP8_RANK.fullmatch(name)
+    match = _TINY_RANKS.fullmatch(name)
     if match:
-        fmt = match.group(2)
-        if match.group(1) == "max":  # resolved against the GPU's free memory (``fitting``)
+        tp = int(match.group(1))
+        preset, layers = ("tiny", 4) if tp == 2 else ("tiny-tp8", 2)  # tiny's 2 KV heads split over 2 ranks at most
+        return BenchConfig(name, preset, layers, (300,), tp=tp, expert_parallel="tp", speed_claim=False, all_ranks=True)
+    for pattern, all_ranks in ((_TP8_RANK, False), (_ALL_RANKS, True)):
+        match = pattern.fullmatch(name)
+        if not match:
+            continue
+        *tp, count, fmt = match.groups()
+        if count == "max":  # resolved against the GPU's free memory (``fitting``)
             layers = 0
         else:
-            layers = int(match.group(1))
+            layers = int(count)
             if not 1 <= layers <= 62:
                 raise BenchConfigError(f"{name}: the model has 62 layers")
         return BenchConfig(
-            name, "muse-spark-open", layers, (4096, 32768), tp=8, rank=0, expert_parallel="tp", expert_format=fmt
+            name,
+            "muse-spark-open",
+            layers,
+            (4096, 32768),
+            tp=int(tp[0]) if tp else 8,
+            rank=0,
+            expert_parallel="tp",
+            expert_format=fmt,
+            all_ranks=all_ranks,
         )
     raise BenchConfigError(
-        f"unknown bench config {name!r}; configs: tiny, tp1-real-L2, tp8-rank-L<N>-bf16, tp8-rank-L<N>-nvfp4"
+        f"unknown bench config {name!r}; configs: tiny, tp1-real-L2, tp8-rank-L<N>-bf16, tp8-rank-L<N>-nvfp4, "
+        "tp{2,4,8}-L<N>-bf16, tp{2,4,8}-L<N>-nvfp4, tiny-tp{2,4,8}"
     )

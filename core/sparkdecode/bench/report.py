@@ -7,6 +7,10 @@ collectives left out, and per (context, routing): distinct experts per layer,
 the check, bytes and floor, each side's step median and min-max and its
 fraction of the floor, the speedup, and every block's bytes, floor and times;
 per context, the candidates' blocks (``--candidates``) and their times.
+
+A record of every rank (``ranks.py``) has ``ranks`` (tp, backend, placement) and,
+per (context, routing), each rank's step times with its collectives and detached,
+each rank's bytes and floor, and no baseline (``ranks_table``).
 """
 
 from __future__ import annotations
@@ -37,13 +41,73 @@ def by_kind(blocks: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {k: out[k] for k in KIND_ORDER if k in out}
 
 
-def table(record: dict[str, Any]) -> str:
-    r = record
-    lines = [
+def _span(t: dict[str, Any]) -> str:
+    return f"{_us(t['median_s'])} [{_us(t['min_s'])}-{_us(t['max_s'])}]"
+
+
+def _header(r: dict[str, Any]) -> list[str]:
+    return [
         f"sparkdecode bench {r['config']}: {r['device']}, {r['mode']}, commit {r['commit'][:12]}"
         + (" (+ modified files)" if r.get("modified_files") else "")
         + f", {r['date']}",
     ]
+
+
+def ranks_table(record: dict[str, Any]) -> str:
+    """A record of every rank: the step (slowest rank) with its collectives, detached,
+    their difference, the floor, and each rank's median."""
+    r, ranks = record, record["ranks"]
+    lines = _header(r)
+    if not r["speed_claim"]:
+        why = r.get("label") or ("eager on the CPU" if r["gpu"] is None else "a smoke run")
+        lines.append(f"NOT A SPEED CLAIM ({why}): these times only show the bench runs.")
+    m, s = r["model"], r["shard"]
+    lines.append(
+        f"model: {m['preset']} {m['layers']} layers (H {m['hidden_size']}, E {m['experts']} top-{m['top_k']}), "
+        f"every rank of TP {s['tp']} ({s['expert_parallel']} experts), {s['expert_format']} experts, "
+        f"{s['weights_bytes'] / 1e9:.2f} GB of layer weights a rank"
+    )
+    lines.append(f"ranks: {ranks['placement']}")
+    bw = [b["bytes_per_s"] / 1e12 for b in r["copy_bandwidth_by_rank"]]
+    lines.append(f"copy bandwidth by rank: {', '.join(f'{b:.3f}' for b in bw)} TB/s")
+    lines.append(f"torch baseline: {r['baseline']['what']}")
+    lines.append("executor layout: " + ", ".join(f"{k}={v}" for k, v in r["executor"]["layout"].items()))
+    if r["executor"]["detached_layout"] != r["executor"]["layout"]:
+        lines.append("detached layout: " + ", ".join(f"{k}={v}" for k, v in r["executor"]["detached_layout"].items()))
+    if not r["executor"]["layout_identical_across_ranks"]:
+        lines.append("executor: THE RANKS CHOSE DIFFERENT LAYOUTS")
+    for c in r["collectives_timed"]:
+        lines.append(f"in the time: {c}")
+    lines.append(
+        f"step: the slowest rank's median [min-max] of {r['replays']} "
+        + ("replays, L2 flushed before each; " if r["gpu"] else "eager runs; ")
+        + "detached: the same ranks without their collectives; coll = step - detached; "
+        "floor = the largest rank's bytes / its copy bandwidth; % = floor / step"
+    )
+    head = (
+        f"{'context':>7} {'routing':<10} {'experts/L':>9} {'GB/rank':>8} {'floor us':>9} | "
+        f"{'step us [min-max]':<26} {'%':>5} | {'detached us':>11} {'coll us':>9} | {'by rank us':<30} {'check':<6}"
+    )
+    lines += [head, "-" * len(head)]
+    for run in r["runs"]:
+        e, d, c = run["executor"], run["detached"], run["check"]
+        experts = sum(run["distinct_experts"]) / len(run["distinct_experts"])
+        ok = c["finite"] and c["replicated_output_identical"] and c["routing_identical"]
+        lines.append(
+            f"{run['context']:>7} {run['routing']:<10} {experts:>9.1f} {max(run['bytes_by_rank']) / 1e9:>8.3f} "
+            f"{_us(run['floor_s']):>9} | {_span(e):<26} "
+            f"{100 * e['fraction_of_floor']:>4.1f}% | {_us(d['median_s']):>11} {_us(run['collectives_s']):>9} | "
+            f"{' '.join(_us(t['median_s']) for t in e['by_rank']):<30} "
+            + ("ok" if ok else "FAILED: " + ", ".join(k for k, v in c.items() if not v))
+        )
+    return "\n".join(lines)
+
+
+def table(record: dict[str, Any]) -> str:
+    if "ranks" in record:
+        return ranks_table(record)
+    r = record
+    lines = _header(r)
     if not r["speed_claim"]:
         why = "eager on the CPU" if r["gpu"] is None else "the tiny config is a smoke run"
         lines.append(f"NOT A SPEED CLAIM ({why}): these times only show the bench runs.")
@@ -84,14 +148,10 @@ def table(record: dict[str, Any]) -> str:
     for run in r["runs"]:
         b, e = run["baseline"], run["executor"]
         experts = sum(run["distinct_experts"]) / len(run["distinct_experts"])
-
-        def span(t: dict[str, Any]) -> str:
-            return f"{_us(t['median_s'])} [{_us(t['min_s'])}-{_us(t['max_s'])}]"
-
         lines.append(
             f"{run['context']:>7} {run['routing']:<10} {experts:>9.1f} {run['bytes'] / 1e9:>7.3f} "
-            f"{_us(run['floor_s']):>9} | {span(b):<26} {100 * b['fraction_of_floor']:>4.1f}% | "
-            f"{span(e):<26} {100 * e['fraction_of_floor']:>4.1f}% | {run['speedup_baseline_over_executor']:>9.3f} "
+            f"{_us(run['floor_s']):>9} | {_span(b):<26} {100 * b['fraction_of_floor']:>4.1f}% | "
+            f"{_span(e):<26} {100 * e['fraction_of_floor']:>4.1f}% | {run['speedup_baseline_over_executor']:>9.3f} "
             f"{run['check']['attention_relative_error']:>8.1e} {run['check']['relative_error_baseline_vs_executor']:>8.1e} "
             f"{run['check']['layers_routed_alike']:>3}/{len(run['distinct_experts']):<2}"
             + ("" if run["check"]["finite"] else "  NOT FINITE")

@@ -90,6 +90,25 @@ def _collectives(cfg: BenchConfig) -> list[str]:
     return [f"{c}, every layer" for c in per_layer]
 
 
+def model_record(cfg: BenchConfig) -> dict[str, Any]:
+    """The record's model: the preset cut to the config's layers, its widths."""
+    spec = cfg.spec()
+    return {
+        "preset": cfg.preset,
+        "layers": spec.num_layers,
+        "layer_types": list(spec.layer_types),
+        "hidden_size": spec.H,
+        "heads": spec.num_attention_heads,
+        "kv_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "experts": spec.E,
+        "top_k": spec.top_k,
+        "moe_hidden_size": spec.P,
+        "moe_intermediate_size": spec.I,
+        "sliding_window": spec.sliding_window,
+    }
+
+
 def _block_kind(name: str, weights) -> str:
     kind, _, index = name.partition(".")
     if kind == "attention":
@@ -276,20 +295,7 @@ def run(
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "flashinfer": flashinfer_version(),
-        "model": {
-            "preset": cfg.preset,
-            "layers": spec.num_layers,
-            "layer_types": list(spec.layer_types),
-            "hidden_size": spec.H,
-            "heads": spec.num_attention_heads,
-            "kv_heads": spec.num_key_value_heads,
-            "head_dim": spec.head_dim,
-            "experts": spec.E,
-            "top_k": spec.top_k,
-            "moe_hidden_size": spec.P,
-            "moe_intermediate_size": spec.I,
-            "sliding_window": spec.sliding_window,
-        },
+        "model": model_record(cfg),
         "shard": {
             "tp": cfg.tp,
             "rank": cfg.rank,

@@ -3,7 +3,9 @@ the CPU) run eagerly, which is a smoke figure and never a speed claim.
 
 On a GPU every replay is timed alone (an event pair around it) after a write
 of ``FLUSH_BYTES`` that evicts L2, so no replay finds the previous one's weights
-in L2; the figures are the median and the min-max of the replays.
+in L2; the figures are the median and the min-max of the replays. Where the
+work holds collectives across processes, ``barrier`` lines the ranks up before
+each timing (``ranks.py``).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ def summarize(seconds: list[float]) -> Times:
 
 
 class Timer:
-    """Captures and times work on one device. ``graph`` is False on the CPU."""
+    """Captures and times work on one device. ``graph`` is False on the CPU.
+    ``barrier``: called before each timing (every rank of a group starts together)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, barrier: Callable[[], None] | None = None):
+        self.device, self.barrier = device, barrier
         self.graph = device.type == "cuda"
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.graph else None
         self.pool = torch.cuda.graph_pool_handle() if self.graph else None
@@ -64,6 +67,8 @@ class Timer:
 
     def time(self, work: Any, replays: int) -> Times:
         """Each of ``replays`` replays (or eager runs) timed alone."""
+        if self.barrier is not None:
+            self.barrier()
         if not self.graph:
             seconds = []
             for _ in range(replays):

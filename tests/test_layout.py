@@ -56,11 +56,11 @@ def registry(*extra: type, base: bool = True) -> Registry:
 class Timer:
     """A ``measure`` function with fixed seconds per provider name that records its calls."""
 
-    def __init__(self, seconds: Mapping[str, float]):
+    def __init__(self, seconds: Mapping[str, float | None]):
         self.seconds = dict(seconds)
         self.calls: list[tuple[str, str]] = []
 
-    def __call__(self, kind: str, cls: type, layout: Mapping[str, type]) -> float:
+    def __call__(self, kind: str, cls: type, layout: Mapping[str, type]) -> float | None:
         self.calls.append((kind, cls.name))
         assert kind not in layout or layout[kind].block == kind
         return self.seconds[cls.name]
@@ -184,6 +184,19 @@ def test_measure_skips_unsupported_and_uncontested(tmp_path: Path) -> None:
     assert sorted(timer.calls) == [("moe", "alt.moe"), ("moe", "base.moe")]
     assert layout.choices["attention"].how == "priority"
     assert layout.choices["moe"].chosen.name == "alt.moe"
+
+
+def test_a_candidate_that_cannot_be_timed_is_not_chosen_by_time(tmp_path: Path) -> None:
+    """measure returns None for a layer it cannot time (a transport a CUDA graph
+    cannot capture): the others are compared; with none timed, priority stands."""
+    reg = registry(provider("host.attention", "attention", 9), provider("quick.attention", "attention", 1))
+    timer = Timer({"base.attention": 30e-6, "host.attention": None, "quick.attention": 40e-6})
+    layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert (layout.choices["attention"].chosen.name, layout.choices["attention"].how) == ("base.attention", "measured")
+    assert "host.attention: " not in layout.table()
+    untimed = Timer({"base.attention": None, "host.attention": None, "quick.attention": None})
+    layout = resolve(reg, DEPLOYMENT, measure=untimed, cache_dir=tmp_path / "none")
+    assert (layout.choices["attention"].chosen.name, layout.choices["attention"].how) == ("host.attention", "priority")
 
 
 def test_nothing_contested_writes_no_cache(tmp_path: Path) -> None:

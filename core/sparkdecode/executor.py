@@ -282,13 +282,20 @@ class SpecializedDecode:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
-    def _measure(self, kind: str, cls: type, layout: Mapping[str, type]) -> float:
+    def _measure(self, kind: str, cls: type, layout: Mapping[str, type]) -> float | None:
         """Seconds per replay of one whole layer (boundary, attention, attention
         boundary, MoE; the final boundary too when it is the kind measured) in a CUDA
         graph, with ``cls`` serving ``kind``: the candidate in place, launch gaps and
-        overlaps included. The slowest rank's time, so every rank decides alike."""
+        overlaps included. The slowest rank's time, so every rank decides alike.
+        None when the layer's all-reduce runs torch.distributed collectives over a
+        group a CUDA graph cannot capture (gloo): that candidate is not timed."""
         classes = dict(layout)
         classes[kind] = cls
+        if self.group is not None and getattr(classes.get("all_reduce"), "host_collectives", False):
+            import torch.distributed as dist
+
+            if dist.get_backend(self.group) != "nccl":
+                return None
         spec, rows, device = self.spec, self.config.q, self.device
         index = 1 if spec.num_layers > 1 else 0
         buffers: dict[str, torch.Tensor] = {

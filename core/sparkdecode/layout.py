@@ -32,8 +32,9 @@ from .weights import NVFP4_FORMATS
 logger = logging.getLogger(__name__)
 
 # measure(kind, candidate, layout) -> seconds for one layer with ``candidate`` serving
-# ``kind`` and ``layout`` (kind -> class) serving the others.
-Measure = Callable[[str, type, Mapping[str, type]], float]
+# ``kind`` and ``layout`` (kind -> class) serving the others, or None where that layer
+# cannot be timed here (a CUDA graph cannot capture its transport): not chosen by time.
+Measure = Callable[[str, type, Mapping[str, type]], float | None]
 
 
 class LayoutError(ValueError):
@@ -222,10 +223,12 @@ def resolve(
                 continue
             layout = {k: c.chosen.cls for k, c in choices.items()}
             cand.seconds = measure(kind, reg.cls, layout)
-            if best is None or cand.seconds < best[0]:
+            if cand.seconds is not None and (best is None or cand.seconds < best[0]):
                 best = (cand.seconds, reg)
-        assert best is not None
-        choices[kind] = Choice(kind, best[1], "measured", [c for _, c in table[kind]])
+        if best is not None:
+            choices[kind] = Choice(kind, best[1], "measured", [c for _, c in table[kind]])
+        # else: no candidate could be timed here (every one needs a transport that a
+        # CUDA graph cannot capture); the priority choice stands.
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "chosen": {k: choices[k].chosen.name for k in contested},

@@ -233,6 +233,8 @@ class ReferenceAllReduce(_Reference):
 
     block = "all_reduce"
     name = "reference.all_reduce"
+    # torch.distributed collectives: capturable in a CUDA graph over NCCL only.
+    host_collectives = True
 
     def __init__(self, ctx: BuildContext):
         self.collectives = ctx.collectives

@@ -100,8 +100,10 @@ def test_tilings_equal_reference_and_print_their_streams():
         ref.run(name, x, expected)
         for plan in splitk_plans(*w.shape, w.dtype == torch.float32, 8, sms=sms)[:4]:
             op = SplitKWeight(name, w, 8, sms, plan)
-            workspace = torch.zeros(max(1, plan.workspace), device=device)
-            op.share(workspace, torch.zeros(plan.tiles, dtype=torch.int32, device=device))
+            op.share(
+                torch.zeros(max(1, plan.workspace), device=device),
+                torch.zeros(plan.tiles, dtype=torch.int32, device=device),
+            )
             out = torch.empty_like(expected)
             op(x, out)
             check_close(f"{name} {plan}", x, w, out, expected)

@@ -48,6 +48,7 @@ class SplitKWeight(_Weight):
         if workspace.numel() < self.plan.workspace or counters.numel() < self.plan.tiles:
             raise ValueError(f"cute.linear_splitk {self.name}: workspace or counters too small for {self.plan}")
         self.buffers = (pointer(workspace, VECTOR_BYTES), pointer(counters, 4))
+        self.shared = (workspace, counters)  # held: the kernel has only their addresses
 
 
 class CuteLinearSplitK(CuteLinear):

@@ -127,11 +127,11 @@ def test_experts_unsupported_shapes():
     marlin = dataclasses.replace(hopper, expert_format="nvfp4_marlin")
     assert experts.CudaExperts.unsupported(marlin) is None  # the bf16 edge layers
     assert "not nvfp4_marlin" in experts.CudaExpertsNvfp4.unsupported(marlin)
-    # Marlin's layout: its own provider, not registered until its GPU test passes
+    # Marlin's layout: its own provider
     assert experts.CudaExpertsNvfp4Marlin.unsupported(marlin) is None
     assert "SM90 Marlin layout, not" in experts.CudaExpertsNvfp4Marlin.unsupported(hopper)
     assert "multiples of 64" in experts.shape_unsupported(4096, 96, "nvfp4_marlin", 8, 8)
-    assert experts.CudaExpertsNvfp4Marlin not in plugin.PROVIDERS
+    assert experts.CudaExpertsNvfp4Marlin in plugin.PROVIDERS
 
 
 def test_markov_kernel_compiles_and_says_what_it_takes(tmp_path, monkeypatch):

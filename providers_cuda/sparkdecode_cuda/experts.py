@@ -198,7 +198,7 @@ class CudaExpertsNvfp4(CudaExperts):
     layouts: ClassVar[tuple[str, ...]] = CHECKPOINT_FORMATS
     refusal = (
         "reads NVFP4 experts in the checkpoint's layout, not {} (vLLM's SM90 Marlin repack is read by "
-        "cuda.experts_nvfp4_marlin, not registered until verified on a GPU)"
+        "cuda.experts_nvfp4_marlin)"
     )
 
     @classmethod
@@ -246,8 +246,8 @@ def _marlin_scale_max(scale: torch.Tensor) -> torch.Tensor:
 class CudaExpertsNvfp4Marlin(CudaExpertsNvfp4):
     """Sub-op ``experts_nvfp4`` on vLLM's SM90 Marlin layout (``nvfp4_marlin``):
     Marlin's tiles and scales read in place by the same kernels (FMT 2), dequantized
-    in registers to nvfp4_marlin.dequantize's bits. Not registered until its GPU
-    test (tests/test_gpu_cuda_experts.py, the marlin cases) passes."""
+    in registers to nvfp4_marlin.dequantize's bits (tests/test_gpu_cuda_experts.py,
+    the marlin cases)."""
 
     name = "cuda.experts_nvfp4_marlin"
     format = "nvfp4_marlin"

@@ -9,7 +9,7 @@ from sparkdecode.plugins import hookimpl
 from .all_reduce import CudaAllReduce
 from .attention import CudaAttention
 from .boundary import CudaAttentionBoundary, CudaBoundary, CudaFinal
-from .experts import CudaExperts, CudaExpertsNvfp4
+from .experts import CudaExperts, CudaExpertsNvfp4, CudaExpertsNvfp4Marlin
 from .markov import CudaMarkov
 from .moe import CudaMoE
 
@@ -20,6 +20,7 @@ PROVIDERS: tuple[type, ...] = (
     CudaMoE,
     CudaExperts,
     CudaExpertsNvfp4,
+    CudaExpertsNvfp4Marlin,
     CudaFinal,
     CudaAllReduce,
     CudaMarkov,

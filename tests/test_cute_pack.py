@@ -98,11 +98,11 @@ def test_plan_reasons(gemv):
     assert "loads per thread" in gemv.plan_gemv(64, 65536, False, 8)
 
 
-def test_splitk_is_not_registered():
-    """cute.linear_splitk waits for its GPU test (tests/test_gpu_cute_linear_v2.py)."""
+def test_splitk_is_registered():
+    """cute.linear_splitk passed its GPU test (tests/test_gpu_cute_linear_v2.py)."""
     from sparkdecode_cute.linear_splitk import CuteLinearSplitK
 
-    assert CuteLinearSplitK not in plugin.PROVIDERS
+    assert CuteLinearSplitK in plugin.PROVIDERS
     hopper = _hopper(ModelSpec.preset("tiny"))
     assert CuteLinearSplitK.unsupported(hopper) is None
     assert (

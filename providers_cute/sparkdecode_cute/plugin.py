@@ -8,8 +8,9 @@ from sparkdecode.plugins import hookimpl
 
 from .experts import CuteExperts
 from .linear import CuteLinear
+from .linear_splitk import CuteLinearSplitK
 
-PROVIDERS: tuple[type, ...] = (CuteLinear, CuteExperts)
+PROVIDERS: tuple[type, ...] = (CuteLinear, CuteLinearSplitK, CuteExperts)
 
 
 @hookimpl

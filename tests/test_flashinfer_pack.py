@@ -213,17 +213,19 @@ def test_check_cache_names_the_problem():
     kvt = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
     table = torch.zeros(1, 4, dtype=torch.int32)
     ok = LayerKV(kvt[0], kvt[1], kv_entry(table, None).group, None)
-    support.check_cache("x", 0, ok, 2, 64, 16)
+    support.check_cache("x", 0, ok, 2, 64, 16, ok.window)
     with pytest.raises(ValueError, match="not bf16"):
-        support.check_cache("x", 0, ok._replace(k=kvt[0].float()), 2, 64, 16)
+        support.check_cache("x", 0, ok._replace(k=kvt[0].float()), 2, 64, 16, ok.window)
     with pytest.raises(ValueError, match=r"\[pages, 32, 2, 64\]"):
-        support.check_cache("x", 0, ok, 2, 64, 32)
+        support.check_cache("x", 0, ok, 2, 64, 32, ok.window)
     page_major = torch.zeros(16, 4, 2, 64, dtype=torch.bfloat16).transpose(0, 1)
     with pytest.raises(ValueError, match="different strides"):
-        support.check_cache("x", 0, ok._replace(v=page_major), 2, 64, 16)
+        support.check_cache("x", 0, ok._replace(v=page_major), 2, 64, 16, ok.window)
     strided = torch.zeros(4, 16, 2, 96, dtype=torch.bfloat16)[..., :64]
     with pytest.raises(ValueError, match="strides"):
-        support.check_cache("x", 0, ok._replace(k=strided, v=strided), 2, 64, 16)
+        support.check_cache("x", 0, ok._replace(k=strided, v=strided), 2, 64, 16, ok.window)
+    with pytest.raises(ValueError, match="cache window None, layer 2048"):
+        support.check_cache("x", 0, ok, 2, 64, 16, 2048)
 
 
 def test_jit_cache_round_trip(tmp_path, monkeypatch):

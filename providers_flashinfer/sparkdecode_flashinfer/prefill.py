@@ -135,9 +135,7 @@ class FlashInferPrefill:
 
     def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
         layer = kv[self.index]
-        check_cache(self.name, self.index, layer, self.kv_heads, self.head_dim, self.page_size)
-        if layer.window != self.window:
-            raise ValueError(f"{self.name}, layer {self.index}: cache window {layer.window}, layer {self.window}")
+        check_cache(self.name, self.index, layer, self.kv_heads, self.head_dim, self.page_size, self.window)
         self.group = self.shared.group(layer, lambda: _PrefillGroup(self, layer, self.workspace))
         self.owner = self.shared.owner(kv, self.index) == self.index
 

@@ -55,9 +55,14 @@ def per_context(ctx: BuildContext, name: str, make: Callable[[], T]) -> T:
     return _PER_CONTEXT[key]
 
 
-def check_cache(name: str, layer: int, kv: LayerKV, kv_heads: int, head_dim: int, page_size: int) -> None:
+def check_cache(
+    name: str, layer: int, kv: LayerKV, kv_heads: int, head_dim: int, page_size: int, window: int | None
+) -> None:
     """Raise unless ``kv`` is the cache form both kernels take: bf16 K/V views
-    [pages, page_size, Hkv, d] (NHD) with contiguous rows and the same strides."""
+    [pages, page_size, Hkv, d] (NHD) with contiguous rows and the same strides, of a
+    layer with the provider's ``window``."""
+    if kv.window != window:
+        raise ValueError(f"{name}, layer {layer}: cache window {kv.window}, layer {window}")
     for label, t in (("K", kv.k), ("V", kv.v)):
         if t.dtype != torch.bfloat16 or t.dim() != 4 or tuple(t.shape[1:]) != (page_size, kv_heads, head_dim):
             raise ValueError(

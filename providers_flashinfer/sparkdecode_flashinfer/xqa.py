@@ -125,9 +125,7 @@ class FlashInferXqa:
 
     def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
         layer = kv[self.index]
-        check_cache(self.name, self.index, layer, self.kv_heads, self.head_dim, self.page_size)
-        if layer.window != self.window:
-            raise ValueError(f"{self.name}, layer {self.index}: cache window {layer.window}, layer {self.window}")
+        check_cache(self.name, self.index, layer, self.kv_heads, self.head_dim, self.page_size, self.window)
         self.pages, self.owner = None, False
         if self.window is not None:
             window = self.window

@@ -336,8 +336,9 @@ def test_bench_record_on_the_cpu(weights):
     """The draft step's record (on the CPU: eager, a smoke figure)."""
     from sparkdecode.draft.bench import bench_draft_step
 
-    record = bench_draft_step(weights, context=100, name="draft-tiny", replays=2)
+    record = bench_draft_step(weights, context=100, name="draft-tiny", replays=2, command="draft bench, tiny")
     assert record["kind"] == "draft_step" and record["graph"] is False and record["context"] == 100
+    assert record["command"] == "draft bench, tiny"
     assert set(record["layout"]) == set(DRAFT_KINDS)
     assert record["step"]["count"] == 2 and record["floor"]["bytes"] == sum(record["floor"]["blocks"].values())
     assert 0 < record["floor"]["fraction"]

@@ -137,9 +137,12 @@ def test_real_width_draft_step_time_and_floor(context):
 
     target_spec = ModelSpec.preset("muse-spark-open")
     weights = random_draft_weights(DraftSpec.preset("muse-spark-open"), target_stub(target_spec), seed=3)
-    record = bench_draft_step(weights, context, name=f"draft-real-L5-ctx{context}", registry=discover())
+    out = os.environ.get("SPARKDECODE_DRAFT_RECORD")
+    command = f"SPARKDECODE_DRAFT_RECORD={out} python -m pytest -m gpu tests/test_draft_gpu.py -k 'time_and_floor and {context}'"
+    record = bench_draft_step(
+        weights, context, name=f"draft-real-L5-ctx{context}", registry=discover(), command=command
+    )
     assert record["graph"] and 0 < record["floor"]["fraction"] <= 1.0
     print(record["step"], record["floor"]["seconds"], record["floor"]["fraction"], record["layout"])
-    out = os.environ.get("SPARKDECODE_DRAFT_RECORD")
     if out:
         print(write(record, Path(out)))

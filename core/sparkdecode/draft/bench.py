@@ -35,9 +35,11 @@ def bench_draft_step(
     registry: Registry | None = None,
     pins: Mapping[str, str] | None = None,
     seed: int = 0,
+    command: str = "",
 ) -> dict[str, Any]:
     """Time one draft step whose last query sits at ``context - 1``; returns the
-    record (``bench.report.write`` stores it under ``name``)."""
+    record (``bench.report.write`` stores it under ``name``), with ``command``, the
+    command line that ran it."""
     spec, device = weights.spec, weights.device
     g = torch.Generator(device=device).manual_seed(seed)
     max_context = max(context, CONTEXT_ROWS + NUM_QUERY)
@@ -65,6 +67,7 @@ def bench_draft_step(
     return {
         "config": name,
         "kind": "draft_step",
+        "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **provenance(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -11,7 +11,7 @@ import gc
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -239,7 +239,7 @@ def test_jit_cache_round_trip(tmp_path, monkeypatch):
     (jit / "half_built").mkdir()  # a build that never linked
     (jit / "half_built" / "half_built.o").write_bytes(b"")
     key = "0.7.2.post1/90a/cu13.0"
-    monkeypatch.setattr(jit_cache, "_paths", lambda: (jit, aot, key))
+    monkeypatch.setattr(jit_cache, "_paths", lambda cuda=None: (jit, aot, key))
     files, members = jit_cache.save(out)
     assert files == [out / "flashinfer-jit.tar.gz"] and [p.name for p in out.iterdir()] == ["flashinfer-jit.tar.gz"]
     assert members == [f"{key}/trtllm_comm/trtllm_comm.so", f"{key}/xqa_a/xqa_a.so"]
@@ -248,7 +248,7 @@ def test_jit_cache_round_trip(tmp_path, monkeypatch):
     assert [p.parent.name for p in jit_cache.load(files[0])] == ["xqa_a"]
     assert (aot / "xqa_a" / "xqa_a.so").read_bytes() == b"xqa_a"
     assert (aot / "trtllm_comm" / "trtllm_comm.so").read_bytes() == b"shipped"
-    monkeypatch.setattr(jit_cache, "_paths", lambda: (jit, tmp_path / "other", "0.7.3/90a/cu13.0"))
+    monkeypatch.setattr(jit_cache, "_paths", lambda cuda=None: (jit, tmp_path / "other", "0.7.3/90a/cu13.0"))
     assert jit_cache.load(files[0]) == []
     assert jit_cache.load(tmp_path / "missing.tar.gz") == []
     # The next machine compiled only fa2 (it loaded the others): a save merging the
@@ -257,7 +257,7 @@ def test_jit_cache_round_trip(tmp_path, monkeypatch):
     (jit / "trtllm_comm" / "trtllm_comm.so").unlink()
     (jit / "fa2").mkdir()
     (jit / "fa2" / "fa2.so").write_bytes(bytes(range(256)) * 64)
-    monkeypatch.setattr(jit_cache, "_paths", lambda: (jit, tmp_path / "aot2", key))
+    monkeypatch.setattr(jit_cache, "_paths", lambda cuda=None: (jit, tmp_path / "aot2", key))
     (merged,), members = jit_cache.save(tmp_path / "next.tar", merge=(files[0], tmp_path / "absent.tar.gz"))
     assert members == [f"{key}/fa2/fa2.so", f"{key}/trtllm_comm/trtllm_comm.so", f"{key}/xqa_a/xqa_a.so"]
     parts, _ = jit_cache.save(tmp_path / "split.tar", merge=(merged,), split_mib=4096 / 2**20)
@@ -271,6 +271,39 @@ def test_jit_cache_round_trip(tmp_path, monkeypatch):
     legacy.mkdir(parents=True)
     (legacy / "old.so").write_bytes(b"old")
     assert [p.parent.name for p in jit_cache.load(tmp_path / "legacy")] == ["old"]
+
+
+def test_jit_cache_key_without_cuda_torch(tmp_path, monkeypatch):
+    """A torch without CUDA gives no key: ``--cuda`` names it, for modules built on a
+    CPU machine; the key comes from FlashInfer's release and target arch."""
+    root = tmp_path / "fi" / "0.7.2.post1" / "90a"
+    env = SimpleNamespace(
+        flashinfer_version="0.7.2.post1",
+        FLASHINFER_WORKSPACE_DIR=root,
+        FLASHINFER_JIT_DIR=root / "cached_ops",
+        FLASHINFER_AOT_DIR=tmp_path / "aot",
+    )
+    flashinfer = ModuleType("flashinfer")
+    flashinfer.jit = ModuleType("flashinfer.jit")
+    flashinfer.jit.env = env
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
+    monkeypatch.setitem(sys.modules, "flashinfer.jit", flashinfer.jit)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    (root / "cached_ops" / "trtllm_comm").mkdir(parents=True)
+    (root / "cached_ops" / "trtllm_comm" / "trtllm_comm.so").write_bytes(b"comm")
+    out = tmp_path / "out.tar.gz"
+    with pytest.raises(ValueError, match="--cuda"):
+        jit_cache.save(out)
+    assert jit_cache.main(["save", str(out)]) == 2 and not out.exists()
+    with pytest.raises(ValueError, match="key"):
+        jit_cache.save(out, cuda="13.0/..")
+    assert jit_cache.main(["save", str(out), "--cuda", "13.0"]) == 0
+    assert list(jit_cache.read_archive(out)) == ["0.7.2.post1/90a/cu13.0/trtllm_comm/trtllm_comm.so"]
+    assert jit_cache.load(out, cuda="12.9") == []
+    assert jit_cache.main(["load", str(out), "--cuda", "13.0"]) == 0
+    assert (tmp_path / "aot" / "trtllm_comm" / "trtllm_comm.so").read_bytes() == b"comm"
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert jit_cache._paths()[2] == "0.7.2.post1/90a/cu13.0"
 
 
 def test_jit_cache_archive_members_are_plain_module_paths():

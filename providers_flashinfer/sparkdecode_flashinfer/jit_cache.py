@@ -20,8 +20,13 @@ machine has none of it. Here:
   fails to load is rebuilt by FlashInfer. A folder in the older layout (the same
   paths as files) loads too.
 
-    python -m sparkdecode_flashinfer.jit_cache save DEST [--merge ARCHIVE] [--split-mib N]
-    python -m sparkdecode_flashinfer.jit_cache load ARCHIVE
+The key's CUDA is the one torch was built with; ``--cuda`` names it instead, as for
+a torch without CUDA: modules built on a CPU machine (``FLASHINFER_CUDA_ARCH_LIST``
+naming the arch, an nvcc of the GPU machine's CUDA) are saved with ``--cuda`` set to
+the CUDA of the GPU machine's torch.
+
+    python -m sparkdecode_flashinfer.jit_cache save DEST [--merge ARCHIVE] [--split-mib N] [--cuda V]
+    python -m sparkdecode_flashinfer.jit_cache load ARCHIVE [--cuda V]
 
 ``scripts/device-install`` runs ``load`` from ``$SPARKDECODE_FLASHINFER_JIT``
 (default ``.flashinfer-jit.tar.gz`` in the checkout, or its parts) when it exists.
@@ -42,14 +47,20 @@ SUFFIXES = {".tar": "", ".tar.gz": "gz", ".tar.xz": "xz"}
 MEMBER = re.compile(r"^(\w[\w.+-]*/\w[\w.+-]*/cu[\w.]+)/(\w[\w.+-]*)/\2\.so$")
 
 
-def _paths() -> tuple[Path, Path, str]:
+def _paths(cuda: str | None = None) -> tuple[Path, Path, str]:
     """FlashInfer's JIT folder, its AOT folder, and the key of this install: release,
-    target arch(s) and the CUDA that torch was built with."""
+    target arch(s) and the CUDA that torch was built with (``cuda`` in its place)."""
     import torch
     from flashinfer.jit import env
 
+    cuda = cuda or torch.version.cuda
+    if cuda is None:
+        raise ValueError("this torch has no CUDA: name the CUDA of the modules with --cuda (e.g. 13.0)")
     arch = env.FLASHINFER_WORKSPACE_DIR.name  # e.g. 90a
-    return env.FLASHINFER_JIT_DIR, env.FLASHINFER_AOT_DIR, f"{env.flashinfer_version}/{arch}/cu{torch.version.cuda}"
+    key = f"{env.flashinfer_version}/{arch}/cu{cuda}"
+    if not MEMBER.match(f"{key}/m/m.so"):
+        raise ValueError(f"{key!r} is not a release/arch/cu<CUDA> key")
+    return env.FLASHINFER_JIT_DIR, env.FLASHINFER_AOT_DIR, key
 
 
 def _modules(root: Path) -> list[Path]:
@@ -93,10 +104,12 @@ def read_archive(path: Path) -> dict[str, bytes]:
     return out
 
 
-def save(dest: Path, merge: tuple[Path, ...] = (), split_mib: float | None = None) -> tuple[list[Path], list[str]]:
+def save(
+    dest: Path, merge: tuple[Path, ...] = (), split_mib: float | None = None, cuda: str | None = None
+) -> tuple[list[Path], list[str]]:
     """Write the compiled modules (and ``merge``'s that are not compiled here) into
     one archive; returns (the files written, the members)."""
-    jit, _, key = _paths()
+    jit, _, key = _paths(cuda)
     members = {f"{key}/{so.parent.name}/{so.name}": so.read_bytes() for so in _modules(jit)}
     for old in merge:
         for name, data in read_archive(old).items():
@@ -124,11 +137,11 @@ def save(dest: Path, merge: tuple[Path, ...] = (), split_mib: float | None = Non
     return written, sorted(members)
 
 
-def load(source: Path) -> list[Path]:
+def load(source: Path, cuda: str | None = None) -> list[Path]:
     """Put the modules saved under this install's key into FlashInfer's AOT folder
     (a module already there is left as it is). ``source``: an archive (or its
     parts), or a folder of the same paths."""
-    _, aot, key = _paths()
+    _, aot, key = _paths(cuda)
     if source.is_dir():
         found = {f"{key}/{so.parent.name}/{so.name}": so.read_bytes() for so in _modules(source / key)}
     else:
@@ -159,17 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", type=Path, help="save: the archive (.tar, .tar.gz, .tar.xz) or its folder; load: it")
     parser.add_argument("--merge", type=Path, action="append", default=[], help="save: also an earlier archive's")
     parser.add_argument("--split-mib", type=float, default=None, help="save: cut a larger archive into parts")
+    parser.add_argument("--cuda", default=None, help="the key's CUDA (e.g. 13.0) in place of torch's")
     args = parser.parse_args(argv)
     try:
         if args.action == "save":
-            files, members = save(args.path, tuple(args.merge), args.split_mib)
+            files, members = save(args.path, tuple(args.merge), args.split_mib, args.cuda)
             size = sum(p.stat().st_size for p in files) / 2**20
             names = ", ".join(m.split("/")[-2] for m in members)
             print(
                 f"flashinfer jit cache: saved {len(members)} modules in {', '.join(map(str, files))} ({size:.1f} MiB): {names}"
             )
         else:
-            done = load(args.path)
+            done = load(args.path, args.cuda)
             size = sum(p.stat().st_size for p in done) / 2**20
             print(
                 f"flashinfer jit cache: loaded {len(done)} modules ({size:.1f} MiB): {', '.join(p.parent.name for p in done)}"
@@ -179,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (tarfile.TarError, OSError) as e:
         print(f"flashinfer jit cache: {args.path}: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"flashinfer jit cache: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -155,3 +155,64 @@ def test_markov_kernel_compiles_and_says_what_it_takes(tmp_path, monkeypatch):
     assert "draft" in markov.CudaMarkov.unsupported(dataclasses.replace(plain, device="cuda", capability=(9, 0)))
     assert markov.grid_blocks(202048) == 198 and markov.grid_blocks(1024) == 1
     assert markov.fp32_reciprocal(20.0) == float(torch.tensor(0.05, dtype=torch.float32))
+
+
+# The dense weights (N, K) at TP1, on one TP8 rank, with the pooler and unpooler
+# column-sharded over 8 ranks, and the tiny spec's (the router is fp32).
+LINEAR_SHAPES = {
+    "qkvg": [(18432, 8192), (2304, 8192), (2304, 1024)],
+    "o_proj": [(8192, 8192), (8192, 1024), (1024, 1024)],
+    "router": [(256, 8192), (16, 1024)],
+    "pooler": [(4096, 8192), (512, 8192), (512, 1024)],
+    "unpooler": [(8192, 4096), (1024, 4096), (1024, 512)],
+}
+
+
+@pytest.mark.parametrize("name,n,k", [(name, n, k) for name, shapes in LINEAR_SHAPES.items() for n, k in shapes])
+def test_linear_kernel_compiles_for_hopper(name, n, k, tmp_path, monkeypatch):
+    """linear_kernel under the plan cuda.linear picks on an H200 (132 SMs) for every
+    dense weight shape, and under the plan of the most rows and loads a thread."""
+    from sparkdecode_cuda import linear
+
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    fp32 = name == "router"
+    chosen = linear.plan(n, k, fp32, 132)
+    widest = max(linear.plans(n, k, fp32), key=lambda p: (p.rows, p.tm * p.depth))
+    for p in {chosen, widest}:
+        assert p.ctas * p.rows // p.splits == n and p.splits <= linear.MAX_SPLITS
+        cubin = nvrtc.compile_cubin(linear.SOURCE, "sm_90a", p.defines(), linear.COMPILE_OPTIONS)
+        assert b"linear_kernel" in cubin
+
+
+def test_linear_plans_and_unsupported_shapes():
+    from sparkdecode_cuda import linear, plugin
+
+    # o_proj at TP8: wide and short; qkvg at TP8: narrow and long, split over a cluster
+    assert linear.plan(8192, 1024, False, 132).splits == 1
+    qkvg = linear.plan(2304, 8192, False, 132)
+    assert qkvg.splits > 1 and qkvg.ctas >= 132 and 8192 // qkvg.splits <= linear.MAX_SLICE
+    assert "qkvg 2300 x 8192" in linear.shape_unsupported("qkvg", 2300, 8192, False)
+    assert "multiple of 256" in linear.shape_unsupported("o_proj", 8192, 1000, False)
+    assert "up to 16384" in linear.shape_unsupported("pooler", 4096, 32768, False)
+    assert linear.shape_unsupported("router", 256, 8192, True) is None
+    with pytest.raises(ValueError, match="N a multiple of 16"):
+        linear.plan(100, 1024, False, 132)
+    spec = ModelSpec.preset("muse-spark-open")
+    cpu = detect(spec, device="cpu")
+    assert linear.CudaLinear.unsupported(cpu) == "needs a CUDA GPU"
+    assert "SM90" in linear.CudaLinear.unsupported(dataclasses.replace(cpu, device="cuda", capability=(8, 0)))
+    hopper = dataclasses.replace(cpu, device="cuda", capability=(9, 0))
+    for tp, shard in ((1, False), (8, False), (8, True)):
+        d = dataclasses.replace(hopper, tp=tp, shard_pooler=shard, shard_unpooler=shard)
+        assert linear.CudaLinear.unsupported(d) is None
+    assert linear.deployment_shapes(dataclasses.replace(hopper, tp=8)) == {
+        "qkvg": (2304, 8192),
+        "o_proj": (8192, 1024),
+        "router": (256, 8192),
+        "pooler": (4096, 8192),
+        "unpooler": (8192, 4096),
+    }
+    assert "rows a step" in linear.CudaLinear.unsupported(dataclasses.replace(hopper, max_rows=16))
+    tiny = detect(ModelSpec.preset("tiny"), device="cpu")
+    assert linear.CudaLinear.unsupported(dataclasses.replace(tiny, device="cuda", capability=(9, 0))) is None
+    assert linear.CudaLinear not in plugin.PROVIDERS  # registered once its GPU test passes

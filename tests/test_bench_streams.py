@@ -1,6 +1,6 @@
 """``sparkdecode bench streams-tp8-rank`` on the CPU: it refuses without a GPU, and
-the routed-expert streams' accounting and checks run eagerly at the tiny TP-8
-widths (times meaningless here; the GPU record is the claim)."""
+the routed-expert streams' accounting and checks run eagerly at tiny widths over
+TP 8 (times meaningless here; the GPU record is the claim)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_expert_streams_account_and_check_every_provider():
         discover(),
         1e12,
         1,
-        preset="tiny-tp8",
+        preset="tiny",  # P 512, I 512: a TP-8 rank's I-slice of 64 is a Marlin width
         layers=2,
         routings=("correlated",),
         slow_s=float("inf"),
@@ -46,28 +46,41 @@ def test_expert_streams_account_and_check_every_provider():
         # the tiny experts never fill CHAIN_BYTES: the chain is every layer drawn
         assert s["chain_layers"] == 2 and len(s["distinct_experts"]) == 2
         reference = "reference.experts_nvfp4" if s["kind"] == "experts_nvfp4" else "reference.experts"
-        assert set(s["providers"]) == {streams.TORCH, reference}
+        # Marlin's layout: the torch path's rows on the NVFP4 layers are the baseline, timed there
+        torch_path = set() if s["expert_format"] == "nvfp4_marlin" else {streams.TORCH}
+        assert set(s["providers"]) == torch_path | {reference}
         assert "needs a CUDA GPU" in s["unsupported"][f"cuda.{s['kind']}"]
+        if s["kind"] == "experts_nvfp4":
+            assert "needs a CUDA GPU" in s["unsupported"]["cuda.experts_nvfp4_marlin"]
         assert 1 <= min(s["distinct_experts"]) and max(s["distinct_experts"]) <= streams.CORRELATED_EXPERTS
         for figures in s["providers"].values():
             assert figures["isolated"]["bytes"] == s["distinct_experts"][0] * s["expert_bytes"]
             assert figures["chained"]["bytes"] == sum(s["distinct_experts"]) * s["expert_bytes"]
             assert figures["relative_error_vs_torch"] < 1e-2 and figures["checked_layers"] == 2
-    # an expert TP and an EP stream of one format see the same routing
-    assert out[0]["distinct_experts"] == out[1]["distinct_experts"]
-    assert "isolated only (slow)" not in streams.experts_report(out, 1e12)
-    nvfp4_tp = next(s for s in out if s["stream"] == "experts nvfp4 expert-TP")
-    bf16_tp = next(s for s in out if s["stream"] == "experts bf16 expert-TP")
-    # an NVFP4 expert: codes (half a byte), an e4m3 scale per 16 values, 3 fp32 globals
-    assert nvfp4_tp["expert_bytes"] == bf16_tp["expert_bytes"] // 4 + bf16_tp["expert_bytes"] // 32 + 12
+    # the streams of one shard form see the same routing
+    for parallel in ("expert-TP", "EP"):
+        forms = [s["distinct_experts"] for s in out if s["stream"].endswith(parallel)]
+        assert len(forms) == 3 and forms[0] == forms[1] == forms[2]
+    report = streams.experts_report(out, 1e12)
+    assert "isolated only (slow)" not in report
+    assert all(f"{s['stream']} {s['routing']}" in " ".join(report.split()) for s in out)
+    named = {s["stream"]: s for s in out}
+    bf16, nvfp4, marlin = (named[f"experts {f} expert-TP"] for f in ("bf16", "nvfp4", "nvfp4-marlin"))
+    # an NVFP4 expert: codes (half a byte), an e4m3 scale per 16 values, 3 fp32 globals;
+    # in Marlin's layout the same codes and scale bytes, 2 fp32 globals (W13's halves share one)
+    assert nvfp4["expert_bytes"] == bf16["expert_bytes"] // 4 + bf16["expert_bytes"] // 32 + 12
+    assert marlin["expert_bytes"] == nvfp4["expert_bytes"] - 4
 
 
 def test_draw_experts_shard_forms():
     spec = streams.ModelSpec.preset("tiny-tp8", 1)
     g = torch.Generator().manual_seed(0)
-    ep = streams.draw_experts(spec, streams.EXPERT_STREAMS[3], g, torch.device("cpu"))
+    stream = {s.name: s for s in streams.EXPERT_STREAMS}
+    ep = streams.draw_experts(spec, stream["experts nvfp4 EP"], g, torch.device("cpu"))
     assert ep.format == "nvfp4" and ep.num_local == spec.E // 8 and ep.w2.shape == (spec.E // 8, spec.P, spec.I // 2)
-    tp = streams.draw_experts(spec, streams.EXPERT_STREAMS[0], g, torch.device("cpu"))
+    ep = streams.draw_experts(spec, stream["experts nvfp4-marlin EP"], g, torch.device("cpu"))
+    assert ep.format == "nvfp4_marlin" and ep.w2.shape == (spec.E // 8, spec.I // 16, 2 * spec.P)
+    tp = streams.draw_experts(spec, stream["experts bf16 expert-TP"], g, torch.device("cpu"))
     assert tp.intermediate_slice == (0, spec.I // 8) and tp.w13.shape == (spec.E, 2 * spec.I // 8, spec.P)
     assert expert_bytes(type("L", (), {"experts": tp})) == 3 * (spec.I // 8) * spec.P * 2
 

@@ -1,8 +1,8 @@
 """The Marlin-layout experts kernels' addressing and decode (experts.cu, FMT 2), emulated
 on the CPU: every lane's loads, nibbles, scale bytes and fp32 operations, placed
 where the m16n8k16 A fragment puts them, rebuild nvfp4_marlin.dequantize's bf16
-weights bit for bit; and the torch-only Marlin packer of the GPU test
-(tests/marlin_pack.py) inverts nvfp4_marlin's unpacking.
+weights bit for bit; and the torch-only Marlin packer (the GPU tests' and the streams bench's)
+(nvfp4_marlin.marlin_form, pack_weight, pack_scales) inverts nvfp4_marlin's unpacking.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marlin_pack import marlin_form, pack_scales, pack_weight, random_marlin
+from marlin_pack import random_marlin
 from sparkdecode import nvfp4_marlin
 from sparkdecode.weights import ExpertWeights, Nvfp4Scales, quantize_experts
 
@@ -119,19 +119,19 @@ def quantized(num: int, hidden: int, inter: int, seed: int) -> ExpertWeights:
 def test_packer_inverts_nvfp4_marlins_unpacking():
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 256, (3, 192, 128 // 2), generator=g, dtype=torch.uint8)
-    assert torch.equal(nvfp4_marlin.unpack_weight(pack_weight(codes), 128, 192), codes)
+    assert torch.equal(nvfp4_marlin.unpack_weight(nvfp4_marlin.pack_weight(codes), 128, 192), codes)
     scale = (
         torch.randint(0, 0x7F, (3, 192, 128 // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     )
     want = torch.where(scale * 2**7 < 2, 0.0, scale)  # Marlin zeroes the scales below 2^-6
-    assert torch.equal(nvfp4_marlin.unpack_scales(pack_scales(scale), 128, 192), want)
+    assert torch.equal(nvfp4_marlin.unpack_scales(nvfp4_marlin.pack_scales(scale), 128, 192), want)
 
 
 def test_marlin_form_dequantizes_to_the_checkpoints_weights():
     """With W13's halves on one global scale and no scale below Marlin's floor, the
     packed form's weights are the checkpoint's, bit for bit."""
     q = quantized(3, 256, 128, seed=2)
-    marlin = marlin_form(q)
+    marlin = nvfp4_marlin.marlin_form(q)
     assert marlin.format == "nvfp4_marlin"
     for got, want in zip(marlin.dequantized(), q.dequantized(), strict=True):
         assert torch.equal(bits(got), bits(want))
@@ -142,7 +142,7 @@ def test_marlin_form_dequantizes_to_the_checkpoints_weights():
 
 
 def test_kernel_addressing_decodes_packed_experts_bit_exact():
-    marlin = marlin_form(quantized(2, 128, 64, seed=4))
+    marlin = nvfp4_marlin.marlin_form(quantized(2, 128, 64, seed=4))
     want13, want2 = marlin.dequantized()
     got13, got2 = emulate(marlin)
     assert torch.equal(bits(got13), bits(want13)) and torch.equal(bits(got2), bits(want2))

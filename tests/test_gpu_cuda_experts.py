@@ -1,5 +1,5 @@
 """providers_cuda's routed experts (cuda.experts, cuda.experts_nvfp4, and
-cuda.experts_nvfp4_marlin on vLLM's SM90 Marlin layout, made by tests/marlin_pack.py)
+cuda.experts_nvfp4_marlin on vLLM's SM90 Marlin layout, made by nvfp4_marlin.marlin_form)
 on a Hopper GPU against the reference (marker gpu).
 
 Bounds, and why: the NVFP4 values are dequantized to the reference's bf16 bits
@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from expert_check import assert_experts_close
-from marlin_pack import marlin_form, random_marlin
+from marlin_pack import random_marlin
+from sparkdecode.nvfp4_marlin import marlin_form
 from sparkdecode.protocols import BuildContext, ExpertsInput, RoutedTopk
 from sparkdecode.reference import functional as fn
 from sparkdecode.spec import ModelSpec

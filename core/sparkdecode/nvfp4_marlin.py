@@ -14,7 +14,12 @@ up/gate; ``prepare_nvfp4_moe_layer_for_marlin`` then, per expert:
   the fp16's exponent and top three mantissa bits (one byte, no sign);
 - global scales: fp32 times 2^119 (bf16 activations) divided by ``sf``.
 
-``from_marlin`` inverts all of it (a copy, for tests); ``marlin_experts`` holds
+``marlin_form`` does all of it to ``ExpertWeights("nvfp4")`` with torch alone: a
+model of vLLM's repack (``pack_weight`` of ``gptq_marlin_repack``, ``pack_scales``
+and ``scale_factor`` of the scale handling), the inverse of the unpacking here,
+for where vLLM's CUDA op is absent (the streams bench, the tests; vLLM's own
+repack is what serving reads). ``from_marlin`` inverts all of it (a copy, for
+tests); ``marlin_experts`` holds
 vLLM's tensors as they are (``ExpertWeights("nvfp4_marlin")``, views, no copy)
 and ``dequantize`` decodes them straight from Marlin's layout, capturably (the
 permutations are device tensors made once), to the same bits. The block scale times the global scale of every
@@ -199,6 +204,68 @@ def marlin_experts(
         )
     scales = Nvfp4MarlinScales(w13_scale, w13_global, w2_scale, w2_global, marlin_perms(w13.device))
     return ExpertWeights("nvfp4_marlin", w13, w2, first_expert, intermediate_slice, marlin=scales)
+
+
+def pack_weight(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., N, K / 2] checkpoint codes -> Marlin's int32 [..., K / 16, 2 N]
+    (``unpack_weight`` inverted; ``gptq_marlin_repack`` of the codes viewed as GPTQ words)."""
+    *lead, n, half = codes.shape
+    k = 2 * half
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)  # [..., N, K]
+    tiles = nibbles.transpose(-2, -1).reshape(*lead, k // 16, 16, n // 16, 16).transpose(-3, -2)
+    chunks = tiles.reshape(*lead, k // 16, n // 64, 1024)
+    marlin = chunks[..., _weight_perm().to(codes.device)].flatten(-2)  # [..., K/16, 16 N]
+    return (marlin[..., 0::2] | (marlin[..., 1::2] << 4)).to(torch.uint8).contiguous().view(torch.int32)
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 block scales [..., N, K / 16] (e4m3 values times a power of two, at most
+    448) -> Marlin's bytes [..., K / 16, N]: fp16(scale * 2^7), 0 below 2, its bits
+    14..7, permuted per 64 (``unpack_scales`` inverted)."""
+    half = (scale.transpose(-2, -1) * SCALE_SHIFT).to(torch.float16)
+    half = torch.where(half < 2, torch.zeros_like(half), half)
+    if not torch.equal(half.float(), torch.where(half == 0, 0.0, scale.transpose(-2, -1) * 2**7)):
+        raise ValueError("block scales must be e4m3 values times a power of two, at most 448")
+    byte = ((half.view(torch.int16) >> 7) & 0xFF).to(torch.uint8)
+    inverse = torch.argsort(marlin_perms(scale.device).scale)
+    lead = byte.shape[:-1]
+    return byte.unflatten(-1, (-1, 64))[..., inverse].reshape(*lead, -1).contiguous()
+
+
+def scale_factor(scale: torch.Tensor) -> float:
+    """vLLM's ``sf`` of a projection: the power of two bringing its largest block
+    scale to at most 448 (1 where it is already above)."""
+    largest = scale.float().amax().item()
+    return (
+        1.0
+        if largest >= nvfp4.E4M3_MAX or largest == 0
+        else 2.0 ** int(torch.tensor(nvfp4.E4M3_MAX / largest).log2().floor())
+    )
+
+
+def marlin_form(experts: ExpertWeights) -> ExpertWeights:
+    """``ExpertWeights("nvfp4")`` -> the ``nvfp4_marlin`` experts vLLM's SM90 Marlin
+    repack makes of them: W13 with the gate's global scale for both halves and W2's
+    global times up / gate (as vLLM folds them), each projection's scales times its
+    ``sf`` and the globals divided by it, times 2^119."""
+    q = experts.nvfp4
+    if experts.format != "nvfp4" or q is None:
+        raise ValueError(f"{experts.format} experts: Marlin's form is made of NVFP4 ones")
+    inter, hidden = experts.w2.shape[2] * 2, experts.w2.shape[1]
+    gate, up = q.w13_global[:, 0].float(), q.w13_global[:, 1].float()
+    sf13, sf2 = scale_factor(q.w13_scale), scale_factor(q.w2_scale)
+    return marlin_experts(
+        pack_weight(experts.w13),
+        pack_scales(q.w13_scale.float() * sf13).view(torch.float8_e4m3fn),
+        (gate * GLOBAL_SHIFT / sf13).contiguous(),
+        pack_weight(experts.w2),
+        pack_scales(q.w2_scale.float() * sf2).view(torch.float8_e4m3fn),
+        (q.w2_global.float() * (up / gate) * GLOBAL_SHIFT / sf2).contiguous(),
+        hidden,
+        inter,
+        experts.first_expert,
+        experts.intermediate_slice,
+    )
 
 
 def dequantize(experts: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,21 +37,26 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 def expert_bytes(layer: LayerWeights) -> int:
     """One routed expert's weights on this rank (w13 and w2 rows of one expert; for
-    NVFP4 with its block scales and global scales; the activation input scales,
-    which a weight-only kernel does not read, are not counted)."""
+    NVFP4, in the checkpoint's layout or Marlin's, with its block scales and global
+    scales; the activation input scales, which a weight-only kernel does not read,
+    are not counted)."""
     e = layer.experts
     total = nbytes(e.w13[0], e.w2[0])
-    if e.nvfp4 is not None:
-        q = e.nvfp4
+    q = e.nvfp4 or e.marlin
+    if q is not None:
         total += nbytes(q.w13_scale[0], q.w13_global[0], q.w2_scale[0], q.w2_global[0])
     return total
 
 
 def expert_tensors(e: ExpertWeights) -> list[torch.Tensor]:
-    """Every tensor of a layer's routed experts as stored (NVFP4 with all its scales)."""
+    """Every tensor of a layer's routed experts as stored (NVFP4 with all its scales;
+    Marlin's layout with its scales and globals, not the shared permutations)."""
     out = [e.w13, e.w2]
     if e.nvfp4 is not None:
         out += [t for t in vars(e.nvfp4).values() if t is not None]
+    if e.marlin is not None:
+        m = e.marlin
+        out += [m.w13_scale, m.w13_global, m.w2_scale, m.w2_global]
     return out
 
 

@@ -17,19 +17,29 @@ not registered):
 
 Each GEMM runs on ``ROWS`` rows (the verify step's 8).
 
-``streams-tp8-rank`` also measures the routed experts (``expert_streams``): kinds
-``experts`` (bf16) and ``experts_nvfp4``, each under expert TP (every expert's
-I / 8 slice) and EP (32 whole experts), 8 rows x top-8 routes, routing ``random``
-(each row's top-8 of all experts) and ``correlated`` (among ``CORRELATED_EXPERTS``
-per layer); every registered provider of the kind that supports the TP-8 rank and
-the torch path of the step bench's baseline (baseline.stock_expert_rows):
+``streams-tp8-rank`` also measures the routed experts (``expert_streams``): kind
+``experts`` (bf16) and kind ``experts_nvfp4`` in two layouts, the checkpoint's
+(format ``nvfp4``) and the one vLLM serves on SM90 after its Marlin repack
+(``nvfp4_marlin``, nvfp4_marlin.py), each under expert TP (every expert's I / 8
+slice) and EP (32 whole experts), 8 rows x top-8 routes, routing ``random`` (each
+row's top-8 of all experts) and ``correlated`` (among ``CORRELATED_EXPERTS`` per
+layer); every registered provider of the kind that supports the TP-8 rank in that
+format and the torch path of the step bench's baseline (baseline.stock_expert_rows):
 isolated (one layer) and chained (as many distinct layers as read ``CHAIN_BYTES``,
 three times the L2, at most ``EXPERT_LAYERS``, in one graph), L2 flushed before
 every replay. Each shard form's bf16 layers are drawn once and quantized once for
-its NVFP4 stream; each provider is built once per stream. The dequantizing paths
-(slower than ``SLOW_S`` a layer) are timed isolated only. Bytes read = the
-distinct experts the rank holds x one expert's bytes (floor.expert_bytes, NVFP4
-with its scales); each provider's rows are checked against the torch path's.
+its NVFP4 stream, whose layers are then packed once into Marlin's layout
+(nvfp4_marlin.marlin_form, a torch model of vLLM's repack) for its Marlin stream;
+each provider is built once per stream. The torch path reads the checkpoint's
+layout: it is timed in the bf16 and NVFP4 streams, and its rows on the NVFP4
+layers are the Marlin stream's baseline too (the Marlin layout holds the same
+weights, with W13's up half on the gate's global scale and W2's global times
+up / gate, as vLLM folds them: equal up to bf16 rounding, so the Marlin rows' error
+against it is that rounding's, a few 1e-3, where the NVFP4 reference's is 0). The
+dequantizing paths (slower than ``SLOW_S`` a layer) are timed isolated only. Bytes
+read = the distinct experts the rank holds x one expert's bytes
+(floor.expert_bytes, NVFP4 in either layout with its block and global scales);
+each provider's rows are checked against the torch path's.
 
 ``--part linear`` or ``--part experts`` runs one part (default both). The run's
 figures go to a JSON record in ``--out`` (command, commit, GPU, date), written
@@ -47,6 +57,7 @@ from typing import Any
 
 import torch
 
+from ..nvfp4_marlin import marlin_form
 from ..protocols import LINEAR_WEIGHTS, BuildContext, Deployment, ExpertsInput, RoutedTopk, scratch_buffer
 from ..spec import ModelSpec
 from ..weights import ExpertWeights, quantize_experts
@@ -162,22 +173,25 @@ class ExpertStream:
     name: str
     kind: str  # "experts" or "experts_nvfp4"
     expert_parallel: str  # "tp" or "ep"
-    expert_format: str  # "bf16" or "nvfp4"
+    expert_format: str  # "bf16", "nvfp4" or "nvfp4_marlin"
 
 
-# In the order they are measured: each shard form's bf16 layers are drawn once and
-# quantized for its NVFP4 stream.
+# In the order they are measured: each shard form's bf16 layers are drawn once,
+# quantized for its NVFP4 stream, and those packed into Marlin's layout.
 EXPERT_STREAMS = (
     ExpertStream("experts bf16 expert-TP", "experts", "tp", "bf16"),
     ExpertStream("experts nvfp4 expert-TP", "experts_nvfp4", "tp", "nvfp4"),
+    ExpertStream("experts nvfp4-marlin expert-TP", "experts_nvfp4", "tp", "nvfp4_marlin"),
     ExpertStream("experts bf16 EP", "experts", "ep", "bf16"),
     ExpertStream("experts nvfp4 EP", "experts_nvfp4", "ep", "nvfp4"),
+    ExpertStream("experts nvfp4-marlin EP", "experts_nvfp4", "ep", "nvfp4_marlin"),
 )
 
 
 def draw_experts(spec: ModelSpec, stream: ExpertStream, g: torch.Generator, device: torch.device) -> ExpertWeights:
-    """Rank 0's routed experts of one layer in the stream's shard form, drawn an
-    expert at a time (no full-size fp32 temporary), NVFP4 by ModelOpt's formula."""
+    """Rank 0's routed experts of one layer in the stream's shard form and format,
+    drawn an expert at a time (no full-size fp32 temporary), NVFP4 by ModelOpt's
+    formula, Marlin's layout packed from that."""
     P, I, E = spec.P, spec.I, spec.E  # noqa: E741, N806
     ep = stream.expert_parallel == "ep"
     num, inter = (E // TP, I) if ep else (E, I // TP)
@@ -187,7 +201,10 @@ def draw_experts(spec: ModelSpec, stream: ExpertStream, g: torch.Generator, devi
         w13[i].copy_(torch.randn(w13.shape[1:], generator=g, device=device) * P**-0.5)
         w2[i].copy_(torch.randn(w2.shape[1:], generator=g, device=device) * I**-0.5)
     experts = ExpertWeights("bf16", w13, w2, 0, None if ep else (0, inter))
-    return quantize_experts(experts) if stream.expert_format == "nvfp4" else experts
+    if stream.expert_format == "bf16":
+        return experts
+    nvfp4 = quantize_experts(experts)
+    return marlin_form(nvfp4) if stream.expert_format == "nvfp4_marlin" else nvfp4
 
 
 def route_ids(spec: ModelSpec, kind: str, g: torch.Generator) -> torch.Tensor:
@@ -219,6 +236,12 @@ def chain_length(distinct: list[int], one: int, chain_bytes: int = CHAIN_BYTES) 
         if n >= 2 and total >= chain_bytes:
             return n
     return len(distinct)
+
+
+def _release(device: torch.device) -> None:
+    """Hand the freed layers and graph pools back to the device."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def experts_context(weights: Any, deployment: Deployment, device: torch.device) -> BuildContext:
@@ -266,11 +289,18 @@ def _entry(bytes_read: int, times: Times, copy: float) -> dict[str, Any]:
 
 @dataclass
 class ShardRouting:
-    """One shard form's routing, shared by its bf16 and NVFP4 streams: per routing
-    each layer's ids and the distinct experts of them rank 0 holds."""
+    """One shard form's routing, shared by its bf16, NVFP4 and Marlin streams: per
+    routing each layer's ids and the distinct experts of them rank 0 holds."""
 
     ids: dict[str, list[torch.Tensor]]
     distinct: dict[str, list[int]]
+
+
+def _chains(routing: ShardRouting, layer: ExpertWeights, chain_bytes: int, drawn: int | None = None) -> dict[str, int]:
+    """Per routing, the chain of layers like ``layer`` (chain_length), among the first
+    ``drawn`` layers (all the routing's when None)."""
+    one = expert_bytes(SimpleNamespace(experts=layer))
+    return {r: chain_length(d[:drawn], one, chain_bytes) for r, d in routing.distinct.items()}
 
 
 def measure_stream(
@@ -286,10 +316,14 @@ def measure_stream(
     replays: int,
     slow_s: float,
     progress: Any,
+    torch_layers: list[ExpertWeights] | None = None,
 ) -> list[dict[str, Any]]:
     """Per routing: every supported provider's and the torch path's isolated figure
     (layer 0) and chained figure (the routing's ``chains`` layers), and their rows'
-    error against the torch path. Each provider is built once for all layers."""
+    error against the torch path. Each provider is built once for all layers.
+    ``torch_layers``: the layers the torch path runs on where it does not read the
+    stream's layout (the NVFP4 layers Marlin's were packed from): its rows there are
+    the baseline, not timed (the NVFP4 stream times them)."""
     from ..deployment import detect
 
     device = timer.device
@@ -315,18 +349,15 @@ def measure_stream(
     for name, n in chains.items():
         ids, distinct = routing.ids[name][:n], routing.distinct[name][:n]
         topk = [RoutedTopk(i, torch.ones(ROWS, spec.top_k, device=device)) for i in ids]
-        reference = [stock_expert_rows(x, i, e) for x, i, e in zip(xs, ids, experts)]
-        outs = [torch.empty_like(r) for r in reference]
-        sides = [
-            (
-                TORCH,
-                [
-                    lambda x=x, i=i, e=e, o=o: o.copy_(stock_expert_rows(x, i, e))
-                    for x, i, e, o in zip(xs, ids, experts, outs)
-                ],
-                outs,
-            )
-        ]
+        reference = [stock_expert_rows(x, i, e) for x, i, e in zip(xs, ids, torch_layers or experts)]
+        sides: list[tuple[str, list, list[torch.Tensor]]] = []
+        if torch_layers is None:
+            outs = [torch.empty_like(r) for r in reference]
+            works = [
+                lambda x=x, i=i, e=e, o=o: o.copy_(stock_expert_rows(x, i, e))
+                for x, i, e, o in zip(xs, ids, experts, outs)
+            ]
+            sides.append((TORCH, works, outs))
         for provider, ops in built.items():
             rows = [torch.empty_like(r) for r in reference]
             works = [
@@ -352,6 +383,7 @@ def measure_stream(
             {
                 "stream": stream.name,
                 "kind": stream.kind,
+                "expert_format": stream.expert_format,
                 "routing": name,
                 "expert_bytes": one,
                 "chain_layers": n,
@@ -381,8 +413,10 @@ def expert_streams(
     """Per (stream, routing), in ``EXPERT_STREAMS`` order: every supported provider's
     and the torch path's isolated and chained figures, and their rows' error against
     the torch path. Per shard form (expert TP, EP): one routing per routing kind for
-    both formats, the bf16 layers drawn once (as many as the longest chain needs,
-    at most ``layers``) and quantized once for the NVFP4 stream. ``log`` gets a
+    its three streams, the bf16 layers drawn once (as many as the longest chain
+    needs, at most ``layers``), quantized once for the NVFP4 stream, and those
+    packed once into Marlin's layout (chained over at most the NVFP4 layers; the
+    torch path's rows on the NVFP4 layers are its baseline). ``log`` gets a
     progress line with the seconds elapsed."""
     device = timer.device
     spec = ModelSpec.preset(preset, layers)
@@ -396,17 +430,14 @@ def expert_streams(
 
     out: list[dict[str, Any]] = []
     for parallel in ("tp", "ep"):
-        bf16_stream, nvfp4_stream = (s for s in EXPERT_STREAMS if s.expert_parallel == parallel)
+        bf16_stream, nvfp4_stream, marlin_stream = (s for s in EXPERT_STREAMS if s.expert_parallel == parallel)
         bf16 = [draw_experts(spec, bf16_stream, g, device)]
         nvfp4 = [quantize_experts(bf16[0])]
         ids = {r: [route_ids(spec, r, host).to(device) for _ in range(layers)] for r in routings}
         routing = ShardRouting(ids, {r: [held_distinct(i, bf16[0]) for i in ids[r]] for r in routings})
         chains = {
-            stream: {
-                r: chain_length(routing.distinct[r], expert_bytes(SimpleNamespace(experts=e[0])), chain_bytes)
-                for r in routings
-            }
-            for stream, e in ((bf16_stream, bf16), (nvfp4_stream, nvfp4))
+            bf16_stream: _chains(routing, bf16[0], chain_bytes),
+            nvfp4_stream: _chains(routing, nvfp4[0], chain_bytes),
         }
         while len(bf16) < max(max(c.values()) for c in chains.values()):
             bf16.append(draw_experts(spec, bf16_stream, g, device))
@@ -417,27 +448,50 @@ def expert_streams(
         )
         nvfp4 += [quantize_experts(e) for e in bf16[1 : max(chains[nvfp4_stream].values())]]
         del bf16
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the bf16 layers and the bf16 stream's graph pools
+        _release(device)  # the bf16 layers and the bf16 stream's graph pools
         progress(f"{nvfp4_stream.name}: quantized {len(nvfp4)} layers")
         out += measure_stream(
             timer, registry, spec, nvfp4_stream, nvfp4, *args, chains[nvfp4_stream], copy, replays, slow_s, progress
         )
-        del nvfp4
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(device)  # the NVFP4 stream's graph pools
+        # Marlin's form of the NVFP4 layers (an expert's bytes but 4 of its global
+        # scales), packed a layer at a time; the NVFP4 layers stay for the torch path.
+        marlin = [marlin_form(nvfp4[0])]
+        chains[marlin_stream] = _chains(routing, marlin[0], chain_bytes, len(nvfp4))
+        marlin += [marlin_form(e) for e in nvfp4[1 : max(chains[marlin_stream].values())]]
+        progress(f"{marlin_stream.name}: packed {len(marlin)} layers")
+        out += measure_stream(
+            timer,
+            registry,
+            spec,
+            marlin_stream,
+            marlin,
+            *args,
+            chains[marlin_stream],
+            copy,
+            replays,
+            slow_s,
+            progress,
+            torch_layers=nvfp4,
+        )
+        del nvfp4, marlin
+        _release(device)
     progress("routed experts done")
     return out
+
+
+STREAM_WIDTH = max(len(s.name) for s in EXPERT_STREAMS)
 
 
 def experts_report(streams: list[dict[str, Any]], copy: float) -> str:
     lines = [
         f"routed experts: {ROWS} rows x top-8; isolated = one layer, chained = the distinct layers in one graph "
         f"(at least {CHAIN_BYTES / 1e6:.0f} MB); TB/s = distinct held experts' bytes / median; % of the copy "
-        f"bandwidth; err vs the torch path; a path slower than {SLOW_S * 1e3:.0f} ms a layer: isolated only"
+        f"bandwidth; err vs the torch path (on the nvfp4 layers for the nvfp4-marlin streams, timed there); "
+        f"a path slower than {SLOW_S * 1e3:.0f} ms a layer: isolated only"
     ]
     head = (
-        f"{'stream':<24} {'routing':<10} {'provider':<24} {'iso MB':>7} {'iso us':>8} {'TB/s':>6} {'%':>5} "
+        f"{'stream':<{STREAM_WIDTH}} {'routing':<10} {'provider':<26} {'iso MB':>7} {'iso us':>8} {'TB/s':>6} {'%':>5} "
         f"{'layers':>6} {'chain MB':>9} {'chain us':>9} {'TB/s':>6} {'%':>5} {'err':>8}"
     )
     lines += [head, "-" * len(head)]
@@ -451,12 +505,12 @@ def experts_report(streams: list[dict[str, Any]], copy: float) -> str:
                 f"{ch['bytes_per_s'] / 1e12:>6.3f} {100 * ch['fraction_of_copy']:>4.0f}%"
             )
             lines.append(
-                f"{s['stream']:<24} {s['routing']:<10} {provider[:24]:<24} {iso['bytes'] / 1e6:>7.1f} "
+                f"{s['stream']:<{STREAM_WIDTH}} {s['routing']:<10} {provider[:26]:<26} {iso['bytes'] / 1e6:>7.1f} "
                 f"{iso['median_s'] * 1e6:>8.1f} {iso['bytes_per_s'] / 1e12:>6.3f} {100 * iso['fraction_of_copy']:>4.0f}% "
                 f"{chain} {r['relative_error_vs_torch']:>8.1e}"
             )
         for provider, why in s["unsupported"].items():
-            lines.append(f"{s['stream']:<24} {s['routing']:<10} {provider[:24]:<24} unsupported: {why}")
+            lines.append(f"{s['stream']:<{STREAM_WIDTH}} {s['routing']:<10} {provider[:26]:<26} unsupported: {why}")
     return "\n".join(lines)
 
 

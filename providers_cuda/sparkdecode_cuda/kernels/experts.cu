@@ -19,7 +19,10 @@
 // value bf16_rne(fp32(e2m1 * s)). The code's magnitude bits placed at fp32 bits 22..24
 // make the fp32 number e2m1 * 2^-126 (a subnormal for the codes 0 and 1), and
 // s * 2^126 is exact while s < 4 (checked at build), so one fp32 multiply gives
-// exactly fp32(e2m1 * s), then one rounding to bf16: the reference's bits.
+// exactly fp32(e2m1 * s), then one rounding to bf16: the reference's bits. FMT 1 does
+// that for a block's 8 magnitudes only (make_lut) and looks its 32 codes up with prmt,
+// the sign bits xor'ed in (lut_quad): about 2 integer ops a code instead of 6
+// (tests/test_cuda_experts_nvfp4_lut.py emulates it against nvfp4.dequantize).
 //
 // Marlin's layout (FMT 2, nvfp4_marlin.py; per expert, a GEMM of N rows over K):
 // codes int32 [K / 16, 2N], each row of 16 k cut into 64-row blocks of 128 words;
@@ -126,16 +129,16 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
   return d;
 }
 
-// float(e4m3fn): sign, 4 exponent bits (bias 7), 3 mantissa bits; 0x7f / 0xff are NaN.
-__device__ __forceinline__ float e4m3_to_float(u32 v) {
-  const u32 sign = (v & 0x80u) << 24, exp = (v >> 3) & 0xfu, man = v & 7u;
-  float mag;
-  if ((v & 0x7fu) == 0x7fu) return __uint_as_float(0x7fc00000u | sign);
-  if (exp == 0)
-    mag = (float)man * 0.001953125f;  // man * 2^-9, exact
-  else
-    mag = __uint_as_float(((exp + 120u) << 23) | (man << 20));
-  return __uint_as_float(__float_as_uint(mag) | sign);
+// float(e4m3fn) of the two bytes of v (low byte first): exact through fp16 (e4m3's values
+// are fp16 numbers); the NaN bytes 0x7f, 0xff give a NaN (the provider refuses them).
+__device__ __forceinline__ float2 e4m3x2_to_float2(u32 v) {
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)v));
+  float2 f;
+  asm("{.reg .f16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;}"
+      : "=f"(f.x), "=f"(f.y)
+      : "r"(h));
+  return f;
 }
 
 // Marlin's one-byte scale: float(fp16 bits byte << 7) / 2^7, exact (5 exponent bits,
@@ -147,6 +150,40 @@ __device__ __forceinline__ float marlin_scale_to_float(u32 v) {
   return __uint_as_float(((exp + 105u) << 23) | (man << 20));
 }
 
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// NVFP4 (FMT 1) by table: a block's 16 values are its 8 magnitudes' bf16 (the fp32
+// product above, so the same bits) with the sign flipped for the negative codes,
+// since fp32(-m * s) = -fp32(m * s) and rounding to bf16 is symmetric. The table keeps
+// the magnitudes' low bytes (lo0: codes 0..3, lo1: 4..7) and high bytes (hi0, hi1),
+// so one prmt looks up a byte of four codes whose magnitudes are its selector's nibbles.
+struct Lut {
+  u32 lo0, lo1, hi0, hi1;
+};
+
+__device__ __forceinline__ Lut make_lut(float s126) {
+  u32 p[4];  // bf16x2 of magnitudes 2c, 2c + 1
+#pragma unroll
+  for (u32 c = 0; c < 4; ++c)
+    p[c] = pack_bf16x2(__uint_as_float((2 * c) << 22) * s126, __uint_as_float((2 * c + 1) << 22) * s126);
+  return {prmt(p[0], p[1], 0x6420), prmt(p[2], p[3], 0x6420), prmt(p[0], p[1], 0x7531), prmt(p[2], p[3], 0x7531)};
+}
+
+// Codes 4q .. 4q + 3 of w (q = 0, 1) as two bf16x2 (codes 4q, 4q + 1 and 4q + 2, 4q + 3).
+__device__ __forceinline__ void lut_quad(const Lut& t, u32 w, int q, u32& r0, u32& r1) {
+  const u32 sel = (q ? w >> 16 : w) & 0x7777u;  // magnitudes: prmt's nibble bit 3 would replicate a sign
+  // The codes' sign bits at their high bytes' bit 7: byte 0 of w << 4 holds code 0's sign, of w code 1's.
+  const u32 sign = prmt(w << 4, w, q ? 0x7362 : 0x5140);
+  const u32 lo = prmt(t.lo0, t.lo1, sel);
+  const u32 hi = prmt(t.hi0, t.hi1, sel) ^ (sign & 0x80808080u);
+  r0 = prmt(lo, hi, 0x5140);
+  r1 = prmt(lo, hi, 0x7362);
+}
+
 // Codes lo and hi of w (nibble indices), dequantized with s126 = s * 2^126: bf16x2.
 __device__ __forceinline__ u32 dequant_pair(u32 w, int lo, int hi, float s126) {
   const u32 c0 = w >> (4 * lo), c1 = w >> (4 * hi);
@@ -154,9 +191,6 @@ __device__ __forceinline__ u32 dequant_pair(u32 w, int lo, int hi, float s126) {
   const float f1 = __uint_as_float(((c1 & 7u) << 22) | ((c1 & 8u) << 28)) * s126;
   return pack_bf16x2(f0, f1);
 }
-
-// Codes nib and nib + 1 of w.
-__device__ __forceinline__ u32 dequant2(u32 w, int nib, float s126) { return dequant_pair(w, nib, nib + 1, s126); }
 
 // The weights of one expert for one GEMM: rows of K values.
 struct Weights {
@@ -205,22 +239,22 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
 #pragma unroll
     for (int cb = 0; cb < CB; ++cb) {
       const int kb = k0 + (batch + cb) * CHUNK_K + G * t;
-      float s126[2][2][2];
-      if (FMT == 1) {
-#pragma unroll
-        for (int a = 0; a < 2; ++a)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float glob = row0[a] + g + 8 * h < W.split ? W.global_lo : W.global_hi;
-            s126[a][h][0] = (e4m3_to_float(sc[a][h][cb] & 0xffu) * glob) * 0x1p126f;
-            s126[a][h][1] = (e4m3_to_float(sc[a][h][cb] >> 8) * glob) * 0x1p126f;
-          }
-      }
+      Lut lut[2][2];  // NVFP4: each row's table of the 16-value block of elements 4j.., made at its first j
 #pragma unroll
       for (int j = 0; j < G / 4; ++j) {
         const int k = kb + 4 * j;
         uint2 bx = make_uint2(0u, 0u);
         if (xrow) bx = __ldg(reinterpret_cast<const uint2*>(xr + k));
+        if (FMT == 1 && j % 4 == 0) {
+#pragma unroll
+          for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float glob = row0[a] + g + 8 * h < W.split ? W.global_lo : W.global_hi;
+              const float2 scale = e4m3x2_to_float2(sc[a][h][cb]);
+              lut[a][h] = make_lut(((j == 0 ? scale.x : scale.y) * glob) * 0x1p126f);
+            }
+        }
 #pragma unroll
         for (int a = 0; a < 2; ++a) {
           u32 r[2][2];  // [h][pair]: elements 4j, 4j + 1 and 4j + 2, 4j + 3 of row g + 8h
@@ -229,10 +263,7 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
             const uint4 v = q[a][h][cb];
             const u32 words[4] = {v.x, v.y, v.z, v.w};
             if (FMT == 1) {
-              const u32 w = words[j >> 1];
-              const float s = s126[a][h][j >> 2];
-              r[h][0] = dequant2(w, 4 * (j & 1), s);
-              r[h][1] = dequant2(w, 4 * (j & 1) + 2, s);
+              lut_quad(lut[a][h], words[j >> 1], j & 1, r[h][0], r[h][1]);
             } else {
               r[h][0] = words[2 * j];
               r[h][1] = words[2 * j + 1];

@@ -285,47 +285,93 @@ class SplitKGemv:
                     partial[warp, (g + ROW_LANES * r) * B + i] = lanes
         cute.arch.sync_threads()
 
-        mO = cute.make_tensor(out, cute.make_layout((B, p.n), stride=(out_stride, 1)))
-        rounds = (TN * B + p.threads - 1) // p.threads  # (row, i) = divmod(q, B) of the tile
-        if cutlass.const_expr(p.splits == 1):
-            for u in cutlass.range_constexpr(rounds):
-                q = u * p.threads + tidx
-                row = q // B
-                i = q - row * B
-                if q < TN * B and i < b:
-                    total = Float32(0.0)
-                    for wi in cutlass.range_constexpr(WARPS):
-                        total = total + partial[wi, q]
-                    mO[i, n0 + row] = total.to(self.out_dtype)
-        else:
-            mWs = cute.make_tensor(workspace, cute.make_layout((p.splits, p.n * B), stride=(p.n * B, 1)))
-            mC = cute.make_tensor(counters, cute.make_layout((p.tiles,)))
-            for u in cutlass.range_constexpr(rounds):
-                q = u * p.threads + tidx
-                if q < TN * B:
-                    total = Float32(0.0)
-                    for wi in cutlass.range_constexpr(WARPS):
-                        total = total + partial[wi, q]
-                    mWs[split, n0 * B + q] = total
+        finish_tile(
+            smem,
+            partial,
+            out,
+            workspace,
+            counters,
+            b,
+            out_stride,
+            tile,
+            split,
+            p.n,
+            TN,
+            B,
+            p.splits,
+            p.tiles,
+            self.out_dtype,
+        )
+
+
+@cute.jit
+def finish_tile(
+    smem: cutlass.Constexpr,
+    partial: cute.Tensor,
+    out: cute.Pointer,
+    workspace: cute.Pointer,
+    counters: cute.Pointer,
+    b: Int32,
+    out_stride: Int32,
+    tile: Int32,
+    split: Int32,
+    n: cutlass.Constexpr,
+    tile_rows: cutlass.Constexpr,
+    cols: cutlass.Constexpr,
+    splits: cutlass.Constexpr,
+    tiles: cutlass.Constexpr,
+    out_dtype: cutlass.Constexpr,
+):
+    """The end of a CTA of the split-K GEMVs: ``partial`` (shared, fp32 [WARPS,
+    tile_rows * cols], (row, i) = divmod(q, cols) of the tile) summed over the warps
+    in index order into rows < b of ``out`` (``cols`` rows of n, ``out_stride``
+    apart); with ``splits`` > 1 through the workspace (fp32 [splits, n * cols]),
+    the tile's last CTA to arrive (its counter, back at 0 for the next launch)
+    adding the splits in split order; one rounding into ``out_dtype``."""
+    tidx, _, _ = cute.arch.thread_idx()
+    threads = 32 * WARPS
+    n0 = tile * tile_rows
+    mO = cute.make_tensor(out, cute.make_layout((cols, n), stride=(out_stride, 1)))
+    rounds = (tile_rows * cols + threads - 1) // threads
+    if cutlass.const_expr(splits == 1):
+        for u in cutlass.range_constexpr(rounds):
+            q = u * threads + tidx
+            row = q // cols
+            i = q - row * cols
+            if q < tile_rows * cols and i < b:
+                total = Float32(0.0)
+                for wi in cutlass.range_constexpr(WARPS):
+                    total = total + partial[wi, q]
+                mO[i, n0 + row] = total.to(out_dtype)
+    else:
+        mWs = cute.make_tensor(workspace, cute.make_layout((splits, n * cols), stride=(n * cols, 1)))
+        mC = cute.make_tensor(counters, cute.make_layout((tiles,)))
+        for u in cutlass.range_constexpr(rounds):
+            q = u * threads + tidx
+            if q < tile_rows * cols:
+                total = Float32(0.0)
+                for wi in cutlass.range_constexpr(WARPS):
+                    total = total + partial[wi, q]
+                mWs[split, n0 * cols + q] = total
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        last = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+        if tidx == 0:
+            last[0] = cute.arch.atomic_add(mC.iterator + tile, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.sync_threads()
+        if last[0] == splits - 1:
             cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_threads()
-            last = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
             if tidx == 0:
-                last[0] = cute.arch.atomic_add(mC.iterator + tile, Int32(1), sem="acq_rel", scope="gpu")
-            cute.arch.sync_threads()
-            if last[0] == p.splits - 1:
-                cute.arch.fence_acq_rel_gpu()
-                if tidx == 0:
-                    mC[tile] = Int32(0)  # for the next launch
-                for u in cutlass.range_constexpr(rounds):
-                    q = u * p.threads + tidx
-                    row = q // B
-                    i = q - row * B
-                    if q < TN * B and i < b:
-                        total = Float32(0.0)
-                        for s in cutlass.range_constexpr(p.splits):
-                            total = total + mWs[s, n0 * B + q]
-                        mO[i, n0 + row] = total.to(self.out_dtype)
+                mC[tile] = Int32(0)  # for the next launch
+            for u in cutlass.range_constexpr(rounds):
+                q = u * threads + tidx
+                row = q // cols
+                i = q - row * cols
+                if q < tile_rows * cols and i < b:
+                    total = Float32(0.0)
+                    for s in cutlass.range_constexpr(splits):
+                        total = total + mWs[s, n0 * cols + q]
+                    mO[i, n0 + row] = total.to(out_dtype)
 
 
 def compile_splitk(plan: SplitKPlan, arch: str | None = None):

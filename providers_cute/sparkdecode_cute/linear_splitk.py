@@ -27,6 +27,8 @@ X_VECTOR = 8  # bf16 elements of x per 16-byte load
 class SplitKWeight(_Weight):
     """One weight's compiled split-K kernel, its pointer and the shared workspace."""
 
+    provider = "cute.linear_splitk"  # in error messages
+
     def __init__(self, name: str, w: torch.Tensor, max_rows: int, sms: int, plan: Any = None):
         """``plan`` (a ``SplitKPlan`` of ``w``'s shape) in place of the planner's."""
         from . import gemv_splitk
@@ -35,7 +37,7 @@ class SplitKWeight(_Weight):
         if plan is None:
             plan = gemv_splitk.plan_splitk(w.shape[0], w.shape[1], fp32, max_rows, w.stride(0), sms)
         if isinstance(plan, str):
-            raise ValueError(f"cute.linear_splitk: {name} {tuple(w.shape)}: {plan}")
+            raise ValueError(f"{self.provider}: {name} {tuple(w.shape)}: {plan}")
         self.name, self.plan, self.w = name, plan, w
         self.vector = X_VECTOR
         self.out_dtype = w.dtype
@@ -46,7 +48,7 @@ class SplitKWeight(_Weight):
     def share(self, workspace: torch.Tensor, counters: torch.Tensor) -> None:
         """The fp32 workspace and int32 tile counters (zero) the launches share."""
         if workspace.numel() < self.plan.workspace or counters.numel() < self.plan.tiles:
-            raise ValueError(f"cute.linear_splitk {self.name}: workspace or counters too small for {self.plan}")
+            raise ValueError(f"{self.provider} {self.name}: workspace or counters too small for {self.plan}")
         self.buffers = (pointer(workspace, VECTOR_BYTES), pointer(counters, 4))
         self.shared = (workspace, counters)  # held: the kernel has only their addresses
 
@@ -66,11 +68,16 @@ class CuteLinearSplitK(CuteLinear):
         device = lw.qkvg.device
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.weights = {name: SplitKWeight(name, getattr(lw, name), ctx.max_rows, sms) for name in LINEAR_WEIGHTS}
+        self.share_scratch(ctx)
+
+    def share_scratch(self, ctx: BuildContext) -> None:
+        """Every weight's workspace and tile counters: scratch of ``ctx`` (zeroed
+        counters), sized for the largest of the weights' plans."""
         plans = [w.plan for w in self.weights.values()]
         size = max(1, *(p.workspace for p in plans))
         tiles = max(p.tiles for p in plans)
-        workspace = ctx.scratch(f"cute.linear_splitk.workspace.{size}", (size,), torch.float32)
-        counters = ctx.scratch(f"cute.linear_splitk.counters.{tiles}", (tiles,), torch.int32)
+        workspace = ctx.scratch(f"{self.name}.workspace.{size}", (size,), torch.float32)
+        counters = ctx.scratch(f"{self.name}.counters.{tiles}", (tiles,), torch.int32)
         counters.zero_()
         self.counters = counters
         for w in self.weights.values():

@@ -141,3 +141,77 @@ def test_splitk_plan_reasons(splitk):
     assert "9 rows" in splitk.plan_splitk(64, 1024, False, 9)
     assert "16-byte" in splitk.plan_splitk(64, 1024, False, 8, w_stride=1030)
     assert "N 60" in splitk.plan_splitk(60, 1024, False, 8)
+
+
+def test_mma_is_not_registered():
+    """cute.linear_mma waits for its GPU test (tests/test_gpu_cute_linear_mma.py);
+    its reasons are cute.linear's."""
+    from sparkdecode_cute.linear_mma import CuteLinearMma
+
+    assert CuteLinearMma not in plugin.PROVIDERS
+    hopper = _hopper(ModelSpec.preset("tiny"))
+    assert CuteLinearMma.unsupported(hopper) is None
+    assert CuteLinearMma.unsupported(dataclasses.replace(hopper, device="cpu", capability=None)) == "needs a CUDA GPU"
+    assert "SM80" in CuteLinearMma.unsupported(dataclasses.replace(hopper, capability=(8, 0)))
+    missing = dataclasses.replace(hopper, libraries={**hopper.libraries, "cutlass": None})
+    assert "nvidia-cutlass-dsl==4.8.1" in CuteLinearMma.unsupported(missing)
+    assert "16 rows" in CuteLinearMma.unsupported(dataclasses.replace(hopper, max_rows=16))
+
+
+@pytest.fixture(scope="module")
+def mma():
+    return pytest.importorskip("sparkdecode_cute.gemv_mma", reason="nvidia-cutlass-dsl is not installed")
+
+
+def _spill_free(capfd) -> None:
+    """ptxas's report (``remarks{ptx}``) of the kernel just compiled: no local memory."""
+    report = "".join(capfd.readouterr())
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+BF16_SHAPES = [("tp1", name) for name, s in TP1.items() if not s[2]] + [
+    ("tp8", name) for name, s in TP8.items() if not s[2]
+]
+
+
+@pytest.mark.parametrize("deployment,name", BF16_SHAPES, ids=lambda v: str(v))
+def test_mma_compiles_for_hopper(mma, capfd, deployment, name):
+    """Every bf16 shape tiles exactly, balanced over an H200's SMs, and compiles
+    for sm_90a with no register spills (the fp32 router runs on gemv_splitk)."""
+    n, k, _ = (TP1 if deployment == "tp1" else TP8)[name]
+    plan = mma.plan_mma(n, k, 8)
+    assert isinstance(plan, mma.MmaPlan), plan
+    assert plan.tiles * plan.tile_rows == n and plan.splits * plan.chunk == k
+    assert plan.batches * plan.depth * mma.STEP == plan.chunk
+    assert 2 * plan.groups * plan.depth <= mma.MAX_BATCH_LOADS
+    ctas_per_sm = plan.ctas / mma.H200_SMS
+    assert ctas_per_sm / -(-plan.ctas // mma.H200_SMS) >= mma.MIN_BALANCE
+    capfd.readouterr()
+    assert mma.compile_mma(plan, "sm_90a", "remarks{ptx}") is not None
+    _spill_free(capfd)
+
+
+@pytest.mark.parametrize("max_rows", [1, 3])
+def test_mma_compiles_for_fewer_rows(mma, capfd, max_rows):
+    for n, k, _ in (TP8["qkvg"], TP8["pooler_tp8_columns"]):
+        capfd.readouterr()
+        assert mma.compile_mma(mma.plan_mma(n, k, max_rows), "sm_90a", "remarks{ptx}") is not None
+        _spill_free(capfd)
+
+
+def test_mma_plans(mma):
+    """The planner's reasons, and its ranking: a TP-8 rank's o_proj, pooler and
+    unpooler in one wave of 128 CTAs of 64 rows; tilings past the register batch or
+    x's shared-memory chunk are never offered."""
+    assert "K 1000" in mma.plan_mma(64, 1000, 8)
+    assert "9 rows" in mma.plan_mma(64, 1024, 9)
+    assert "16-byte" in mma.plan_mma(64, 1024, 8, w_stride=1030)
+    assert "N 72" in mma.plan_mma(72, 1024, 8)
+    for name in ("o_proj", "pooler", "unpooler"):
+        plan = mma.plan_mma(*TP8[name][:2], 8)
+        assert (plan.ctas, plan.tile_rows) == (128, 64), plan
+    plans = mma.mma_plans(2304, 8192, 8)
+    assert len(plans) > 4
+    for plan in plans:
+        assert 8 * plan.chunk * 2 <= mma.MAX_CHUNK_BYTES
+        assert 2 * plan.groups * plan.depth <= mma.MAX_BATCH_LOADS

@@ -304,6 +304,9 @@ def test_jit_cache_key_without_cuda_torch(tmp_path, monkeypatch):
     assert (tmp_path / "aot" / "trtllm_comm" / "trtllm_comm.so").read_bytes() == b"comm"
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     assert jit_cache._paths()[2] == "0.7.2.post1/90a/cu13.0"
+    env.FLASHINFER_WORKSPACE_DIR = root.parent  # no GPU and no FLASHINFER_CUDA_ARCH_LIST: no arch
+    with pytest.raises(ValueError, match="FLASHINFER_CUDA_ARCH_LIST"):
+        jit_cache._paths()
 
 
 def test_jit_cache_archive_members_are_plain_module_paths():

@@ -56,8 +56,10 @@ def _paths(cuda: str | None = None) -> tuple[Path, Path, str]:
     cuda = cuda or torch.version.cuda
     if cuda is None:
         raise ValueError("this torch has no CUDA: name the CUDA of the modules with --cuda (e.g. 13.0)")
-    arch = env.FLASHINFER_WORKSPACE_DIR.name  # e.g. 90a
-    key = f"{env.flashinfer_version}/{arch}/cu{cuda}"
+    workspace = env.FLASHINFER_WORKSPACE_DIR  # <cache>/<release>/<arch>, e.g. .../0.7.2.post1/90a
+    if workspace.parent.name != env.flashinfer_version:
+        raise ValueError("FlashInfer has no target arch: no GPU is visible and FLASHINFER_CUDA_ARCH_LIST is unset")
+    key = f"{env.flashinfer_version}/{workspace.name}/cu{cuda}"
     if not MEMBER.match(f"{key}/m/m.so"):
         raise ValueError(f"{key!r} is not a release/arch/cu<CUDA> key")
     return env.FLASHINFER_JIT_DIR, env.FLASHINFER_AOT_DIR, key

@@ -101,9 +101,6 @@ ONE_GPU_CASES = {
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
-@pytest.mark.skip(
-    reason="flashinfer.trtllm_all_reduce is registered once test_op_equals_the_reference_sum passes on a GPU"
-)
 def test_executor_on_one_gpu_equals_tp_stock_forward(tp, tmp_path):
     """Both tails: EP (the [b, P] partials) and expert TP (the [b, k, P] route rows)."""
     assert tp_gpu_worker.PINS["flashinfer_all_reduce"]["all_reduce"] == "flashinfer.trtllm_all_reduce"
@@ -118,9 +115,6 @@ def test_executor_on_one_gpu_equals_tp_stock_forward(tp, tmp_path):
 
 
 @pytest.mark.parametrize("tp,preset", [(2, "tiny"), (4, "tiny-tp8")])
-@pytest.mark.skip(
-    reason="flashinfer.trtllm_all_reduce is registered once test_op_equals_the_reference_sum passes on a GPU"
-)
 def test_executor_equals_tp_stock_forward(tp, preset, tmp_path):
     """Over NCCL, one rank per GPU; both tails."""
     enough_gpus(tp)

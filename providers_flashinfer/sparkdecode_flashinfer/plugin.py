@@ -7,13 +7,11 @@ table in this pack's README lists them. Importing it never imports FlashInfer
 
 from sparkdecode.plugins import hookimpl
 
+from .allreduce import FlashInferAllReduce
 from .prefill import FlashInferPrefill
 from .xqa import FlashInferXqa
 
-# flashinfer.trtllm_all_reduce (allreduce.py) is built and its GPU tests exist, but
-# they have not passed on a GPU yet (the run with several processes on one H200 did
-# not finish in 240 s): it is registered once they do.
-PROVIDERS: tuple[type, ...] = (FlashInferXqa, FlashInferPrefill)
+PROVIDERS: tuple[type, ...] = (FlashInferXqa, FlashInferPrefill, FlashInferAllReduce)
 
 
 @hookimpl

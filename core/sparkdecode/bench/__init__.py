@@ -51,8 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "config",
         nargs="?",
-        help="tiny, tp1-real-L2, tp8-rank-L<N>-bf16 or tp8-rank-Lmax-bf16; every rank: tp{2,4,8}-L<N>-bf16, "
-        "tiny-tp{2,4,8} (ranks.py); streams-tp8-rank or streams-tp1 (streams.py)",
+        help="tiny, tp1-real-L2, tp8-rank-L<N>-bf16, -nvfp4 or -nvfp4-marlin (vLLM's SM90 Marlin layout), or "
+        "tp8-rank-Lmax-...; every rank: tp{2,4,8}-L<N>-bf16 or -nvfp4, tiny-tp{2,4,8} (ranks.py); "
+        "streams-tp8-rank or streams-tp1 (streams.py)",
     )
     p.add_argument("--context", type=int, action="append", help="a context length (repeatable; default: the config's)")
     p.add_argument("--routing", choices=ROUTINGS, action="append", help="random or correlated (default: both)")

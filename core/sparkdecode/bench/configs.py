@@ -6,10 +6,11 @@
 | ``tp1-real-L2`` | real widths, 2 layers, bf16 experts (26 GB a layer) | TP 1 | 4096, 32768 | yes |
 | ``tp8-rank-L<N>-bf16`` | real widths, N layers, bf16 experts | rank 0 of TP 8, expert TP, pooler and unpooler replicated (as vLLM's SM90 path keeps them) | 4096, 32768 | yes, collectives left out |
 | ``tp8-rank-L<N>-nvfp4`` | as above, the routed experts of layers 1..N-2 in NVFP4, the first and last layer's bf16 (as the released checkpoint stores them at N = 62) | as above | 4096, 32768 | yes, collectives left out |
+| ``tp8-rank-L<N>-nvfp4-marlin`` | as ``-nvfp4``, each NVFP4 layer's experts repacked as vLLM serves them on Hopper (its SM90 Marlin layout, ``nvfp4_marlin.marlin_form``) | as above | 4096, 32768 | yes, collectives left out |
 | ``tp{2,4,8}-L<N>-bf16`` (``-nvfp4``) | real widths, N layers | every rank of TP 2, 4 or 8, one process each, expert TP (``ranks.py``) | 4096, 32768 | yes with one rank per GPU, the collectives in the time; ``--one-gpu``: no |
 | ``tiny-tp2``, ``tiny-tp4``, ``tiny-tp8`` | the tiny preset (``tiny-tp8`` widths at TP 4 and 8) | every rank, as above | 300 | no: a smoke run |
 
-``tp8-rank-Lmax-bf16`` (or ``-nvfp4``, or ``tp{2,4,8}-Lmax-...``) is the TP-8 rank (each rank) with as many layers as fit beside the
+``tp8-rank-Lmax-bf16`` (or ``-nvfp4``, ``-nvfp4-marlin``, or ``tp{2,4,8}-Lmax-...``) is the TP-8 rank (each rank) with as many layers as fit beside the
 bench's own memory (``RESERVE_BYTES``) on this GPU; its record carries the
 resolved name. A config whose weights do not fit is refused before anything is drawn.
 
@@ -23,14 +24,16 @@ import re
 from dataclasses import dataclass, replace
 
 from ..spec import ModelSpec
+from ..weights import NVFP4_FORMATS
 
 ROWS = 8  # one request verifying 1 + 7 drafted tokens
 ROUTINGS = ("random", "correlated")
 # Memory needed beside the weights: drawing the embedding and the LM head takes
 # two fp32 temporaries of [V, H] (13.2 GB at the real widths); then the bench's
-# two KV caches, graph pools, L2-flush and FlashInfer workspaces reuse it.
+# two KV caches, graph pools, L2-flush and FlashInfer workspaces reuse it (and
+# before them the Marlin repack of one layer's experts, a few GB: steer.draw_weights).
 RESERVE_BYTES = 16 << 30
-_TP8_RANK = re.compile(r"tp8-rank-L(\d+|max)-(bf16|nvfp4)")
+_TP8_RANK = re.compile(r"tp8-rank-L(\d+|max)-(bf16|nvfp4|nvfp4-marlin)")
 _ALL_RANKS = re.compile(r"tp([248])-L(\d+|max)-(bf16|nvfp4)")
 _TINY_RANKS = re.compile(r"tiny-tp([248])")
 
@@ -46,19 +49,31 @@ class BenchConfig:
     tp: int = 1
     rank: int = 0
     expert_parallel: str = "ep"  # "tp": an I-slice of every expert on each rank
-    expert_format: str = "bf16"
+    expert_format: str = "bf16"  # "nvfp4_marlin": drawn as "nvfp4", then repacked (steer.draw_weights)
     speed_claim: bool = True
     # Every rank of the TP group, one process each, its collectives in the step
     # (ranks.py); False: rank ``rank`` alone, detached when tp > 1.
     all_ranks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.expert_format == "nvfp4_marlin":
+            # Marlin's unpadded layout (the one read here): 64-wide tiles along P and I.
+            s = ModelSpec.preset(self.preset, None)
+            inter = s.I // self.tp if self.expert_parallel == "tp" else s.I
+            if s.P % 64 or inter % 64:
+                raise BenchConfigError(
+                    f"{self.name}: Marlin's layout needs P = {s.P} and each rank's I = {inter} "
+                    f"(I = {s.I}, {self.expert_parallel.upper()} {self.tp}) to be multiples of 64"
+                )
 
     def spec(self) -> ModelSpec:
         return ModelSpec.preset(self.preset, self.layers)
 
     def weights_bytes(self, layers: int | None = None) -> int:
         """This rank's weights (bf16; the router and gate coefficients fp32; NVFP4
-        experts as codes, e4m3 scales and fp32 global and input scales), from the
-        shapes alone: what drawing them will take."""
+        experts as codes, e4m3 scales and fp32 global and input scales, in Marlin's
+        layout codes, one-byte scales and fp32 globals), from the shapes alone: what
+        drawing them will take."""
         s = ModelSpec.preset(self.preset, None)
         layers = self.layers if layers is None else layers
         tp, H, P, I, E, d = self.tp, s.H, s.P, s.I, s.E, s.head_dim  # noqa: E741
@@ -66,18 +81,21 @@ class BenchConfig:
         experts, inter = (E // tp, I) if self.expert_parallel == "ep" else (E, I // tp)
         dense = 2 * ((2 * q + 2 * kv) * H + H * q + 2 * P * H + 6 * H + 2 * P) + 4 * (E * H + E + 4 * H)
         bf16_experts = experts * 3 * inter * P * 2
-        # codes (half a byte a value), one e4m3 scale per 16 values, globals (2 + 1) and input scales (2 + 1)
-        nvfp4_experts = experts * (3 * inter * P // 2 + 3 * inter * P // 16 + 4 * 6)
+        # codes (half a byte a value), one e4m3 scale per 16 values, globals (2 + 1) and input scales (2 + 1);
+        # Marlin's layout: the same codes and one-byte scales, globals (1 + 1), no input scales
+        fp32s = 2 if self.expert_format == "nvfp4_marlin" else 6
+        nvfp4_experts = experts * (3 * inter * P // 2 + 3 * inter * P // 16 + 4 * fp32s)
         total = 2 * (2 * s.vocab_size * H + H)
         for i in range(layers):
             total += dense + (nvfp4_experts if self.nvfp4_layer(i, layers) else bf16_experts)
         return total
 
     def nvfp4_layer(self, index: int, layers: int | None = None) -> bool:
-        """Whether layer ``index`` holds NVFP4 experts (all but the first and last,
-        as random_weights draws them and the released checkpoint stores them)."""
+        """Whether layer ``index`` holds NVFP4 experts, in either layout (all but the
+        first and last, as random_weights draws them and the released checkpoint
+        stores them)."""
         layers = self.layers if layers is None else layers
-        return self.expert_format == "nvfp4" and 0 < index < layers - 1
+        return self.expert_format in NVFP4_FORMATS and 0 < index < layers - 1
 
     def fitting(self, free_bytes: int) -> BenchConfig:
         """This config with as many layers as fit in ``free_bytes`` (named for them)."""
@@ -103,8 +121,9 @@ class BenchConfigError(ValueError):
 
 def named(name: str) -> BenchConfig:
     """The config of a name: ``tiny``, ``tp1-real-L2``, ``tp8-rank-L<N>-bf16``,
-    ``tp8-rank-L<N>-nvfp4`` or ``tp8-rank-Lmax-...`` (layers 0 until ``fitting``
-    resolves it); every rank: ``tp{2,4,8}-L<N>-...`` (or ``-Lmax-``), ``tiny-tp{2,4,8}``."""
+    ``tp8-rank-L<N>-nvfp4``, ``tp8-rank-L<N>-nvfp4-marlin`` or ``tp8-rank-Lmax-...``
+    (layers 0 until ``fitting`` resolves it); every rank: ``tp{2,4,8}-L<N>-...`` (or
+    ``-Lmax-``; bf16 or nvfp4), ``tiny-tp{2,4,8}``."""
     if name == "tiny":
         return BenchConfig(name, "tiny", 4, (1024, 4096), speed_claim=False)
     if name == "tp1-real-L2":
@@ -133,10 +152,10 @@ def named(name: str) -> BenchConfig:
             tp=int(tp[0]) if tp else 8,
             rank=0,
             expert_parallel="tp",
-            expert_format=fmt,
+            expert_format=fmt.replace("-", "_"),
             all_ranks=all_ranks,
         )
     raise BenchConfigError(
         f"unknown bench config {name!r}; configs: tiny, tp1-real-L2, tp8-rank-L<N>-bf16, tp8-rank-L<N>-nvfp4, "
-        "tp{2,4,8}-L<N>-bf16, tp{2,4,8}-L<N>-nvfp4, tiny-tp{2,4,8}"
+        "tp8-rank-L<N>-nvfp4-marlin, tp{2,4,8}-L<N>-bf16, tp{2,4,8}-L<N>-nvfp4, tiny-tp{2,4,8}"
     )

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..executor import SpecializedDecode
+from ..nvfp4_marlin import marlin_form
 from ..protocols import HostStep, RoutedTopk, Step
 from ..reference.kvcache import PagedKVCache
 from ..weights import ModelWeights, Sharding, random_weights
@@ -33,16 +34,25 @@ CORRELATED_BIAS = 1.0
 
 def draw_weights(cfg: BenchConfig, device: torch.device, seed: int) -> ModelWeights:
     """Random weights of the config's model: this rank's shard only (NVFP4 experts
-    in every layer but the first and last for an ``nvfp4`` config)."""
+    in every layer but the first and last for an ``nvfp4`` config). ``nvfp4_marlin``:
+    the same NVFP4 experts, each layer's then repacked as vLLM serves them on SM90
+    (``marlin_form``), one layer at a time, its checkpoint-layout tensors freed
+    before the next: the peak holds one layer's experts twice, not the model's."""
+    marlin = cfg.expert_format == "nvfp4_marlin"
     sharding = Sharding(tp=cfg.tp, rank=cfg.rank, expert_parallel=cfg.expert_parallel)
-    return random_weights(
+    weights = random_weights(
         cfg.spec(),
         seed=seed,
         device=device,
         keep_unfolded_router=False,
         sharding=sharding,
-        expert_format=cfg.expert_format,
+        expert_format="nvfp4" if marlin else cfg.expert_format,
     )
+    if marlin:
+        for layer in weights.layers:
+            if layer.experts.format == "nvfp4":
+                layer.experts = marlin_form(layer.experts)
+    return weights
 
 
 def filled_cache(weights: ModelWeights, context: int, rows: int, seed: int) -> PagedKVCache:

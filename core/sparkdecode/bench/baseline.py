@@ -29,7 +29,7 @@ from ..protocols import LayerKV
 from ..reference import functional as fn
 from ..reference import model
 from ..reference.kvcache import BLOCK_SIZE, PagedKVCache
-from ..weights import ExpertWeights, ModelWeights, Nvfp4Scales
+from ..weights import ExpertWeights, ModelWeights, Nvfp4MarlinScales, Nvfp4Scales
 
 FLASHINFER_WORKSPACE = 128 << 20  # FlashInfer's recommended split-KV workspace
 
@@ -46,26 +46,41 @@ def stock_expert_rows(h: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights
     """The routed experts as torch runs them: bf16 experts as the two grouped GEMMs
     (``fn.expert_rows``, each selected expert read once). NVFP4 experts: torch has
     no FP4 GEMM on Hopper, so each route's expert is gathered and dequantized to
-    bf16 (nvfp4.dequantize), then batched GEMVs of the same rounding (an expert
-    chosen by several routes is read once per route). Bf16 [b, k, P]."""
-    if experts.nvfp4 is None:
+    bf16 (nvfp4.dequantize; from Marlin's layout nvfp4_marlin.dequantize, the
+    weights Marlin computes with), then batched GEMVs of the same rounding (an
+    expert chosen by several routes is read once per route). Bf16 [b, k, P]."""
+    if experts.format == "bf16":
         return fn.expert_rows(h, ids, experts.w13, experts.w2, experts.first_expert)
     b, k = ids.shape
     local = ids.reshape(-1).long() - experts.first_expert
     held = (local >= 0) & (local < experts.num_local)
-    index = local.clamp(0, experts.num_local - 1)
-    q = experts.nvfp4
-    routed = ExpertWeights(
-        "nvfp4",
-        experts.w13.index_select(0, index),
-        experts.w2.index_select(0, index),
-        nvfp4=Nvfp4Scales(*(q.w13_scale[index], q.w13_global[index], q.w2_scale[index], q.w2_global[index])),
-    )
-    w13, w2 = routed.dequantized()
+    w13, w2 = routed_experts(experts, local.clamp(0, experts.num_local - 1)).dequantized()
     x = h.repeat_interleave(k, dim=0)  # route r * k + j reads row r
     gate_up = torch.bmm(w13, x[:, :, None])[..., 0]
     y = torch.bmm(w2, fn.swiglu(gate_up, w2.shape[2])[:, :, None])[..., 0]
     return torch.where(held[:, None], y, 0).reshape(b, k, -1)
+
+
+def routed_experts(experts: ExpertWeights, index: torch.Tensor) -> ExpertWeights:
+    """The NVFP4 experts at the local indices ``index`` (one per route, repeats
+    allowed), gathered in their own layout with their scales (Marlin's: its
+    permutations shared); the activation input scales are left out."""
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return t[index]
+
+    w13, w2 = gather(experts.w13), gather(experts.w2)
+    if experts.marlin is not None:
+        m = experts.marlin
+        scales = Nvfp4MarlinScales(
+            gather(m.w13_scale), gather(m.w13_global), gather(m.w2_scale), gather(m.w2_global), m.perms
+        )
+        return ExpertWeights(experts.format, w13, w2, marlin=scales)
+    q = experts.nvfp4
+    if q is None:
+        raise ValueError(f"{experts.format} experts are not NVFP4")
+    scales = Nvfp4Scales(gather(q.w13_scale), gather(q.w13_global), gather(q.w2_scale), gather(q.w2_global))
+    return ExpertWeights(experts.format, w13, w2, nvfp4=scales)
 
 
 class FlashInferAttention:

@@ -30,6 +30,21 @@ from .steer import Routing, candidate_blocks, draw_weights, executor_blocks, exe
 from .timing import FLUSH_BYTES, Timer
 
 RECORD_VERSION = 1
+# How the config's routed experts were made, for the record (shard.expert_form).
+EXPERT_FORMS = {
+    "bf16": "bf16 experts, random",
+    "nvfp4": "NVFP4 in the checkpoint's layout (ModelOpt's quantization of random bf16 experts) in all layers "
+    "but the first and last, whose experts are bf16",
+    "nvfp4_marlin": "NVFP4 drawn as the nvfp4 config draws them, then each layer's experts repacked into vLLM "
+    "0.33's SM90 Marlin layout by nvfp4_marlin.marlin_form (a torch model of vLLM's repack: the gate's global "
+    "scale for both W13 halves, W2's global times up / gate), as vLLM serves them on Hopper. The baseline and "
+    "the executor both read that layout: W13's up rows and W2 hold the checkpoint's values scaled by gate / up "
+    "and up / gate (the same SwiGLU product, rounded to bf16 at other values), on both sides alike",
+}
+MARLIN_BASELINE = {
+    "nvfp4_marlin": " (in Marlin's layout: decoded by torch from Marlin's tiles and scales, "
+    "nvfp4_marlin.dequantize, to the weights Marlin computes with)"
+}
 
 
 class Progress:
@@ -250,7 +265,9 @@ def run(
                         # reference on identical inputs, the largest over the layers.
                         "attention_relative_error": attention_error,
                         # The step's hidden states, baseline against executor: the attention
-                        # differences are amplified wherever they flip an expert choice.
+                        # differences are amplified wherever they flip an expert choice. Both
+                        # sides read the same experts (in Marlin's layout: both compute with
+                        # Marlin's folded scales, none with the checkpoint's).
                         "relative_error_baseline_vs_executor": rel,
                         "layers_routed_alike": alike,
                         "finite": finite,
@@ -301,6 +318,7 @@ def run(
             "rank": cfg.rank,
             "expert_parallel": cfg.expert_parallel,
             "expert_format": cfg.expert_format,
+            "expert_form": EXPERT_FORMS[cfg.expert_format],
             "weights_bytes": sum(
                 t.numel() * t.element_size() for layer in weights.layers for t in _layer_tensors(layer)
             ),
@@ -319,8 +337,10 @@ def run(
         "baseline": {
             "name": "torch baseline",
             "what": "reference math: cuBLAS GEMMs, grouped expert GEMMs (torch._grouped_mm, each selected "
-            "expert read once; NVFP4 experts: each route's expert dequantized to bf16, then batched GEMVs), "
-            "torch norms/RoPE/routing; paged attention: " + baseline_attention,
+            "expert read once; NVFP4 experts: each route's expert dequantized to bf16, then batched GEMVs"
+            + MARLIN_BASELINE.get(cfg.expert_format, "")
+            + "), torch norms/RoPE/routing; paged attention: "
+            + baseline_attention,
         },
         "executor": {"layout": layout, "notes": executor_notes},
         "collectives_left_out": _collectives(cfg),

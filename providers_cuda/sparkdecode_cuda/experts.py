@@ -92,6 +92,8 @@ class CudaExperts(_Cuda):
     block = "experts"
     name = "cuda.experts"
     format = "bf16"
+    # experts.cu's EXPERTS_V2 (0: the kernels as registered); a define, so in the compile key
+    variant: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -117,6 +119,8 @@ class CudaExperts(_Cuda):
             "FMT": FMT[self.format],
             "TOP_K": spec.top_k,
         }
+        if self.variant:
+            defines["EXPERTS_V2"] = self.variant
         self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.down = Kernel(SOURCE, "experts_down_kernel", ctx.device, defines, COMPILE_OPTIONS)
         slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
@@ -274,3 +278,22 @@ class CudaExpertsNvfp4Marlin(CudaExpertsNvfp4):
         m = self.experts.marlin
         assert m is not None
         return (m.w13_scale.view(torch.uint8), m.w13_global, m.w2_scale.view(torch.uint8), m.w2_global)
+
+
+class CudaExpertsNvfp4V2(CudaExpertsNvfp4):
+    """``cuda.experts_nvfp4`` with experts.cu's EXPERTS_V2: the next batch's and the next
+    item's weights prefetched into L2 while computing. Not registered until its GPU test
+    and the streams bench have run."""
+
+    name = "cuda.experts_nvfp4_v2"
+    variant = 1
+
+
+class CudaExpertsNvfp4MarlinV2(CudaExpertsNvfp4Marlin):
+    """``cuda.experts_nvfp4_marlin`` with experts.cu's EXPERTS_V2: the codes decoded as
+    e4m3 bytes and the scale bytes as fp32 bits (tests/test_cuda_experts_marlin.py
+    emulates both against nvfp4_marlin.dequantize), plus the L2 prefetch. Not registered
+    until its GPU test and the streams bench have run."""
+
+    name = "cuda.experts_nvfp4_marlin_v2"
+    variant = 1

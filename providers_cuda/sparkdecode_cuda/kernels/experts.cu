@@ -35,7 +35,16 @@
 // 2^7), permuted per 64 rows so that lane g's 8 bytes at 8g of a block are its own:
 // byte 4 (j >> 1) + (j & 1) + 2h for row 16j + g + 8h. The fp32 global is Marlin's
 // times 2^-119 (nvfp4_marlin.dequantize); then as above, the same bits.
+//
+// EXPERTS_V2 (a define, 0 when absent): FMT 2 decodes a word's 8 codes as e4m3 bytes
+// (marlin_word_v2) and a scale byte as fp32 bits (marlin_s64), and both NVFP4 formats
+// prefetch into L2 the next batch of a warp's weights and the next item's first batch
+// while computing (prefetch_gemm); with 0, the code above as it was.
 #include "common.cuh"
+
+#ifndef EXPERTS_V2
+#define EXPERTS_V2 0
+#endif
 
 #if !defined(P_DIM) || !defined(I_LOCAL) || !defined(FMT) || !defined(TOP_K)
 #error "experts.cu needs P_DIM, I_LOCAL, FMT and TOP_K"
@@ -192,6 +201,39 @@ __device__ __forceinline__ u32 dequant_pair(u32 w, int lo, int hi, float s126) {
   return pack_bf16x2(f0, f1);
 }
 
+#if EXPERTS_V2
+// Marlin (FMT 2), EXPERTS_V2: a code's 3 magnitude bits at bits 2..4 of a byte and its
+// sign at bit 7 make the e4m3 byte of e2m1 * 2^-6 (e4m3's exponent bits 3..6, bias 7:
+// subnormal for 0 and 0.5), exact through fp16 to fp32; times s * 2^6 (exact) one fp32
+// multiply gives fp32(e2m1 * s), signed, then one rounding to bf16: the reference's bits.
+// The even nibbles' bytes: magnitudes << 2, signs << 4; the odd ones': >> 2 and in place.
+// a[0..3]: the A fragments of the word (nibbles 0, 4; 2, 6; 1, 5; 3, 7), rows g (s0),
+// g + 8 (s1).
+// Bits 16..31 of v (a register half, no shift).
+__device__ __forceinline__ u32 high_half(u32 v) {
+  unsigned short h;
+  asm("{.reg .b16 l;\n mov.b32 {l, %0}, %1;}" : "=h"(h) : "r"(v));
+  return h;
+}
+
+__device__ __forceinline__ void marlin_word_v2(u32 w, float s0, float s1, u32 a[4]) {
+  const u32 ev = ((w << 2) & 0x1c1c1c1cu) | ((w << 4) & 0x80808080u);  // nibbles 0, 2, 4, 6
+  const u32 od = ((w >> 2) & 0x1c1c1c1cu) | (w & 0x80808080u);         // nibbles 1, 3, 5, 7
+  const float2 e0 = e4m3x2_to_float2(ev), e1 = e4m3x2_to_float2(high_half(ev));
+  const float2 o0 = e4m3x2_to_float2(od), o1 = e4m3x2_to_float2(high_half(od));
+  a[0] = pack_bf16x2(e0.x * s0, e1.x * s0);
+  a[1] = pack_bf16x2(e0.y * s1, e1.y * s1);
+  a[2] = pack_bf16x2(o0.x * s0, o1.x * s0);
+  a[3] = pack_bf16x2(o0.y * s1, o1.y * s1);
+}
+
+// s * 2^6 of a Marlin scale byte at bits 20..27 of `bits` (the rest zero): those fp32
+// bits are fp16(byte << 7) * 2^-112 exactly (subnormals too; the inf / NaN bytes give a
+// finite number, but the provider refuses them), and g105 = global * 2^-119 * 2^105
+// (exact), so one multiply gives fp32(scale * global) as nvfp4_marlin.dequantize.
+__device__ __forceinline__ float marlin_s64(u32 bits, float g105) { return (__uint_as_float(bits) * g105) * 0x1p6f; }
+#endif
+
 // The weights of one expert for one GEMM: rows of K values.
 struct Weights {
   const unsigned char* w;      // bf16 [rows, K], NVFP4 codes [rows, K / 2] or Marlin's int32 [K / 16, 2 rows]
@@ -199,6 +241,38 @@ struct Weights {
   float global_lo, global_hi;  // NVFP4: the global scale of rows below / from `split`
   int split;
 };
+
+#if EXPERTS_V2
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Marlin (FMT 2): SB steps of 16 k from row kt0 of a warp's NBLK blocks of 64 rows into
+// L2, a line a lane: the codes' 128-byte lines (512 bytes a step and block), then the
+// scale bytes (64 a step and block).
+template <int N, int NBLK, int SB>
+__device__ __forceinline__ void prefetch_marlin(const Weights& W, const int blk0[NBLK], long kt0) {
+  static_assert(NBLK <= 2 && SB * NBLK * 4 <= 32, "a line a lane");
+  const int lane = threadIdx.x & 31;
+  if (lane < SB * NBLK * 4) {
+    const long kt = kt0 + lane / (4 * NBLK), blk = blk0[0] + ((lane / 4) % NBLK ? blk0[NBLK - 1] - blk0[0] : 0);
+    prefetch_l2(W.w + (kt * 2 * N + 2 * blk) * 4 + 128 * (lane & 3));
+  }
+  if (lane < SB * NBLK) {
+    const long kt = kt0 + lane / NBLK, blk = blk0[0] + (lane % NBLK ? blk0[NBLK - 1] - blk0[0] : 0);
+    prefetch_l2(W.scale + kt * N + blk);
+  }
+}
+
+// NVFP4 rows (FMT 1): CB chunks from k of a warp's 32 rows (lane: row row0[lane / 16] +
+// lane % 16) into L2: the codes (64 bytes a chunk), then the scales (8 bytes a chunk).
+template <int K, int CB>
+__device__ __forceinline__ void prefetch_rows(const Weights& W, const int row0[2], int k) {
+  const int lane = threadIdx.x & 31;
+  const long row = (lane >> 4 ? row0[1] : row0[0]) + (lane & 15);
+#pragma unroll
+  for (int off = 0; off < CB * CHUNK_K / 2; off += 128) prefetch_l2(W.w + row * (K / 2) + k / 2 + off);
+  prefetch_l2(W.scale + row * (K / 16) + k / 16);
+}
+#endif
 
 // A warp's 32 rows (two tiles of 16: rows row0[0] + 0..15, row0[1] + 0..15) over its
 // K-slice [k0, k0 + K / WK_) against B = x rows (8, row stride xs, rows >= nx read as 0).
@@ -236,6 +310,9 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
             sc[a][h][cb] = __ldg(reinterpret_cast<const unsigned short*>(W.scale + row * (K / 16) + kb / 16));
         }
     }
+#if EXPERTS_V2
+    if (FMT == 1 && batch + CB < NC) prefetch_rows<K, CB>(W, row0, k0 + (batch + CB) * CHUNK_K);
+#endif
 #pragma unroll
     for (int cb = 0; cb < CB; ++cb) {
       const int kb = k0 + (batch + cb) * CHUNK_K + G * t;
@@ -297,6 +374,9 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   for (int batch = 0; batch < STEPS; batch += SB) {
     uint4 q[NBLK][SB];
     uint2 sc[NBLK][SB];
+#if EXPERTS_V2
+    if (batch + SB < STEPS) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + SB);
+#endif
 #pragma unroll
     for (int sb = 0; sb < SB; ++sb) {
       const long kt = k0 / 16 + batch + sb;  // the row of 16 k
@@ -320,6 +400,17 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
         const uint4 v = q[b][sb];
         const u32 words[4] = {v.x, v.y, v.z, v.w};
         const u32 scales[2] = {sc[b][sb].x, sc[b][sb].y};
+#if EXPERTS_V2
+        const float g105 = glob * 0x1p105f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u32 sw = scales[j >> 1] >> (8 * (j & 1));  // row g's byte at bits 0..7, row g + 8's at 16..23
+          u32 a[4];
+          marlin_word_v2(words[j], marlin_s64((sw << 20) & 0x0ff00000u, g105),
+                         marlin_s64((sw << 4) & 0x0ff00000u, g105), a);
+          mma_bf16(c[4 * b + j], a[0], a[1], a[2], a[3], b0, b1);
+        }
+#else
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const u32 sw = scales[j >> 1] >> (8 * (j & 1));
@@ -329,6 +420,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
           mma_bf16(c[4 * b + j], dequant_pair(w, 0, 4, s0), dequant_pair(w, 2, 6, s1), dequant_pair(w, 1, 5, s0),
                    dequant_pair(w, 3, 7, s1), b0, b1);
         }
+#endif
       }
     }
   }
@@ -346,6 +438,20 @@ __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT 
   warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
 #endif
 }
+
+#if EXPERTS_V2
+// The first batch expert_gemm loads of these tiles into L2 (NVFP4; nothing for bf16).
+template <int K, int N, int WK_, int NT>
+__device__ __forceinline__ void prefetch_gemm(const Weights& W, const int row0[NT / TPB], int k0) {
+#if FMT == 2
+  constexpr int STEPS = K / WK_ / 16;
+  prefetch_marlin<N, NT / TPB, STEPS < 4 ? STEPS : 4>(W, row0, k0 / 16);
+#elif FMT == 1
+  constexpr int NC = K / WK_ / CHUNK_K;
+  prefetch_rows<K, NC < 4 ? NC : 4>(W, row0, k0);
+#endif
+}
+#endif
 
 // Adds the warps' partial sums over K in warp order; the warp wk == 0 of each wm
 // ends with the total in c. `red`: WARPS * NT * 4 * 32 floats.
@@ -376,6 +482,31 @@ __device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int
 
 __device__ __forceinline__ float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
 
+// Expert e's W13 (gate rows, then up rows).
+__device__ __forceinline__ Weights up_weights(const unsigned char* w13, const unsigned char* w13_scale,
+                                              const float* w13_global, int e) {
+  constexpr long EXPERT_BYTES = (long)2 * I_LOCAL * (FMT >= 1 ? P_DIM / 2 : P_DIM * 2);
+  Weights W;
+  W.w = w13 + e * EXPERT_BYTES;
+  W.scale = FMT >= 1 ? w13_scale + (long)e * 2 * I_LOCAL * (P_DIM / 16) : nullptr;
+  W.global_lo = FMT == 1 ? w13_global[2 * e] : FMT == 2 ? w13_global[e] * 0x1p-119f : 1.f;
+  W.global_hi = FMT == 1 ? w13_global[2 * e + 1] : FMT == 2 ? w13_global[e] * 0x1p-119f : 1.f;
+  W.split = I_LOCAL;
+  return W;
+}
+
+// Expert e's W2.
+__device__ __forceinline__ Weights down_weights(const unsigned char* w2, const unsigned char* w2_scale,
+                                                const float* w2_global, int e) {
+  constexpr long EXPERT_BYTES = (long)P_DIM * (FMT >= 1 ? I_LOCAL / 2 : I_LOCAL * 2);
+  Weights W;
+  W.w = w2 + e * EXPERT_BYTES;
+  W.scale = FMT >= 1 ? w2_scale + (long)e * P_DIM * (I_LOCAL / 16) : nullptr;
+  W.global_lo = W.global_hi = FMT == 1 ? w2_global[e] : FMT == 2 ? w2_global[e] * 0x1p-119f : 1.f;
+  W.split = P_DIM;
+  return W;
+}
+
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
 extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_up_kernel(
@@ -393,18 +524,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_up_kernel(
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int items = routes.n_slots * TILES1;
-  constexpr long EXPERT_BYTES = (long)2 * I_LOCAL * (FMT >= 1 ? P_DIM / 2 : P_DIM * 2);
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / TILES1, tile = item % TILES1;
     const int e = routes.slot_expert[slot];
     const int i0 = (tile * WM1 + wm) * UP_COLS;
-    Weights W;
-    W.w = w13 + e * EXPERT_BYTES;
-    W.scale = FMT >= 1 ? w13_scale + (long)e * 2 * I_LOCAL * (P_DIM / 16) : nullptr;
-    W.global_lo = FMT == 1 ? w13_global[2 * e] : FMT == 2 ? w13_global[e] * 0x1p-119f : 1.f;
-    W.global_hi = FMT == 1 ? w13_global[2 * e + 1] : FMT == 2 ? w13_global[e] * 0x1p-119f : 1.f;
-    W.split = I_LOCAL;
+    const Weights W = up_weights(w13, w13_scale, w13_global, e);
     const int row0[2] = {i0, I_LOCAL + i0};  // gate rows, up rows
+#if EXPERTS_V2
+    if (item + (int)gridDim.x < items) {  // the next item's first batch
+      const int next = item + gridDim.x, n0 = (next % TILES1 * WM1 + wm) * UP_COLS;
+      const int nrow0[2] = {n0, I_LOCAL + n0};
+      prefetch_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(
+          up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, wk * (P_DIM / WK1));
+    }
+#endif
     float c[NT1][4];                         // gate tiles, then up tiles
     expert_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(W, row0, wk * (P_DIM / WK1), x, x_stride, b, c);
     reduce_k<WK1, NT1>(c, red, wm, wk);
@@ -465,15 +598,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_down_kernel(
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
     float c[NT2][4];
     if (n_slots > 0) {
-      const int e = routes.slot_expert[slot];
-      Weights W;
-      W.w = w2 + e * EXPERT_BYTES;
-      W.scale = FMT >= 1 ? w2_scale + (long)e * P_DIM * (I_LOCAL / 16) : nullptr;
-      W.global_lo = W.global_hi = FMT == 1 ? w2_global[e] : FMT == 2 ? w2_global[e] * 0x1p-119f : 1.f;
-      W.split = P_DIM;
+      const Weights W = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]);
       int row0[NT2 / TPB];  // blocks of TPB tiles
 #pragma unroll
       for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
+#if EXPERTS_V2
+      if (item + (int)gridDim.x < items) {  // the next item's first batch
+        const int next = item + gridDim.x;
+        int nrow0[NT2 / TPB];
+#pragma unroll
+        for (int r = 0; r < NT2 / TPB; ++r) nrow0[r] = (next % TILES2 * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;
+        prefetch_gemm<I_LOCAL, P_DIM, WK2, NT2>(down_weights(w2, w2_scale, w2_global, routes.slot_expert[next / TILES2]),
+                                                nrow0, wk * (I_LOCAL / WK2));
+      }
+#endif
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL,
                                             NB, c);
       reduce_k<WK2, NT2>(c, red, wm, wk);

@@ -97,16 +97,21 @@ def test_unsupported_off_hopper(monkeypatch):
     assert "hidden size 1088" in boundary.CudaBoundary.unsupported(odd)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "nvfp4_marlin"])
+@pytest.mark.parametrize(
+    "fmt,variant", [("bf16", 0), ("nvfp4", 0), ("nvfp4_marlin", 0), ("nvfp4", 1), ("nvfp4_marlin", 1)]
+)
 @pytest.mark.parametrize("width,intermediate,top_k", [(4096, 512, 8), (4096, 4096, 8), (512, 512, 4), (512, 256, 4)])
-def test_experts_kernels_compile_for_hopper(fmt, width, intermediate, top_k, tmp_path, monkeypatch):
+def test_experts_kernels_compile_for_hopper(fmt, variant, width, intermediate, top_k, tmp_path, monkeypatch):
     """The routed experts at the TP8 rank's expert-TP slice (I 512) and EP (whole
-    experts), and the tiny spec's shapes."""
+    experts), and the tiny spec's shapes; the NVFP4 ones under EXPERTS_V2 too (the
+    unregistered V2 providers' define)."""
     from sparkdecode_cuda import experts
 
     monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
     assert experts.shape_unsupported(width, intermediate, fmt, top_k, 8) is None
     defines = {"P_DIM": width, "I_LOCAL": intermediate, "FMT": experts.FMT[fmt], "TOP_K": top_k}
+    if variant:
+        defines["EXPERTS_V2"] = variant
     cubin = nvrtc.compile_cubin(experts.SOURCE, "sm_90a", defines, experts.COMPILE_OPTIONS)
     assert b"experts_up_kernel" in cubin and b"experts_down_kernel" in cubin
 
@@ -132,6 +137,8 @@ def test_experts_unsupported_shapes():
     assert "SM90 Marlin layout, not" in experts.CudaExpertsNvfp4Marlin.unsupported(hopper)
     assert "multiples of 64" in experts.shape_unsupported(4096, 96, "nvfp4_marlin", 8, 8)
     assert experts.CudaExpertsNvfp4Marlin in plugin.PROVIDERS
+    for cls in (experts.CudaExpertsNvfp4V2, experts.CudaExpertsNvfp4MarlinV2):  # registered once measured
+        assert cls not in plugin.PROVIDERS and cls.variant == 1 and cls.__base__.variant == 0
 
 
 def test_markov_kernel_compiles_and_says_what_it_takes(tmp_path, monkeypatch):

@@ -107,21 +107,29 @@ SHAPES = {
 
 
 def provider(fmt: str):
+    """A format's provider; "-v2": its EXPERTS_V2 variant (unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
         "nvfp4_marlin": experts_mod.CudaExpertsNvfp4Marlin,
+        "nvfp4-v2": experts_mod.CudaExpertsNvfp4V2,
+        "nvfp4_marlin-v2": experts_mod.CudaExpertsNvfp4MarlinV2,
     }[fmt]
 
 
-FORMATS = ["bf16", "nvfp4", "nvfp4_marlin"]
+def weight_format(fmt: str) -> str:
+    return fmt.removesuffix("-v2")
+
+
+FORMATS = ["bf16", "nvfp4", "nvfp4_marlin", "nvfp4-v2", "nvfp4_marlin-v2"]
+NVFP4_FORMATS = ["nvfp4", "nvfp4_marlin", "nvfp4-v2", "nvfp4_marlin-v2"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_experts_equal_reference(fmt, shape):
     spec, sharding = SHAPES[shape]
-    experts = random_experts(spec, fmt, sharding, seed=len(shape))
+    experts = random_experts(spec, weight_format(fmt), sharding, seed=len(shape))
     ctx = context(spec, experts)
     op = provider(fmt).build(ctx, 0)
     g = torch.Generator().manual_seed(7)
@@ -139,7 +147,7 @@ def test_experts_equal_reference(fmt, shape):
 def test_experts_replay_with_changing_ids(fmt):
     """One graph capture, replayed with new ids and x each time (no host sync)."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
-    experts = random_experts(spec, fmt, sharding, seed=3)
+    experts = random_experts(spec, weight_format(fmt), sharding, seed=3)
     op = provider(fmt).build(context(spec, experts), 0)
     b, k = 8, spec.top_k
     x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
@@ -181,7 +189,7 @@ def exact_nvfp4_experts(spec: ModelSpec, num: int, intermediate: int, g: torch.G
     return ExpertWeights("nvfp4", w13, w2, nvfp4=Nvfp4Scales(w13_scale, w13_global, w2_scale, w2_global))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_marlin"])
+@pytest.mark.parametrize("fmt", NVFP4_FORMATS)
 def test_nvfp4_dequantization_bit_exact(fmt):
     """x one-hot at column c: the up GEMM's sum has one term, so gate and up are the
     dequantized W13 column c itself and the act buffer (bf16(silu(gate) * up), one
@@ -190,7 +198,7 @@ def test_nvfp4_dequantization_bit_exact(fmt):
     Marlin's layout: random words, every finite scale byte, random globals."""
     spec = dataclasses.replace(ModelSpec.preset("muse-spark-open"), moe_intermediate_size=512)
     g = torch.Generator().manual_seed(5)
-    if fmt == "nvfp4":
+    if weight_format(fmt) == "nvfp4":
         experts = exact_nvfp4_experts(spec, 4, 512, g)
     else:
         experts = random_marlin(4, spec.P, 512, g, device="cuda")
@@ -210,7 +218,7 @@ def test_nvfp4_dequantization_bit_exact(fmt):
         close(rows, experts, x, ids)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_marlin"])
+@pytest.mark.parametrize("fmt", NVFP4_FORMATS)
 def test_nvfp4_down_projection_bit_exact(fmt):
     """act with one nonzero column per row: the down GEMM's sum has one term, so the
     rows are W2's dequantized column times an exact bf16 value: bit for bit."""
@@ -228,7 +236,7 @@ def test_nvfp4_down_projection_bit_exact(fmt):
     experts = ExpertWeights(
         "nvfp4", w13, experts.w2, nvfp4=Nvfp4Scales(w13_scale, torch.ones_like(q.w13_global), q.w2_scale, q.w2_global)
     )
-    if fmt == "nvfp4_marlin":
+    if weight_format(fmt) == "nvfp4_marlin":
         experts = marlin_form(experts)
     op = provider(fmt).build(context(spec, experts), 0)
     _, w2 = experts.dequantized()

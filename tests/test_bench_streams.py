@@ -17,6 +17,13 @@ from sparkdecode.bench.timing import Timer
 from sparkdecode.cli import main
 from sparkdecode.plugins import discover
 from sparkdecode.protocols import LINEAR_WEIGHTS
+from sparkdecode.reference.providers import ReferenceExpertsNvfp4
+
+
+class UnregisteredExperts(ReferenceExpertsNvfp4):
+    """An experts_nvfp4 provider outside the registry (--experts-provider's kind)."""
+
+    name = "test.unregistered_experts_nvfp4"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
@@ -38,6 +45,7 @@ def test_expert_streams_account_and_check_every_provider():
         routings=("correlated",),
         slow_s=float("inf"),
         log=log.append,
+        extra=(UnregisteredExperts,),
     )
     assert [(s["stream"], s["routing"]) for s in out] == [(e.name, "correlated") for e in streams.EXPERT_STREAMS]
     # a progress line per stream with the seconds elapsed
@@ -48,7 +56,8 @@ def test_expert_streams_account_and_check_every_provider():
         reference = "reference.experts_nvfp4" if s["kind"] == "experts_nvfp4" else "reference.experts"
         # Marlin's layout: the torch path's rows on the NVFP4 layers are the baseline, timed there
         torch_path = set() if s["expert_format"] == "nvfp4_marlin" else {streams.TORCH}
-        assert set(s["providers"]) == torch_path | {reference}
+        extra = {UnregisteredExperts.name} if s["kind"] == "experts_nvfp4" else set()  # measured in its kind's streams
+        assert set(s["providers"]) == torch_path | {reference} | extra
         assert "needs a CUDA GPU" in s["unsupported"][f"cuda.{s['kind']}"]
         if s["kind"] == "experts_nvfp4":
             assert "needs a CUDA GPU" in s["unsupported"]["cuda.experts_nvfp4_marlin"]
@@ -164,3 +173,25 @@ def test_linear_provider_by_import_path(monkeypatch, capsys, tmp_path):
     assert [cls.name for cls in measured] == ["reference.linear"]
     assert main(["bench", "streams-tp1", "--linear-provider", "sparkdecode.reference.providers"]) == 2
     assert "not module:Class" in capsys.readouterr().err
+
+
+def test_experts_provider_by_import_path(monkeypatch, capsys, tmp_path):
+    """--experts-provider hands the class at an import path to the experts part (measured
+    beside the registered ones, as above); a path that is not module:Class, or a config
+    without the experts, is an error."""
+    _fake_gpu(monkeypatch)
+    given = {}
+
+    def expert_streams(*args, **kwargs):
+        given.update(kwargs)
+        return []
+
+    monkeypatch.setattr(streams, "expert_streams", expert_streams)
+    path = "test_bench_streams:UnregisteredExperts"
+    args = ["bench", "streams-tp8-rank", "--experts-provider", path, "--part", "experts", "--out", str(tmp_path)]
+    assert main([*args, "--quiet"]) == 0
+    assert given["extra"] == (UnregisteredExperts,)
+    assert main(["bench", "streams-tp8-rank", "--experts-provider", "sparkdecode.reference.providers"]) == 2
+    assert "not module:Class" in capsys.readouterr().err
+    assert main(["bench", "streams-tp1", "--experts-provider", path, "--part", "linear"]) == 2
+    assert "streams-tp8-rank only" in capsys.readouterr().err

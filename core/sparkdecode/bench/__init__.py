@@ -98,6 +98,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         metavar="MODULE:CLASS",
         help="streams configs: also measure this linear provider class, registered or not (repeatable)",
     )
+    p.add_argument(
+        "--experts-provider",
+        action="append",
+        default=[],
+        metavar="MODULE:CLASS",
+        help="streams-tp8-rank: also measure this routed-experts provider class, registered or not (repeatable)",
+    )
     p.set_defaults(run=main)
     return p
 

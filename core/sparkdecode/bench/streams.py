@@ -4,7 +4,7 @@ reads its weights, against the copy bandwidth measured in the same run.
 ``sparkdecode bench streams-tp8-rank`` (or ``streams-tp1``) on a GPU prints, for
 every provider of ``linear`` that supports the GPU (``reference.linear`` is
 cuBLAS through ``torch.mm``; ``--linear-provider module:Class`` adds one that is
-not registered):
+not registered, ``--experts-provider module:Class`` an experts one):
 
 - isolated: each of Muse Spark's dense weights (qkvg, o_proj, router, pooler,
   unpooler at the config's shard) alone in a CUDA graph, L2 flushed before every
@@ -317,13 +317,15 @@ def measure_stream(
     slow_s: float,
     progress: Any,
     torch_layers: list[ExpertWeights] | None = None,
+    extra: tuple[type, ...] = (),
 ) -> list[dict[str, Any]]:
     """Per routing: every supported provider's and the torch path's isolated figure
     (layer 0) and chained figure (the routing's ``chains`` layers), and their rows'
     error against the torch path. Each provider is built once for all layers.
     ``torch_layers``: the layers the torch path runs on where it does not read the
     stream's layout (the NVFP4 layers Marlin's were packed from): its rows there are
-    the baseline, not timed (the NVFP4 stream times them)."""
+    the baseline, not timed (the NVFP4 stream times them). ``extra``: provider classes
+    not registered, measured where their block is the stream's kind."""
     from ..deployment import detect
 
     device = timer.device
@@ -331,12 +333,12 @@ def measure_stream(
         spec, tp=TP, device=device, expert_format=stream.expert_format, expert_parallel=stream.expert_parallel
     )
     classes, skipped = [], {}
-    for reg in registry.of(stream.kind):
-        reason = reg.cls.unsupported(deployment)
+    for cls in [reg.cls for reg in registry.of(stream.kind)] + [c for c in extra if c.block == stream.kind]:
+        reason = cls.unsupported(deployment)
         if reason is None:
-            classes.append(reg.cls)
+            classes.append(cls)
         else:
-            skipped[reg.name] = reason
+            skipped[cls.name] = reason
     layers = max(chains.values())
     weights = SimpleNamespace(spec=spec, layers=[SimpleNamespace(experts=e) for e in experts[:layers]])
     built = {}
@@ -409,6 +411,7 @@ def expert_streams(
     chain_bytes: int = CHAIN_BYTES,
     slow_s: float = SLOW_S,
     log: Any = print,
+    extra: tuple[type, ...] = (),
 ) -> list[dict[str, Any]]:
     """Per (stream, routing), in ``EXPERT_STREAMS`` order: every supported provider's
     and the torch path's isolated and chained figures, and their rows' error against
@@ -417,7 +420,8 @@ def expert_streams(
     needs, at most ``layers``), quantized once for the NVFP4 stream, and those
     packed once into Marlin's layout (chained over at most the NVFP4 layers; the
     torch path's rows on the NVFP4 layers are its baseline). ``log`` gets a
-    progress line with the seconds elapsed."""
+    progress line with the seconds elapsed; ``extra``: unregistered provider classes
+    measured beside the registered ones (measure_stream)."""
     device = timer.device
     spec = ModelSpec.preset(preset, layers)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -443,15 +447,27 @@ def expert_streams(
             bf16.append(draw_experts(spec, bf16_stream, g, device))
         progress(f"{bf16_stream.name}: drew {len(bf16)} layers")
         args = (xs, routing)
+        kw = {"extra": extra}
         out += measure_stream(
-            timer, registry, spec, bf16_stream, bf16, *args, chains[bf16_stream], copy, replays, slow_s, progress
+            timer, registry, spec, bf16_stream, bf16, *args, chains[bf16_stream], copy, replays, slow_s, progress, **kw
         )
         nvfp4 += [quantize_experts(e) for e in bf16[1 : max(chains[nvfp4_stream].values())]]
         del bf16
         _release(device)  # the bf16 layers and the bf16 stream's graph pools
         progress(f"{nvfp4_stream.name}: quantized {len(nvfp4)} layers")
         out += measure_stream(
-            timer, registry, spec, nvfp4_stream, nvfp4, *args, chains[nvfp4_stream], copy, replays, slow_s, progress
+            timer,
+            registry,
+            spec,
+            nvfp4_stream,
+            nvfp4,
+            *args,
+            chains[nvfp4_stream],
+            copy,
+            replays,
+            slow_s,
+            progress,
+            **kw,
         )
         _release(device)  # the NVFP4 stream's graph pools
         # Marlin's form of the NVFP4 layers (an expert's bytes but 4 of its global
@@ -473,6 +489,7 @@ def expert_streams(
             slow_s,
             progress,
             torch_layers=nvfp4,
+            **kw,
         )
         del nvfp4, marlin
         _release(device)
@@ -534,8 +551,8 @@ def report(config: str, copy: float, record: dict[str, Any]) -> str:
 
 
 def provider_class(path: str) -> type:
-    """The provider class at ``module:Class`` (``--linear-provider``: one not
-    registered yet, measured beside the registered ones)."""
+    """The provider class at ``module:Class`` (``--linear-provider``,
+    ``--experts-provider``: one not registered yet, measured beside the registered ones)."""
     import importlib
 
     module, sep, name = path.partition(":")
@@ -569,6 +586,17 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, AttributeError) as e:
         print(f"sparkdecode bench: --linear-provider: {e}", file=sys.stderr)
         return 2
+    try:
+        extra = tuple(provider_class(p) for p in args.experts_provider)
+    except (ValueError, ImportError, AttributeError) as e:
+        print(f"sparkdecode bench: --experts-provider: {e}", file=sys.stderr)
+        return 2
+    if extra and args.config != "streams-tp8-rank":
+        print(
+            "sparkdecode bench: --experts-provider: the routed experts are measured by streams-tp8-rank only",
+            file=sys.stderr,
+        )
+        return 2
     providers = []
     for cls in classes:
         reason = cls.unsupported(deployment)
@@ -589,7 +617,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"record: {write_record(args, date, copy, replays, record, None)}", flush=True)
     if args.part != "linear" and args.config == "streams-tp8-rank":
         log = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
-        experts = expert_streams(timer, discover(), copy, replays, seed=args.seed, log=log)
+        experts = expert_streams(timer, discover(), copy, replays, seed=args.seed, log=log, extra=extra)
         print(experts_report(experts, copy))
         print(f"record: {write_record(args, date, copy, replays, record, experts)}")
     return 0

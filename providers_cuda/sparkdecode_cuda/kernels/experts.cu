@@ -41,6 +41,7 @@
 // prefetch into L2 the next batch of a warp's weights and the next item's first batch
 // while computing (prefetch_gemm); with 0, the code above as it was.
 #include "common.cuh"
+#include "experts_common.cuh"
 
 #ifndef EXPERTS_V2
 #define EXPERTS_V2 0
@@ -50,7 +51,6 @@
 #error "experts.cu needs P_DIM, I_LOCAL, FMT and TOP_K"
 #endif
 
-#define MAX_ROUTES 64
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
 #define WARPS 8
 #define NTHREADS (WARPS * 32)
@@ -80,75 +80,6 @@ constexpr int TILES2 = P_DIM / (DOWN_ROWS * WM2);
 static_assert(P_DIM % (CHUNK_K * WK1) == 0, "P_DIM: a multiple of the chunk times the warps along K");
 static_assert(I_LOCAL % (CHUNK_K * WK2) == 0, "I_LOCAL: a multiple of the chunk times the warps along K");
 static_assert(I_LOCAL % (UP_COLS * WM1) == 0 && P_DIM % (DOWN_ROWS * WM2) == 0, "tile widths");
-
-#define MAX_LOCAL 256  // experts a rank may hold (the provider refuses more)
-
-struct Routes {
-  int owner[MAX_LOCAL];         // per local expert: its first route (MAX_ROUTES where none)
-  int slot[MAX_ROUTES];         // the route's distinct-expert slot, -1 where not held
-  int slot_expert[MAX_ROUTES];  // local expert of each slot
-  unsigned firsts[MAX_ROUTES / 32];
-  int n_slots;
-};
-
-// Slots in the order of the experts' first routes: the same in every block.
-__device__ void find_experts(const int* __restrict__ ids, int routes, int first_expert, int num_local, Routes& r) {
-  const int i = threadIdx.x;
-  for (int l = i; l < num_local; l += NTHREADS) r.owner[l] = MAX_ROUTES;
-  __syncthreads();
-  int l = -1;
-  if (i < routes) {
-    const int e = ids[i] - first_expert;
-    if (e >= 0 && e < num_local) l = e;
-  }
-  if (l >= 0) atomicMin(&r.owner[l], i);
-  __syncthreads();
-  const bool first = l >= 0 && r.owner[l] == i;
-  if (i < MAX_ROUTES) {
-    const unsigned bits = __ballot_sync(0xffffffffu, first);
-    if ((i & 31) == 0) r.firsts[i >> 5] = bits;
-  }
-  __syncthreads();
-  if (i < MAX_ROUTES) {
-    int slot = -1;
-    if (l >= 0) {
-      const int owner = r.owner[l];
-      slot = __popc(r.firsts[0] & ((owner >= 32) ? 0xffffffffu : ((1u << owner) - 1u)));
-      if (owner >= 32) slot += __popc(r.firsts[1] & ((1u << (owner - 32)) - 1u));
-      if (first) r.slot_expert[slot] = l;
-    }
-    r.slot[i] = slot;
-    if (i == 0) r.n_slots = __popc(r.firsts[0]) + __popc(r.firsts[1]);
-  }
-  __syncthreads();
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Two fp32 -> bf16x2, round to nearest even (lo in the low half).
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-  u32 d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
-// float(e4m3fn) of the two bytes of v (low byte first): exact through fp16 (e4m3's values
-// are fp16 numbers); the NaN bytes 0x7f, 0xff give a NaN (the provider refuses them).
-__device__ __forceinline__ float2 e4m3x2_to_float2(u32 v) {
-  u32 h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)v));
-  float2 f;
-  asm("{.reg .f16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;}"
-      : "=f"(f.x), "=f"(f.y)
-      : "r"(h));
-  return f;
-}
 
 // Marlin's one-byte scale: float(fp16 bits byte << 7) / 2^7, exact (5 exponent bits,
 // bias 15, 3 mantissa bits, no sign; exponent 31 is inf / NaN as in fp16).
@@ -200,39 +131,6 @@ __device__ __forceinline__ u32 dequant_pair(u32 w, int lo, int hi, float s126) {
   const float f1 = __uint_as_float(((c1 & 7u) << 22) | ((c1 & 8u) << 28)) * s126;
   return pack_bf16x2(f0, f1);
 }
-
-#if EXPERTS_V2
-// Marlin (FMT 2), EXPERTS_V2: a code's 3 magnitude bits at bits 2..4 of a byte and its
-// sign at bit 7 make the e4m3 byte of e2m1 * 2^-6 (e4m3's exponent bits 3..6, bias 7:
-// subnormal for 0 and 0.5), exact through fp16 to fp32; times s * 2^6 (exact) one fp32
-// multiply gives fp32(e2m1 * s), signed, then one rounding to bf16: the reference's bits.
-// The even nibbles' bytes: magnitudes << 2, signs << 4; the odd ones': >> 2 and in place.
-// a[0..3]: the A fragments of the word (nibbles 0, 4; 2, 6; 1, 5; 3, 7), rows g (s0),
-// g + 8 (s1).
-// Bits 16..31 of v (a register half, no shift).
-__device__ __forceinline__ u32 high_half(u32 v) {
-  unsigned short h;
-  asm("{.reg .b16 l;\n mov.b32 {l, %0}, %1;}" : "=h"(h) : "r"(v));
-  return h;
-}
-
-__device__ __forceinline__ void marlin_word_v2(u32 w, float s0, float s1, u32 a[4]) {
-  const u32 ev = ((w << 2) & 0x1c1c1c1cu) | ((w << 4) & 0x80808080u);  // nibbles 0, 2, 4, 6
-  const u32 od = ((w >> 2) & 0x1c1c1c1cu) | (w & 0x80808080u);         // nibbles 1, 3, 5, 7
-  const float2 e0 = e4m3x2_to_float2(ev), e1 = e4m3x2_to_float2(high_half(ev));
-  const float2 o0 = e4m3x2_to_float2(od), o1 = e4m3x2_to_float2(high_half(od));
-  a[0] = pack_bf16x2(e0.x * s0, e1.x * s0);
-  a[1] = pack_bf16x2(e0.y * s1, e1.y * s1);
-  a[2] = pack_bf16x2(o0.x * s0, o1.x * s0);
-  a[3] = pack_bf16x2(o0.y * s1, o1.y * s1);
-}
-
-// s * 2^6 of a Marlin scale byte at bits 20..27 of `bits` (the rest zero): those fp32
-// bits are fp16(byte << 7) * 2^-112 exactly (subnormals too; the inf / NaN bytes give a
-// finite number, but the provider refuses them), and g105 = global * 2^-119 * 2^105
-// (exact), so one multiply gives fp32(scale * global) as nvfp4_marlin.dequantize.
-__device__ __forceinline__ float marlin_s64(u32 bits, float g105) { return (__uint_as_float(bits) * g105) * 0x1p6f; }
-#endif
 
 // The weights of one expert for one GEMM: rows of K values.
 struct Weights {
@@ -480,8 +378,6 @@ __device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int
   }
 }
 
-__device__ __forceinline__ float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
-
 // Expert e's W13 (gate rows, then up rows).
 __device__ __forceinline__ Weights up_weights(const unsigned char* w13, const unsigned char* w13_scale,
                                               const float* w13_global, int e) {
@@ -520,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_up_kernel(
   __shared__ float red[WARPS * NT1 * 4 * 32];
   pdl_wait();  // x and ids come from the kernels before
   pdl_launch_dependents();
-  find_experts(ids, b * TOP_K, first_expert, num_local, routes);
+  find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int items = routes.n_slots * TILES1;
@@ -568,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_down_kernel(
   __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
   // so the experts are found, and their weights loaded, before this kernel's wait.
-  find_experts(ids, b * TOP_K, first_expert, num_local, routes);
+  find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
   const int warp = threadIdx.x >> 5, wm = warp / WK2, wk = warp % WK2;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n_slots = routes.n_slots;

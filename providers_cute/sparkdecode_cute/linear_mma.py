@@ -54,6 +54,7 @@ class CuteLinearMma(CuteLinearSplitK):
     the split-K CUDA-core GEMV; workspace and counters shared as cute.linear_splitk's."""
 
     name = "cute.linear_mma"
+    bf16_weight: type[SplitKWeight] = MmaWeight  # the bf16 weights' kernel
 
     def __init__(self, ctx: BuildContext, layer: int):
         lw = ctx.layer(layer)
@@ -61,7 +62,7 @@ class CuteLinearMma(CuteLinearSplitK):
         self.weights = {}
         for name in LINEAR_WEIGHTS:
             w = getattr(lw, name)
-            cls = SplitKWeight if weight_fp32(name, w) else MmaWeight
+            cls = SplitKWeight if weight_fp32(name, w) else self.bf16_weight
             self.weights[name] = cls(name, w, ctx.max_rows, sms)
         self.share_scratch(ctx)
 

@@ -215,3 +215,69 @@ def test_mma_plans(mma):
     for plan in plans:
         assert 8 * plan.chunk * 2 <= mma.MAX_CHUNK_BYTES
         assert 2 * plan.groups * plan.depth <= mma.MAX_BATCH_LOADS
+
+
+def test_tma_is_not_registered():
+    """cute.linear_tma waits for its GPU test (tests/test_gpu_cute_linear_tma.py);
+    its reasons are cute.linear's."""
+    from sparkdecode_cute.linear_tma import CuteLinearTma
+
+    assert CuteLinearTma not in plugin.PROVIDERS
+    hopper = _hopper(ModelSpec.preset("tiny"))
+    assert CuteLinearTma.unsupported(hopper) is None
+    assert CuteLinearTma.unsupported(dataclasses.replace(hopper, device="cpu", capability=None)) == "needs a CUDA GPU"
+    assert "SM80" in CuteLinearTma.unsupported(dataclasses.replace(hopper, capability=(8, 0)))
+    missing = dataclasses.replace(hopper, libraries={**hopper.libraries, "cutlass": None})
+    assert "nvidia-cutlass-dsl==4.8.1" in CuteLinearTma.unsupported(missing)
+    assert "16 rows" in CuteLinearTma.unsupported(dataclasses.replace(hopper, max_rows=16))
+
+
+@pytest.fixture(scope="module")
+def tma():
+    return pytest.importorskip("sparkdecode_cute.gemv_tma", reason="nvidia-cutlass-dsl is not installed")
+
+
+@pytest.mark.parametrize("deployment,name", BF16_SHAPES, ids=lambda v: str(v))
+def test_tma_compiles_for_hopper(tma, capfd, deployment, name):
+    """Every bf16 shape tiles exactly, its shared memory fits a CTA, and it compiles
+    for sm_90a (TMA into the ring, wgmma.m64n8k16) with no register spills."""
+    n, k, _ = (TP1 if deployment == "tp1" else TP8)[name]
+    plan = tma.plan_tma(n, k, 8)
+    assert isinstance(plan, tma.TmaPlan), plan
+    assert plan.tiles * plan.tile_rows == n and plan.splits * plan.chunk == k
+    assert plan.k_tiles * plan.stage_k == plan.chunk and 2 <= plan.stages <= plan.k_tiles
+    assert plan.smem_bytes <= tma.CTA_SMEM_BYTES and plan.resident >= 1
+    capfd.readouterr()
+    assert tma.compile_tma(plan, "sm_90a", "remarks{ptx}") is not None
+    _spill_free(capfd)
+
+
+@pytest.mark.parametrize("max_rows", [1, 3])
+def test_tma_compiles_for_fewer_rows(tma, capfd, max_rows):
+    for n, k, _ in (TP8["qkvg"], TP8["pooler_tp8_columns"]):
+        capfd.readouterr()
+        assert tma.compile_tma(tma.plan_tma(n, k, max_rows), "sm_90a", "remarks{ptx}") is not None
+        _spill_free(capfd)
+
+
+def test_tma_plans(tma):
+    """The planner's reasons, and its ranking: a TP-8 rank's o_proj, pooler and
+    unpooler balanced over an H200's SMs with the weight of every SM's CTAs in
+    flight in shared memory; no tiling past a CTA's shared memory or below
+    ``MIN_CTA_BYTES`` a split CTA is offered."""
+    assert "K 1000" in tma.plan_tma(64, 1000, 8)
+    assert "9 rows" in tma.plan_tma(64, 1024, 9)
+    assert "16-byte" in tma.plan_tma(64, 1024, 8, w_stride=1030)
+    assert "N 72" in tma.plan_tma(72, 1024, 8)
+    for name in ("o_proj", "pooler", "unpooler"):
+        plan = tma.plan_tma(*TP8[name][:2], 8)
+        per_sm = -(-plan.ctas // tma.H200_SMS)
+        assert plan.ctas / tma.H200_SMS / per_sm >= tma.MIN_BALANCE, plan
+        assert per_sm <= plan.resident, plan
+        assert plan.stages * plan.stage_bytes >= 64 * 1024, plan
+    plans = tma.tma_plans(2304, 8192, 8)
+    assert len(plans) > 4
+    for plan in plans:
+        assert plan.smem_bytes <= tma.CTA_SMEM_BYTES
+        assert plan.stages * plan.stage_bytes <= tma.RING_BYTES
+        assert plan.splits == 1 or plan.tile_rows * plan.chunk * 2 >= tma.MIN_CTA_BYTES

@@ -1,0 +1,385 @@
+"""The weight-streaming GEMM for a few rows on Hopper's TMA and warpgroup MMA:
+``out[b, N] = x[b, K] @ W[N, K]^T``, b <= ``max_rows`` <= 8, bf16 W and x, in the
+CuTe DSL. Imports no torch: the kernels compile (``compile_tma``) from fake
+pointers on a machine without a GPU.
+
+gemv_mma.py's products with the weight moved by the TMA unit rather than through
+registers, so the bytes in flight per SM are bounded by shared memory, not by the
+register file:
+
+- a CTA owns a tile of 64 weight rows by a ``chunk`` of K; the grid (tiles x
+  ``splits``) is chosen for the SM count (``tma_plans``);
+- warp 4 (the producer) loads the tile's K in ``stage_k`` steps by TMA (one
+  descriptor of W, 128-byte swizzled, the layout WGMMA reads) into a ring of
+  ``stages`` shared-memory buffers, an mbarrier pair per buffer
+  (``PipelineTmaAsync``): the first ``stages`` loads are issued before
+  ``griddepcontrol.wait`` (PDL; the weight is constant for the step), the rest as
+  buffers are released;
+- the CTA stages its chunk of x (8 rows, bf16; rows past b repeat row b - 1) once in
+  shared memory after the wait, with ordinary 16-byte loads, in the swizzled K-major
+  layout of WGMMA's B operand;
+- warpgroup 0 (warps 0-3) multiplies each buffer as it lands:
+  ``wgmma.m64n8k16`` (bf16 in, fp32 accumulate), A the 64 weight rows and B the 8
+  rows of x, both read from shared memory; C is the tile's 64 x 8 fp32 sums, each
+  held by one thread;
+- the sums go through gemv_splitk's ``finish_tile``: with ``splits`` > 1 the CTA
+  writes them to a workspace and the last CTA of the tile to arrive adds the splits
+  in split order (gemv_splitk's counters), rounding once into bf16. Results are
+  identical from run to run.
+
+b is a runtime argument: rows past b are never stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import BFloat16, Float32, Int32
+from cutlass.utils import LayoutEnum
+
+from .gemv import VECTOR_BYTES, fake_pointer, operands_reason
+from .gemv_splitk import H200_SMS, MIN_BALANCE, WARPS, finish_tile
+
+VECTOR = VECTOR_BYTES // 2  # bf16 elements per 16-byte load
+TILE_ROWS = 64  # WGMMA's M: one warpgroup's weight rows
+MMA_N, MMA_K = 8, 16
+SWIZZLE_K = 64  # bf16 of one 128-byte swizzled row: the K granule of the stages
+PRODUCER_WARP = 4  # warps 0-3 are the MMA warpgroup; 5-7 help stage x and finish
+STAGE_KS = (128, 256)  # K of one ring buffer (16 or 32 KB of weight)
+MAX_STAGES = 8
+RING_BYTES = 128 * 1024  # weight in flight per CTA at most
+MIN_CTA_BYTES = 64 * 1024  # weight one CTA streams at least (its fill and epilogue are fixed costs)
+MAX_CHUNK_BYTES = 128 * 1024  # x's chunk in shared memory (bf16, 8 rows)
+SM_SMEM_BYTES = 228 * 1024  # shared memory of an H200 SM
+CTA_SMEM_BYTES = 227 * 1024  # the most one CTA may take
+CTA_RESERVED_BYTES = 1024  # the system's share of each CTA
+BARRIER_BYTES = 2048  # the mbarriers (padded to the ring's 1024-byte alignment) and finish_tile's flag
+
+
+@dataclass(frozen=True)
+class TmaPlan:
+    """The compile-time shape of one kernel: bf16 W [n, k] (row stride
+    ``w_stride``), up to ``max_rows`` rows of x, and the tiling."""
+
+    n: int
+    k: int
+    w_stride: int
+    max_rows: int
+    splits: int  # K chunks, one CTA each
+    stage_k: int  # K of one ring buffer
+    stages: int  # ring buffers
+
+    @property
+    def tile_rows(self) -> int:
+        return TILE_ROWS
+
+    @property
+    def tiles(self) -> int:
+        return self.n // TILE_ROWS
+
+    @property
+    def chunk(self) -> int:
+        return self.k // self.splits
+
+    @property
+    def k_tiles(self) -> int:
+        """Ring buffers of weight one CTA loads."""
+        return self.chunk // self.stage_k
+
+    @property
+    def ctas(self) -> int:
+        return self.tiles * self.splits
+
+    @property
+    def threads(self) -> int:
+        return 32 * WARPS
+
+    @property
+    def stage_bytes(self) -> int:
+        return TILE_ROWS * self.stage_k * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA: the ring, x's chunk, the barriers."""
+        return self.stages * self.stage_bytes + MMA_N * self.chunk * 2 + BARRIER_BYTES
+
+    @property
+    def resident(self) -> int:
+        """CTAs one SM holds at once (by shared memory)."""
+        return min(SM_SMEM_BYTES // (self.smem_bytes + CTA_RESERVED_BYTES), 2048 // self.threads)
+
+    @property
+    def workspace(self) -> int:
+        """fp32 elements of the split-K workspace (0 without a split)."""
+        return 0 if self.splits == 1 else self.splits * self.n * MMA_N
+
+
+def plan_tma(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> TmaPlan | str:
+    """The tiling for bf16 W [n, k] (rows ``w_stride`` apart, default k) on ``sms``
+    SMs (the first of ``tma_plans``), or why the kernel does not take the shape."""
+    plans = tma_plans(n, k, max_rows, w_stride, sms)
+    return plans if isinstance(plans, str) else plans[0]
+
+
+def tma_plans(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> list[TmaPlan] | str:
+    """Every tiling of W [n, k] whose shared memory (ring and x's chunk) fits a CTA
+    and whose CTAs stream at least ``MIN_CTA_BYTES`` of weight (unless unsplit),
+    best first: those balanced over the SMs (mean / most CTAs per SM at least
+    ``MIN_BALANCE``), then the fewest waves (``resident`` CTAs per SM), the best
+    balance, the most weight in flight per SM, the fewest splits, the larger
+    buffers; or why the kernel does not take the shape."""
+    w_stride = k if w_stride is None else w_stride
+    reason = operands_reason(k, VECTOR, max_rows, w_stride)
+    if reason:
+        return reason
+    if k % STAGE_KS[0]:
+        return f"K {k} is not a multiple of {STAGE_KS[0]}"
+    if n % TILE_ROWS:
+        return f"N {n} is not a multiple of {TILE_ROWS}"
+    ranked = []
+    for stage_k in STAGE_KS:
+        for splits in (1 << s for s in range(12)):
+            if k % (splits * stage_k) or MMA_N * (k // splits) * 2 > MAX_CHUNK_BYTES:
+                continue
+            if splits > 1 and TILE_ROWS * (k // splits) * 2 < MIN_CTA_BYTES:
+                continue
+            k_tiles = k // splits // stage_k
+            for stages in range(2, min(MAX_STAGES, k_tiles) + 1):
+                plan = TmaPlan(n, k, w_stride, max_rows, splits, stage_k, stages)
+                if stages * plan.stage_bytes > RING_BYTES or plan.smem_bytes > CTA_SMEM_BYTES:
+                    continue
+                per_sm = math.ceil(plan.ctas / sms)
+                waves = math.ceil(per_sm / plan.resident)
+                balance = round(plan.ctas / sms / per_sm, 2)
+                in_flight = min(per_sm, plan.resident) * stages * plan.stage_bytes
+                key = (balance < MIN_BALANCE, waves, -balance, -in_flight, splits, -stage_k)
+                ranked.append((key, plan))
+    if not ranked:
+        return f"K {k}: x's chunk of {MMA_N} rows and a ring of 2 buffers do not fit a CTA's shared memory"
+    return [plan for _, plan in sorted(ranked, key=lambda r: r[0])]
+
+
+class TmaGemv:
+    """One compiled shape: ``__call__(w, x, out, workspace, counters, b, x_stride,
+    out_stride, stream)`` on pointers, as gemv_splitk's ``SplitKGemv`` (W [n, k]
+    bf16 with contiguous rows, 16-byte aligned; x and out bf16 rows contiguous, row
+    strides in elements, x's a multiple of 8; ``workspace`` fp32 of
+    ``plan.workspace`` elements and ``counters`` int32 of ``plan.tiles``, zero
+    before the first launch, both unused without a split)."""
+
+    def __init__(self, plan: TmaPlan):
+        self.plan = plan
+
+    def layouts(self):
+        """The swizzled shared-memory layouts: the weight ring (64, stage_k, stages)
+        and x's chunk (8, chunk, 1), both K-major as WGMMA reads them."""
+        p = self.plan
+        a = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_ROWS, MMA_N, p.stage_k), BFloat16, p.stages)
+        b = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_ROWS, MMA_N, p.chunk), BFloat16, 1)
+        return a, b
+
+    @cute.jit
+    def __call__(
+        self,
+        w: cute.Pointer,
+        x: cute.Pointer,
+        out: cute.Pointer,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
+        b: Int32,
+        x_stride: Int32,
+        out_stride: Int32,
+        stream: cuda.CUstream,
+    ):
+        p = self.plan
+        mW = cute.make_tensor(w, cute.make_layout((p.n, p.k), stride=(p.w_stride, 1)))
+        ring, _ = self.layouts()
+        tma_atom, tma_w = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            mW,
+            cute.slice_(ring, (None, None, 0)),
+            (TILE_ROWS, p.stage_k),
+        )
+        self.kernel(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride).launch(
+            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
+        )
+
+    def produce(self, ring, state, tma_atom, tWgW, tWsW, k_tile0):
+        """The producer warp: the chunk's K step ``state.count`` of W into ring
+        buffer ``state.index`` once the MMA warps have released it."""
+        ring.producer_acquire(state)
+        cute.copy(
+            tma_atom,
+            tWgW[(None, k_tile0 + state.count)],
+            tWsW[(None, state.index)],
+            tma_bar_ptr=ring.producer_get_barrier(state),
+        )
+        state.advance()
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom: cute.CopyAtom,
+        tma_w: cute.Tensor,
+        x: cute.Pointer,
+        out: cute.Pointer,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
+        b: Int32,
+        x_stride: Int32,
+        out_stride: Int32,
+    ):
+        p = self.plan
+        TK, KB = p.chunk, p.stage_k // MMA_K
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tile = bidx // p.splits
+        split = bidx - tile * p.splits
+        prefetch = min(p.stages, p.k_tiles)
+
+        if warp == PRODUCER_WARP:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom)
+
+        ring_layout, x_layout = self.layouts()
+        smem = cutlass.memory.SmemAllocator()
+        barriers = smem.allocate_array(cutlass.Int64, 2 * p.stages)
+        sW = smem.allocate_tensor(BFloat16, ring_layout.outer, 1024, ring_layout.inner)
+        sX = smem.allocate_tensor(BFloat16, x_layout.outer, 1024, x_layout.inner)
+
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers,
+            num_stages=p.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # a lane of each MMA warp
+            tx_count=p.stage_bytes,
+        )
+
+        # The tile's K steps of W: (64, stage_k) boxes, the chunk's k_tiles of them.
+        gW = cute.local_tile(tma_w, (TILE_ROWS, p.stage_k), (tile, None))
+        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+        )
+        k_tile0 = split * p.k_tiles
+
+        # The weight first: constant for the step, so loaded before the wait.
+        if warp == PRODUCER_WARP:
+            ahead = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
+            for _ in cutlass.range_constexpr(prefetch):
+                self.produce(ring, ahead, tma_atom, tWgW, tWsW, k_tile0)
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+
+        # x's chunk, 16-byte vectors in the swizzled B layout; rows past b repeat row b - 1.
+        xs = cute.assume(x_stride, divby=VECTOR)
+        mX = cute.make_tensor(x, cute.make_layout((p.max_rows, p.k), stride=(xs, 1)))
+        sX2 = sX[(None, None, 0)]
+        x_vectors = TK // VECTOR
+        for it in cutlass.range_constexpr((MMA_N * x_vectors + p.threads - 1) // p.threads):
+            q = it * p.threads + tidx
+            if q < MMA_N * x_vectors:
+                i = q // x_vectors
+                kv = q - i * x_vectors
+                x_row = cutlass.min(i, b - 1)
+                xv = cute.local_tile(mX, (1, VECTOR), (x_row, split * x_vectors + kv)).load()
+                cute.local_tile(sX2, (1, VECTOR), (i, kv)).store(xv)
+        cute.arch.fence_proxy("async.shared", space="cta")  # x is read by WGMMA (the async proxy)
+        cute.arch.sync_threads()
+
+        mma = sm90.make_trivial_tiled_mma(
+            BFloat16,
+            BFloat16,
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            Float32,
+            (1, 1, 1),
+            tiler_mn=(TILE_ROWS, MMA_N),
+        )
+        thr = mma.get_slice(tidx % 128)
+        tAW = mma.make_fragment_A(thr.partition_A(sW))  # (mma, 1, stage_k / 16, stages)
+        tBX = mma.make_fragment_B(thr.partition_B(sX))  # (mma, 1, chunk / 16, 1)
+        cC = thr.partition_C(cute.make_identity_tensor((TILE_ROWS, MMA_N)))
+        acc = cute.make_rmem_tensor(cC.shape, Float32)
+        acc.fill(0.0)
+        mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+        if warp == PRODUCER_WARP:
+            # The producer's state after the prefetch (its phase starts at 1, flips on wrapping).
+            produced = pipeline.PipelineState(
+                p.stages, Int32(prefetch), Int32(prefetch % p.stages), Int32(1 if prefetch < p.stages else 0)
+            )
+            for _ in cutlass.range(prefetch, p.k_tiles, unroll=1):
+                self.produce(ring, produced, tma_atom, tWgW, tWsW, k_tile0)
+        elif warp < PRODUCER_WARP:
+            consumed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
+            for kt in cutlass.range(p.k_tiles, unroll=1):
+                ring.consumer_wait(consumed)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(KB):
+                    cute.gemm(mma, acc, tAW[(None, None, kb, consumed.index)], tBX[(None, None, kt * KB + kb, 0)], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ring.consumer_release(consumed)
+                consumed.advance()
+        cute.arch.sync_threads()
+
+        # The ring is free: partial[0, row * 8 + i] holds the tile's sums (each from
+        # one thread), finish_tile's other warp rows are zeros.
+        partial = cute.make_tensor(
+            cute.recast_ptr(sW.iterator, dtype=Float32),
+            cute.make_layout((WARPS, TILE_ROWS * MMA_N), stride=(TILE_ROWS * MMA_N, 1)),
+        )
+        if warp < PRODUCER_WARP:
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                row, i = cC[e]
+                partial[0, row * MMA_N + i] = acc[e]
+        zeros = cute.make_tensor(
+            partial.iterator + TILE_ROWS * MMA_N, cute.make_layout(((WARPS - 1) * TILE_ROWS * MMA_N,))
+        )
+        for it in cutlass.range_constexpr((WARPS - 1) * TILE_ROWS * MMA_N // p.threads):
+            zeros[it * p.threads + tidx] = Float32(0.0)
+        cute.arch.sync_threads()
+
+        finish_tile(
+            smem,
+            partial,
+            out,
+            workspace,
+            counters,
+            b,
+            out_stride,
+            tile,
+            split,
+            p.n,
+            TILE_ROWS,
+            MMA_N,
+            p.splits,
+            p.tiles,
+            BFloat16,
+        )
+
+
+def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = ""):
+    """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
+    ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for ``cute.compile``
+    (e.g. ``remarks{ptx}``)."""
+    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
+    return cute.compile(
+        TmaGemv(plan),
+        fake_pointer(BFloat16),
+        fake_pointer(BFloat16),
+        fake_pointer(BFloat16, 2),
+        fake_pointer(Float32),
+        fake_pointer(Int32, 4),
+        Int32(1),
+        Int32(plan.k),
+        Int32(plan.n),
+        cute.runtime.make_fake_stream(),
+        **({"options": flags} if flags else {}),
+    )

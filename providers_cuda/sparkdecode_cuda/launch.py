@@ -93,16 +93,28 @@ class Kernel:
         self.function = functions[name]
         self.name = name
 
+    def allow_shared(self, nbytes: int) -> None:
+        """Let launches ask for ``nbytes`` of dynamic shared memory (above 48 KB needs this)."""
+        from cuda.bindings import driver
+
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(self.function, attribute, nbytes), f"shared memory of {self.name}")
+
     def launch(
-        self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list[Arg], pdl: bool = True
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: list[Arg],
+        pdl: bool = True,
+        shared: int = 0,
     ) -> None:
-        """On torch's current stream; capturable."""
+        """On torch's current stream with ``shared`` bytes of dynamic shared memory; capturable."""
         from cuda.bindings import driver
 
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
-        config.sharedMemBytes = 0
+        config.sharedMemBytes = shared
         config.hStream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         if pdl:
             attr = driver.CUlaunchAttribute()

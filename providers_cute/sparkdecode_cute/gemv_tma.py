@@ -174,6 +174,9 @@ class TmaGemv:
     before the first launch, both unused without a split)."""
 
     def __init__(self, plan: TmaPlan):
+        # The epilogue's fp32 [WARPS, 64 * 8] sums reuse the ring once it is drained.
+        if plan.stages * plan.stage_bytes < WARPS * TILE_ROWS * MMA_N * 4:
+            raise ValueError(f"{plan}: a ring of {plan.stages * plan.stage_bytes} bytes cannot hold the tile's sums")
         self.plan = plan
 
     def layouts(self):

@@ -149,8 +149,8 @@ class CudaExperts(_Cuda):
         assert layer is not None
         return cls(ctx, layer)
 
-    def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
-        x, ids = inputs.x, topk.ids
+    def _check_run(self, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """What the kernels take of a step's x, ids and rows."""
         b = x.shape[0]
         if ids.dtype != torch.int32 or not ids.is_contiguous() or tuple(ids.shape) != (b, self.top_k):
             raise ValueError(f"{self.name}: ids must be contiguous int32 [{b}, {self.top_k}]")
@@ -158,6 +158,11 @@ class CudaExperts(_Cuda):
             raise ValueError(f"{self.name}: rows must be contiguous bf16 [{b}, {self.top_k}, {self.width}]")
         if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
             raise ValueError(f"{self.name}: x rows must be contiguous, 8-byte aligned, row stride a multiple of 4")
+
+    def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
+        x, ids = inputs.x, topk.ids
+        b = x.shape[0]
+        self._check_run(x, ids, rows)
         e = self.experts
         w13_scale, w13_global, w2_scale, w2_global = self.scales
         self.up.launch(

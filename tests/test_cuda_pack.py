@@ -223,3 +223,49 @@ def test_linear_plans_and_unsupported_shapes():
     tiny = detect(ModelSpec.preset("tiny"), device="cpu")
     assert linear.CudaLinear.unsupported(dataclasses.replace(tiny, device="cuda", capability=(9, 0))) is None
     assert linear.CudaLinear not in plugin.PROVIDERS  # registered once its GPU test passes
+
+
+@pytest.mark.parametrize("width,intermediate,top_k", [(4096, 512, 8), (4096, 4096, 8), (512, 512, 4), (512, 256, 4)])
+def test_experts_bulk_kernels_compile_for_hopper(width, intermediate, top_k, tmp_path, monkeypatch):
+    """The bulk-copy Marlin experts at the TP8 rank's expert-TP slice (I 512), EP (whole
+    experts) and the tiny spec's shapes; the SMEM define is the layout's own (a static_assert)."""
+    from sparkdecode_cuda import experts_bulk
+
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    assert experts_bulk.shape_unsupported(width, intermediate, top_k, 8) is None
+    defines = experts_bulk.defines(width, intermediate, top_k)
+    cubin = nvrtc.compile_cubin(experts_bulk.SOURCE, "sm_90a", defines, experts_bulk.COMPILE_OPTIONS)
+    assert b"experts_bulk_up_kernel" in cubin and b"experts_bulk_down_kernel" in cubin
+    with pytest.raises(nvrtc.CompileError, match="SMEM"):
+        nvrtc.compile_cubin(experts_bulk.SOURCE, "sm_90a", {**defines, "SMEM": defines["SMEM"] + 16})
+
+
+def test_experts_bulk_work_and_unsupported():
+    from sparkdecode_cuda import experts, experts_bulk, plugin
+
+    # one block an SM of an H200 (132): the TP8 rank's expert-TP slice (I 512) and EP (I 4096)
+    assert experts_bulk.smem_bytes() + 2048 <= 227 * 1024
+    assert experts_bulk.work_items(57, 4096, 512, 132) == {"up": (912, 2), "down": (1824, 1)}  # random routing
+    assert experts_bulk.work_items(5, 4096, 512, 132) == {"up": (320, 8), "down": (320, 2)}  # correlated
+    assert experts_bulk.work_items(8, 4096, 4096, 132) == {"up": (512, 1), "down": (256, 1)}  # EP, random
+    assert experts_bulk.work_items(2, 4096, 4096, 132) == {"up": (128, 1), "down": (128, 2)}  # EP, few
+    for units in range(1, 2000):  # the workspace and the counters hold every split launch
+        s = experts_bulk.choose_splits(units, 132, 32)
+        assert s == 1 or units * s <= experts_bulk.PARTS_PER_CTA * 132
+        assert 32 % s == 0 and s <= experts_bulk.MAX_SPLITS
+    assert "multiples of 128" in experts_bulk.shape_unsupported(4096, 192, 8, 8)
+    assert "at most 8 rows" in experts_bulk.shape_unsupported(4096, 512, 8, 16)
+    cls = experts_bulk.CudaExpertsNvfp4MarlinBulk
+    spec = ModelSpec.preset("muse-spark-open")
+    cpu = detect(spec, device="cpu")
+    assert cls.unsupported(cpu) == "needs a CUDA GPU"
+    hopper = dataclasses.replace(cpu, device="cuda", capability=(9, 0), tp=8, expert_parallel="tp")
+    marlin = dataclasses.replace(hopper, expert_format="nvfp4_marlin")
+    assert cls.unsupported(marlin) is None
+    assert cls.unsupported(dataclasses.replace(marlin, expert_parallel="ep")) is None
+    assert "SM90 Marlin layout, not" in cls.unsupported(hopper)
+    assert "SM80" in cls.unsupported(dataclasses.replace(marlin, capability=(8, 0)))
+    assert "SM90 (Hopper)" in cls.unsupported(dataclasses.replace(marlin, capability=(10, 0)))
+    assert "rows" in cls.unsupported(dataclasses.replace(marlin, max_rows=16))
+    assert (cls.block, cls.name, cls.format) == ("experts_nvfp4", "cuda.experts_nvfp4_marlin_bulk", "nvfp4_marlin")
+    assert cls not in plugin.PROVIDERS and experts.CudaExpertsNvfp4Marlin in plugin.PROVIDERS

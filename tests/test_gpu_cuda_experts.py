@@ -41,6 +41,7 @@ pytestmark = [
 ]
 
 experts_mod = pytest.importorskip("sparkdecode_cuda.experts")
+bulk_mod = pytest.importorskip("sparkdecode_cuda.experts_bulk")
 
 
 def context(spec: ModelSpec, experts: ExpertWeights, max_rows: int = 8) -> BuildContext:
@@ -107,22 +108,24 @@ SHAPES = {
 
 
 def provider(fmt: str):
-    """A format's provider; "-v2": its EXPERTS_V2 variant (unregistered)."""
+    """A format's provider; "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels
+    (both unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
         "nvfp4_marlin": experts_mod.CudaExpertsNvfp4Marlin,
         "nvfp4-v2": experts_mod.CudaExpertsNvfp4V2,
         "nvfp4_marlin-v2": experts_mod.CudaExpertsNvfp4MarlinV2,
+        "nvfp4_marlin-bulk": bulk_mod.CudaExpertsNvfp4MarlinBulk,
     }[fmt]
 
 
 def weight_format(fmt: str) -> str:
-    return fmt.removesuffix("-v2")
+    return fmt.removesuffix("-v2").removesuffix("-bulk")
 
 
-FORMATS = ["bf16", "nvfp4", "nvfp4_marlin", "nvfp4-v2", "nvfp4_marlin-v2"]
-NVFP4_FORMATS = ["nvfp4", "nvfp4_marlin", "nvfp4-v2", "nvfp4_marlin-v2"]
+FORMATS = ["bf16", "nvfp4", "nvfp4_marlin", "nvfp4-v2", "nvfp4_marlin-v2", "nvfp4_marlin-bulk"]
+NVFP4_FORMATS = ["nvfp4", "nvfp4_marlin", "nvfp4-v2", "nvfp4_marlin-v2", "nvfp4_marlin-bulk"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -252,3 +255,35 @@ def test_nvfp4_down_projection_bit_exact(fmt):
         for j in range(k):
             want = (w2[ids[r, j]][:, c].float() * act).to(torch.bfloat16)
             assert torch.equal(rows[r, j], want), (r, j)
+
+
+@pytest.mark.parametrize("shape", ["tp8-rank-expert-tp", "tp8-rank-ep"])
+def test_experts_bulk_split_k_deterministic(shape):
+    """The bulk kernels with few experts routed (their K split over blocks, the splits
+    added by the last to arrive): against the reference, and bit for bit the same rows
+    over repeated launches whichever block arrives last."""
+    spec, sharding = SHAPES[shape]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=13)
+    op = bulk_mod.CudaExpertsNvfp4MarlinBulk.build(context(spec, experts), 0)
+    b, k = 8, spec.top_k
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
+    first, num = experts.first_expert, experts.num_local
+    held = torch.arange(first, first + num)
+    others = torch.tensor([e for e in range(spec.E) if not first <= e < first + num], dtype=torch.long)
+    few = 2 if len(others) else k  # EP: 2 held experts and routes to other ranks' (zero rows)
+    pool = torch.cat(
+        [held[torch.randperm(num, generator=g)[:few]], others[torch.randperm(len(others), generator=g)[: k - few]]]
+    )
+    ids = torch.stack([pool[torch.randperm(k, generator=g)] for _ in range(b)]).to(torch.int32).cuda()
+    work = bulk_mod.work_items(few, spec.P, op.intermediate, op.grid)
+    assert max(work["up"][1], work["down"][1]) > 1, work  # the split path runs
+    once = None
+    for _ in range(4):
+        rows = torch.full((b, k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
+        op.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(b, k, device="cuda")), rows)
+        torch.cuda.synchronize()
+        if once is None:
+            once = rows.clone()
+            close(rows, experts, x, ids)
+        assert torch.equal(rows.view(torch.int16), once.view(torch.int16))

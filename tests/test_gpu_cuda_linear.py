@@ -1,5 +1,5 @@
 """cuda.linear (kernels/linear.cu) on a Hopper GPU (marker gpu): against the
-reference within test_gpu_cute_pack's bounds (fp32 sums of the bf16 products in
+reference within linear_check's bounds (fp32 sums of the bf16 products in
 another order, rounded once; the router's fp32 weights split exactly into three bf16
 parts, so only fp32 accumulation), eager, on a second run and in a replayed graph
 with the same bits, rows past b untouched, at TP1, TP8-rank and sharded-pooler
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from linear_check import SHAPES, Tiling, check_close, equals_reference, print_streams, tilings_equal_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,11 +26,7 @@ pytestmark = [
 
 pytest.importorskip("sparkdecode_cuda.linear")
 
-from test_gpu_cute_pack import SHAPES, check_close, equals_reference  # noqa: E402
-
 from sparkdecode.bench import streams  # noqa: E402
-from sparkdecode.bench.floor import copy_bandwidth  # noqa: E402
-from sparkdecode.bench.timing import Timer  # noqa: E402
 from sparkdecode.protocols import LINEAR_WEIGHTS  # noqa: E402
 from sparkdecode.reference.providers import ReferenceLinear  # noqa: E402
 from sparkdecode_cuda.linear import CudaLinear, _Weight, plans  # noqa: E402
@@ -73,43 +70,18 @@ def test_bad_input_is_an_error():
 
 
 def test_print_streams():
-    """Isolated and chained bandwidth of torch.mm and cuda.linear over the TP8-rank
-    weights, as ``sparkdecode bench streams-tp8-rank`` measures them."""
-    device = torch.device("cuda")
-    timer = Timer(device)
-    copy = copy_bandwidth(device).bytes_per_s
-    config = "streams-tp8-rank"
-    record = streams.linear_streams(timer, [ReferenceLinear, CudaLinear], streams.SHAPES[config], streams.REPLAYS)
-    print()
-    print(streams.report(config, copy, record))
+    print_streams([CudaLinear])
 
 
 def test_tilings_equal_reference_and_print_their_streams():
-    """Each TP8-rank weight under the model's five best tilings: within the bounds
-    against the reference, and its isolated bandwidth printed beside the model's
-    (for tuning the model; nothing asserted about speed)."""
-    device = torch.device("cuda")
-    timer = Timer(device)
-    ctx = streams.linear_context(streams.SHAPES["streams-tp8-rank"], device)
-    ref = ReferenceLinear.build(ctx, 0)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    lines = []
-    for name in LINEAR_WEIGHTS:
-        w = getattr(ctx.layer(0), name)
-        x = torch.randn(8, w.shape[1], device=device).to(torch.bfloat16)
-        expected = torch.empty(8, w.shape[0], dtype=w.dtype, device=device)
-        ref.run(name, x, expected)
+    """Each TP8-rank weight under the model's five best tilings, its bandwidth
+    printed beside the model's (for tuning the model)."""
+
+    def tilings(name, w, sms):
         chosen = _Weight(name, w, 8, sms).plan
         ranked = sorted(plans(*w.shape, w.dtype == torch.float32), key=lambda p: p.seconds(sms))
         for p in [chosen, *[p for p in ranked if p != chosen][:4]]:
-            op = _Weight(name, w, 8, sms, p)
-            out = torch.empty_like(expected)
-            op(x, out)
-            check_close(f"{name} {p}", x, w, out, expected)
-            seconds = timer.time(timer.capture(lambda op=op, x=x, out=out: op(x, out)), streams.REPLAYS).median_s
-            bandwidth = w.numel() * w.element_size() / seconds
-            lines.append(
-                f"{name:<9} tm {p.tm} wm {p.wm} splits {p.splits} depth {p.depth} CTAs {p.ctas:>4}: "
-                f"{seconds * 1e6:7.1f} us {bandwidth / 1e12:5.2f} TB/s (model {p.seconds(sms) * 1e6:6.1f} us)"
-            )
-    print("\n" + "\n".join(lines))
+            head = f"tm {p.tm} wm {p.wm} splits {p.splits} depth {p.depth} CTAs {p.ctas:>4}"
+            yield Tiling(p, _Weight(name, w, 8, sms, p), head, f" (model {p.seconds(sms) * 1e6:6.1f} us)")
+
+    tilings_equal_reference(tilings)

@@ -1,8 +1,8 @@
 """cute.linear_mma (gemv_mma.py on the tensor cores, the fp32 router on
 gemv_splitk.py) on a Hopper GPU (marker gpu): against the reference within
-test_gpu_cute_pack's bounds (the same numerics as cute.linear: exact products
-summed in fp32 in another order, rounded once), eager and in a replayed graph, at
-TP1 and TP8-rank shapes; the split-K counters back at 0; and the weight streams of
+linear_check's bounds (the same numerics as cute.linear: exact products summed in
+fp32 in another order, rounded once), eager and in a replayed graph, at TP1 and
+TP8-rank shapes; the split-K counters back at 0; and the weight streams of
 torch.mm, cute.linear_splitk and cute.linear_mma printed side by side (run with -s;
 nothing asserted about speed).
 """
@@ -11,6 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from linear_check import (
+    SHAPES,
+    Tiling,
+    counters_return_to_zero,
+    equals_reference,
+    print_streams,
+    split_weight,
+    tilings_equal_reference,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,13 +30,7 @@ pytestmark = [
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from test_gpu_cute_pack import SHAPES, check_close, equals_reference  # noqa: E402
-
 from sparkdecode.bench import streams  # noqa: E402
-from sparkdecode.bench.floor import copy_bandwidth  # noqa: E402
-from sparkdecode.bench.timing import Timer  # noqa: E402
-from sparkdecode.protocols import LINEAR_WEIGHTS  # noqa: E402
-from sparkdecode.reference.providers import ReferenceLinear  # noqa: E402
 from sparkdecode_cute.linear_mma import CuteLinearMma, MmaWeight  # noqa: E402
 from sparkdecode_cute.linear_splitk import CuteLinearSplitK  # noqa: E402
 
@@ -38,35 +41,10 @@ def test_mma_equals_reference(shape, rows):
     equals_reference(CuteLinearMma, shape, rows)
 
 
-def test_mma_counters_return_to_zero():
-    """After eager runs and graph replays of every weight (splits over K at TP1 and
-    on a TP-8 rank's qkvg), every tile counter is back at 0, ready for the next
-    launch."""
-    for shape in ("tp1", "tp8-rank"):
-        ctx = streams.linear_context(SHAPES[shape], torch.device("cuda"))
-        op = CuteLinearMma.build(ctx, 0)
-        assert any(isinstance(w, MmaWeight) and w.plan.splits > 1 for w in op.weights.values())
-        io = {}
-        for name in LINEAR_WEIGHTS:
-            w = getattr(ctx.layer(0), name)
-            io[name] = (
-                torch.randn(8, w.shape[1], device="cuda").to(torch.bfloat16),
-                torch.empty(8, w.shape[0], dtype=w.dtype, device="cuda"),
-            )
-            op.run(name, *io[name])
-        torch.cuda.synchronize()
-        assert not op.counters.any()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            for name in LINEAR_WEIGHTS:
-                op.run(name, *io[name])
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        assert not op.counters.any()
+@pytest.mark.parametrize("shape", ["tp1", "tp8-rank"])
+def test_mma_counters_return_to_zero(shape):
+    """Splits over K at TP1 and on a TP-8 rank's qkvg."""
+    counters_return_to_zero(CuteLinearMma, shape, MmaWeight)
 
 
 def test_mma_weight_takes_no_fp32():
@@ -76,52 +54,17 @@ def test_mma_weight_takes_no_fp32():
 
 
 def test_print_streams():
-    """Isolated and chained bandwidth of torch.mm, cute.linear_splitk and
-    cute.linear_mma over the TP8-rank weights, as ``sparkdecode bench
-    streams-tp8-rank`` measures them."""
-    device = torch.device("cuda")
-    timer = Timer(device)
-    copy = copy_bandwidth(device).bytes_per_s
-    config = "streams-tp8-rank"
-    record = streams.linear_streams(
-        timer, [ReferenceLinear, CuteLinearSplitK, CuteLinearMma], streams.SHAPES[config], streams.REPLAYS
-    )
-    print()
-    print(streams.report(config, copy, record))
+    print_streams([CuteLinearSplitK, CuteLinearMma])
 
 
 def test_tilings_equal_reference_and_print_their_streams():
     """Each bf16 TP8-rank weight under the planner's first four tilings (groups,
-    splits, batch depth): within the bounds against the reference, and its isolated
-    bandwidth printed (for tuning the planner; nothing asserted about speed)."""
+    splits, batch depth)."""
     from sparkdecode_cute.gemv_mma import mma_plans
 
-    device = torch.device("cuda")
-    timer = Timer(device)
-    ctx = streams.linear_context(streams.SHAPES["streams-tp8-rank"], device)
-    ref = ReferenceLinear.build(ctx, 0)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    lines = []
-    for name in LINEAR_WEIGHTS:
-        w = getattr(ctx.layer(0), name)
-        if w.dtype == torch.float32:
-            continue
-        x = torch.randn(8, w.shape[1], device=device).to(torch.bfloat16)
-        expected = torch.empty(8, w.shape[0], dtype=w.dtype, device=device)
-        ref.run(name, x, expected)
+    def tilings(name, w, sms):
         for plan in mma_plans(*w.shape, 8, sms=sms)[:4]:
-            op = MmaWeight(name, w, 8, sms, plan)
-            op.share(
-                torch.zeros(max(1, plan.workspace), device=device),
-                torch.zeros(plan.tiles, dtype=torch.int32, device=device),
-            )
-            out = torch.empty_like(expected)
-            op(x, out)
-            check_close(f"{name} {plan}", x, w, out, expected)
-            seconds = timer.time(timer.capture(lambda op=op, x=x, out=out: op(x, out)), streams.REPLAYS).median_s
-            bandwidth = w.numel() * w.element_size() / seconds
-            lines.append(
-                f"{name:<9} groups {plan.groups} splits {plan.splits:>2} depth {plan.depth} CTAs {plan.ctas:>4}: "
-                f"{seconds * 1e6:7.1f} us {bandwidth / 1e12:5.2f} TB/s"
-            )
-    print("\n" + "\n".join(lines))
+            head = f"groups {plan.groups} splits {plan.splits:>2} depth {plan.depth} CTAs {plan.ctas:>4}"
+            yield Tiling(plan, split_weight(MmaWeight, name, w, sms, plan), head)
+
+    tilings_equal_reference(tilings, bf16_only=True)

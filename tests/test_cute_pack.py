@@ -175,7 +175,7 @@ BF16_SHAPES = [("tp1", name) for name, s in TP1.items() if not s[2]] + [
 
 
 @pytest.mark.parametrize("deployment,name", BF16_SHAPES, ids=lambda v: str(v))
-def test_mma_compiles_for_hopper(mma, capfd, deployment, name):
+def test_mma_compiles_for_hopper(mma, splitk, capfd, deployment, name):
     """Every bf16 shape tiles exactly, balanced over an H200's SMs, and compiles
     for sm_90a with no register spills (the fp32 router runs on gemv_splitk)."""
     n, k, _ = (TP1 if deployment == "tp1" else TP8)[name]
@@ -185,7 +185,7 @@ def test_mma_compiles_for_hopper(mma, capfd, deployment, name):
     assert plan.batches * plan.depth * mma.STEP == plan.chunk
     assert 2 * plan.groups * plan.depth <= mma.MAX_BATCH_LOADS
     ctas_per_sm = plan.ctas / mma.H200_SMS
-    assert ctas_per_sm / -(-plan.ctas // mma.H200_SMS) >= mma.MIN_BALANCE
+    assert ctas_per_sm / -(-plan.ctas // mma.H200_SMS) >= splitk.MIN_BALANCE
     capfd.readouterr()
     assert mma.compile_mma(plan, "sm_90a", "remarks{ptx}") is not None
     _spill_free(capfd)
@@ -260,7 +260,7 @@ def test_tma_compiles_for_fewer_rows(tma, capfd, max_rows):
         _spill_free(capfd)
 
 
-def test_tma_plans(tma):
+def test_tma_plans(tma, splitk):
     """The planner's reasons, and its ranking: a TP-8 rank's o_proj, pooler and
     unpooler balanced over an H200's SMs with the weight of every SM's CTAs in
     flight in shared memory; no tiling past a CTA's shared memory or below
@@ -272,7 +272,7 @@ def test_tma_plans(tma):
     for name in ("o_proj", "pooler", "unpooler"):
         plan = tma.plan_tma(*TP8[name][:2], 8)
         per_sm = -(-plan.ctas // tma.H200_SMS)
-        assert plan.ctas / tma.H200_SMS / per_sm >= tma.MIN_BALANCE, plan
+        assert plan.ctas / tma.H200_SMS / per_sm >= splitk.MIN_BALANCE, plan
         assert per_sm <= plan.resident, plan
         assert plan.stages * plan.stage_bytes >= 64 * 1024, plan
     plans = tma.tma_plans(2304, 8192, 8)

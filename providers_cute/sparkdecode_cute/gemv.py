@@ -188,20 +188,29 @@ def fake_pointer(dtype, align: int = VECTOR_BYTES):
     return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_gemv(plan: GemvPlan, arch: str | None = None):
-    """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
-    ``CUTE_DSL_ARCH`` or the GPU's)."""
-    gemv = Gemv(plan)
-    dtype = gemv.weight_dtype
-    options = {} if arch is None else {"options": f"--gpu-arch {arch}"}
+def compile_fake(gemv, *scratch, arch: str | None = None, options: str = ""):
+    """``gemv`` (a GEMV of ``__call__(w, x, out, *scratch, b, x_stride, out_stride,
+    stream)``, its ``plan`` and ``weight_dtype`` set) compiled on fake pointers (the
+    ``scratch`` ones after out) for ``arch`` (e.g. ``sm_90a``; by default
+    ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for ``cute.compile``
+    (e.g. ``remarks{ptx}``)."""
+    dtype, plan = gemv.weight_dtype, gemv.plan
+    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
     return cute.compile(
         gemv,
         fake_pointer(dtype),
         fake_pointer(BFloat16),
         fake_pointer(dtype, dtype.width // 8),
+        *scratch,
         Int32(1),
         Int32(plan.k),
         Int32(plan.n),
         cute.runtime.make_fake_stream(),
-        **options,
+        **({"options": flags} if flags else {}),
     )
+
+
+def compile_gemv(plan: GemvPlan, arch: str | None = None):
+    """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
+    ``CUTE_DSL_ARCH`` or the GPU's)."""
+    return compile_fake(Gemv(plan), arch=arch)

@@ -31,16 +31,24 @@ b is a runtime argument: rows past b are never stored.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .gemv import VECTOR_BYTES, fake_pointer, operands_reason
-from .gemv_splitk import H200_SMS, MIN_BALANCE, WARPS, finish_tile
+from .gemv import VECTOR_BYTES
+from .gemv_splitk import (
+    H200_SMS,
+    WARPS,
+    SplitKKernel,
+    best_first,
+    compile_split,
+    first_plan,
+    split_counts,
+    tiling_reason,
+    wave_key,
+)
 
 VECTOR = VECTOR_BYTES // 2  # bf16 elements per 16-byte load
 MMA_M, MMA_N, MMA_K = 16, 8, 16
@@ -103,8 +111,7 @@ class MmaPlan:
 def plan_mma(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> MmaPlan | str:
     """The tiling for bf16 W [n, k] (rows ``w_stride`` apart, default k) on ``sms``
     SMs (the first of ``mma_plans``), or why the kernel does not take the shape."""
-    plans = mma_plans(n, k, max_rows, w_stride, sms)
-    return plans if isinstance(plans, str) else plans[0]
+    return first_plan(mma_plans(n, k, max_rows, w_stride, sms))
 
 
 def mma_plans(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> list[MmaPlan] | str:
@@ -114,33 +121,25 @@ def mma_plans(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: i
     fewest splits, the most groups per tile (x read once for more rows); or why the
     kernel does not take the shape."""
     w_stride = k if w_stride is None else w_stride
-    reason = operands_reason(k, VECTOR, max_rows, w_stride)
+    reason = tiling_reason(n, k, VECTOR, max_rows, w_stride, STEP, MMA_M)
     if reason:
         return reason
-    if k % STEP:
-        return f"K {k} is not a multiple of {STEP}"
-    if n % MMA_M:
-        return f"N {n} is not a multiple of {MMA_M}"
     ranked = []
     for groups in range(1, MAX_GROUPS + 1):
         if n % (MMA_M * groups):
             continue
-        for splits in (1 << s for s in range(12)):
-            if k % (splits * STEP) or MMA_N * (k // splits) * 2 > MAX_CHUNK_BYTES:
-                continue
+        for splits in split_counts(k, STEP, MMA_N * 2, MAX_CHUNK_BYTES):
             ctas = n // (MMA_M * groups) * splits
-            waves = math.ceil(ctas / sms)
-            balance = round(ctas / sms / waves, 2)
             steps = k // splits // STEP
             depth = max(d for d in range(1, steps + 1) if steps % d == 0 and 2 * groups * d <= MAX_BATCH_LOADS)
-            key = (balance < MIN_BALANCE, waves, -balance, splits, -groups)
+            key = (*wave_key(ctas, sms), splits, -groups)
             ranked.append((key, MmaPlan(n, k, w_stride, max_rows, groups, splits, depth)))
     if not ranked:
         return f"K {k}: x's chunk of {MMA_N} rows does not fit {MAX_CHUNK_BYTES} bytes of shared memory"
-    return [plan for _, plan in sorted(ranked, key=lambda r: r[0])]
+    return best_first(ranked)
 
 
-class MmaGemv:
+class MmaGemv(SplitKKernel):
     """One compiled shape: ``__call__(w, x, out, workspace, counters, b, x_stride,
     out_stride, stream)`` on pointers, as gemv_splitk's ``SplitKGemv`` (W [n, k]
     bf16 with contiguous rows; x and out bf16 rows contiguous, row strides in
@@ -151,24 +150,6 @@ class MmaGemv:
     def __init__(self, plan: MmaPlan):
         self.plan = plan
         self.mma = cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (MMA_M, MMA_N, MMA_K))
-
-    @cute.jit
-    def __call__(
-        self,
-        w: cute.Pointer,
-        x: cute.Pointer,
-        out: cute.Pointer,
-        workspace: cute.Pointer,
-        counters: cute.Pointer,
-        b: Int32,
-        x_stride: Int32,
-        out_stride: Int32,
-        stream: cuda.CUstream,
-    ):
-        p = self.plan
-        self.kernel(w, x, out, workspace, counters, b, x_stride, out_stride).launch(
-            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
-        )
 
     def load(self, mW, buffer, batch, row, vector):
         """Batch ``batch`` of the lane's weight vectors into the register ``buffer``:
@@ -284,40 +265,11 @@ class MmaGemv:
                     partial[warp, (MMA_M * m + g + 8 * h) * MMA_N + 2 * t + e] = acc[m][e + 2 * h, 0, 0]
         cute.arch.sync_threads()
 
-        finish_tile(
-            smem,
-            partial,
-            out,
-            workspace,
-            counters,
-            b,
-            out_stride,
-            tile,
-            split,
-            p.n,
-            TN,
-            MMA_N,
-            p.splits,
-            p.tiles,
-            BFloat16,
-        )
+        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, MMA_N)
 
 
 def compile_mma(plan: MmaPlan, arch: str | None = None, options: str = ""):
     """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
     ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for ``cute.compile``
     (e.g. ``remarks{ptx}``)."""
-    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
-    return cute.compile(
-        MmaGemv(plan),
-        fake_pointer(BFloat16),
-        fake_pointer(BFloat16),
-        fake_pointer(BFloat16, 2),
-        fake_pointer(Float32),
-        fake_pointer(Int32, 4),
-        Int32(1),
-        Int32(plan.k),
-        Int32(plan.n),
-        cute.runtime.make_fake_stream(),
-        **({"options": flags} if flags else {}),
-    )
+    return compile_split(MmaGemv(plan), arch, options)

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .gemv import VECTOR_BYTES, fake_pointer, operands_reason
+from .gemv import VECTOR_BYTES, compile_fake, fake_pointer, operands_reason
 
 WARPS = 8  # per CTA, all along K
 ROW_LANES = 8  # lanes of a warp on distinct rows; the other 4 split K
@@ -103,13 +104,51 @@ class SplitKPlan:
         return 0 if self.splits == 1 else self.splits * self.n * self.max_rows
 
 
+def tiling_reason(n: int, k: int, vector: int, max_rows: int, w_stride: int, k_step: int, n_step: int) -> str | None:
+    """Why a split-K GEMV of ``k_step``-wide K steps and ``n_step``-row tiles does
+    not take W [n, k] (rows ``w_stride`` apart) or ``max_rows`` rows of x, if so."""
+    reason = operands_reason(k, vector, max_rows, w_stride)
+    if reason:
+        return reason
+    if k % k_step:
+        return f"K {k} is not a multiple of {k_step}"
+    if n % n_step:
+        return f"N {n} is not a multiple of {n_step}"
+    return None
+
+
+def split_counts(k: int, k_step: int, x_bytes: int, max_chunk_bytes: int) -> list[int]:
+    """The splits of K (powers of two up to 2048) into chunks of whole ``k_step``s
+    whose x in shared memory (``x_bytes`` per k) fits ``max_chunk_bytes``."""
+    splits = (1 << s for s in range(12))
+    return [s for s in splits if not k % (s * k_step) and x_bytes * (k // s) <= max_chunk_bytes]
+
+
+def wave_key(ctas: int, sms: int, resident: int = 1) -> tuple[bool, int, float]:
+    """The split-K planners' first ranking keys for ``ctas`` CTAs on ``sms`` SMs of
+    ``resident`` CTAs at once: balanced grids first (mean / most CTAs per SM at
+    least ``MIN_BALANCE``), then the fewest waves, then the best balance."""
+    per_sm = math.ceil(ctas / sms)
+    balance = round(ctas / sms / per_sm, 2)
+    return (balance < MIN_BALANCE, math.ceil(per_sm / resident), -balance)
+
+
+def best_first(ranked: list[tuple[tuple, Any]]) -> list[Any]:
+    """The plans of (key, plan) pairs by key, smallest first (ties in their order)."""
+    return [plan for _, plan in sorted(ranked, key=lambda r: r[0])]
+
+
+def first_plan(plans: list[Any] | str) -> Any:
+    """The first of a planner's plans, or its reason."""
+    return plans if isinstance(plans, str) else plans[0]
+
+
 def plan_splitk(
     n: int, k: int, weight_fp32: bool, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS
 ) -> SplitKPlan | str:
     """The tiling for W [n, k] (rows ``w_stride`` apart, default k) on ``sms`` SMs
     (the first of ``splitk_plans``), or why the kernel does not take the shape."""
-    plans = splitk_plans(n, k, weight_fp32, max_rows, w_stride, sms)
-    return plans if isinstance(plans, str) else plans[0]
+    return first_plan(splitk_plans(n, k, weight_fp32, max_rows, w_stride, sms))
 
 
 def splitk_plans(
@@ -122,45 +161,35 @@ def splitk_plans(
     shape."""
     vector = VECTOR_BYTES // (4 if weight_fp32 else 2)
     w_stride = k if w_stride is None else w_stride
-    reason = operands_reason(k, vector, max_rows, w_stride)
+    step = vector * K_LANES * WARPS
+    reason = tiling_reason(n, k, vector, max_rows, w_stride, step, ROW_LANES)
     if reason:
         return reason
-    step = vector * K_LANES * WARPS
-    if k % step:
-        return f"K {k} is not a multiple of {step}"
-    if n % ROW_LANES:
-        return f"N {n} is not a multiple of {ROW_LANES}"
     ranked = []
     for rows in range(1, MAX_ROWS_PER_LANE + 1):
         if n % (ROW_LANES * rows):
             continue
-        for splits in (1 << s for s in range(12)):
-            if k % (splits * step) or max_rows * (k // splits) * 4 > MAX_CHUNK_BYTES:
-                continue
+        for splits in split_counts(k, step, max_rows * 4, MAX_CHUNK_BYTES):
             ctas = n // (ROW_LANES * rows) * splits
-            waves = math.ceil(ctas / sms)
-            balance = round(ctas / sms / waves, 2)
             steps = k // splits // step
             depth = max(d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or rows * d <= MAX_BATCH_LOADS))
-            key = (balance < MIN_BALANCE, waves, -balance, splits, rows)
+            key = (*wave_key(ctas, sms), splits, rows)
             ranked.append((key, SplitKPlan(n, k, w_stride, weight_fp32, max_rows, rows, splits, depth)))
     if not ranked:
         return f"K {k}: x's chunk of {max_rows} rows does not fit {MAX_CHUNK_BYTES} bytes of shared memory"
-    return [plan for _, plan in sorted(ranked, key=lambda r: r[0])]
+    return best_first(ranked)
 
 
-class SplitKGemv:
-    """One compiled shape: ``__call__(w, x, out, workspace, counters, b, x_stride,
-    out_stride, stream)`` on pointers (W [n, k] with contiguous rows; x and out rows
-    contiguous, row strides in elements, x's a multiple of the vector; pointers
-    16-byte aligned; ``workspace`` fp32 of ``plan.workspace`` elements and
-    ``counters`` int32 of ``plan.tiles``, zero before the first launch, both
-    unused without a split)."""
+class SplitKKernel:
+    """The host side of the split-K GEMVs (this module's, gemv_mma's, gemv_tma's):
+    ``__call__(w, x, out, workspace, counters, b, x_stride, out_stride, stream)`` on
+    pointers launches ``kernel`` with the same arguments (but the stream) on
+    ``plan.ctas`` CTAs of ``plan.threads`` threads, with PDL; ``finish`` ends a CTA
+    by ``finish_tile``. A subclass sets ``plan`` and defines ``kernel``."""
 
-    def __init__(self, plan: SplitKPlan):
-        self.plan = plan
-        self.weight_dtype = Float32 if plan.weight_fp32 else BFloat16
-        self.out_dtype = self.weight_dtype
+    plan: Any
+    weight_dtype: Any = BFloat16
+    out_dtype: Any = BFloat16
 
     @cute.jit
     def __call__(
@@ -179,6 +208,42 @@ class SplitKGemv:
         self.kernel(w, x, out, workspace, counters, b, x_stride, out_stride).launch(
             grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
         )
+
+    def finish(self, smem, partial, out, workspace, counters, b, out_stride, tile, split, cols):
+        """``finish_tile`` of the CTA's tile and split: ``partial`` [WARPS, tile_rows
+        * cols] into ``out`` (``cols`` rows of x a row of W), in ``out_dtype``."""
+        p = self.plan
+        finish_tile(
+            smem,
+            partial,
+            out,
+            workspace,
+            counters,
+            b,
+            out_stride,
+            tile,
+            split,
+            p.n,
+            p.tile_rows,
+            cols,
+            p.splits,
+            p.tiles,
+            self.out_dtype,
+        )
+
+
+class SplitKGemv(SplitKKernel):
+    """One compiled shape: ``__call__(w, x, out, workspace, counters, b, x_stride,
+    out_stride, stream)`` on pointers (W [n, k] with contiguous rows; x and out rows
+    contiguous, row strides in elements, x's a multiple of the vector; pointers
+    16-byte aligned; ``workspace`` fp32 of ``plan.workspace`` elements and
+    ``counters`` int32 of ``plan.tiles``, zero before the first launch, both
+    unused without a split)."""
+
+    def __init__(self, plan: SplitKPlan):
+        self.plan = plan
+        self.weight_dtype = Float32 if plan.weight_fp32 else BFloat16
+        self.out_dtype = self.weight_dtype
 
     def load(self, mW, buffer, batch, row, vector):
         """Batch ``batch`` of the lane's weight vectors (rows ``row + 8 r``, the
@@ -285,23 +350,7 @@ class SplitKGemv:
                     partial[warp, (g + ROW_LANES * r) * B + i] = lanes
         cute.arch.sync_threads()
 
-        finish_tile(
-            smem,
-            partial,
-            out,
-            workspace,
-            counters,
-            b,
-            out_stride,
-            tile,
-            split,
-            p.n,
-            TN,
-            B,
-            p.splits,
-            p.tiles,
-            self.out_dtype,
-        )
+        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, B)
 
 
 @cute.jit
@@ -374,22 +423,13 @@ def finish_tile(
                     mO[i, n0 + row] = total.to(out_dtype)
 
 
+def compile_split(gemv: SplitKKernel, arch: str | None = None, options: str = ""):
+    """``gemv`` compiled on fake pointers (``compile_fake``; the workspace and
+    counters after out) for ``arch``, with further ``options``."""
+    return compile_fake(gemv, fake_pointer(Float32), fake_pointer(Int32, 4), arch=arch, options=options)
+
+
 def compile_splitk(plan: SplitKPlan, arch: str | None = None):
     """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
     ``CUTE_DSL_ARCH`` or the GPU's)."""
-    gemv = SplitKGemv(plan)
-    dtype = gemv.weight_dtype
-    options = {} if arch is None else {"options": f"--gpu-arch {arch}"}
-    return cute.compile(
-        gemv,
-        fake_pointer(dtype),
-        fake_pointer(BFloat16),
-        fake_pointer(dtype, dtype.width // 8),
-        fake_pointer(Float32),
-        fake_pointer(Int32, 4),
-        Int32(1),
-        Int32(plan.k),
-        Int32(plan.n),
-        cute.runtime.make_fake_stream(),
-        **options,
-    )
+    return compile_split(SplitKGemv(plan), arch)

@@ -43,8 +43,18 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import BFloat16, Float32, Int32
 from cutlass.utils import LayoutEnum
 
-from .gemv import VECTOR_BYTES, fake_pointer, operands_reason
-from .gemv_splitk import H200_SMS, MIN_BALANCE, WARPS, finish_tile
+from .gemv import VECTOR_BYTES
+from .gemv_splitk import (
+    H200_SMS,
+    WARPS,
+    SplitKKernel,
+    best_first,
+    compile_split,
+    first_plan,
+    split_counts,
+    tiling_reason,
+    wave_key,
+)
 
 VECTOR = VECTOR_BYTES // 2  # bf16 elements per 16-byte load
 TILE_ROWS = 64  # WGMMA's M: one warpgroup's weight rows
@@ -123,8 +133,7 @@ class TmaPlan:
 def plan_tma(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> TmaPlan | str:
     """The tiling for bf16 W [n, k] (rows ``w_stride`` apart, default k) on ``sms``
     SMs (the first of ``tma_plans``), or why the kernel does not take the shape."""
-    plans = tma_plans(n, k, max_rows, w_stride, sms)
-    return plans if isinstance(plans, str) else plans[0]
+    return first_plan(tma_plans(n, k, max_rows, w_stride, sms))
 
 
 def tma_plans(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> list[TmaPlan] | str:
@@ -135,18 +144,12 @@ def tma_plans(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: i
     balance, the most weight in flight per SM, the fewest splits, the larger
     buffers; or why the kernel does not take the shape."""
     w_stride = k if w_stride is None else w_stride
-    reason = operands_reason(k, VECTOR, max_rows, w_stride)
+    reason = tiling_reason(n, k, VECTOR, max_rows, w_stride, STAGE_KS[0], TILE_ROWS)
     if reason:
         return reason
-    if k % STAGE_KS[0]:
-        return f"K {k} is not a multiple of {STAGE_KS[0]}"
-    if n % TILE_ROWS:
-        return f"N {n} is not a multiple of {TILE_ROWS}"
     ranked = []
     for stage_k in STAGE_KS:
-        for splits in (1 << s for s in range(12)):
-            if k % (splits * stage_k) or MMA_N * (k // splits) * 2 > MAX_CHUNK_BYTES:
-                continue
+        for splits in split_counts(k, stage_k, MMA_N * 2, MAX_CHUNK_BYTES):
             if splits > 1 and TILE_ROWS * (k // splits) * 2 < MIN_CTA_BYTES:
                 continue
             k_tiles = k // splits // stage_k
@@ -154,18 +157,15 @@ def tma_plans(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: i
                 plan = TmaPlan(n, k, w_stride, max_rows, splits, stage_k, stages)
                 if stages * plan.stage_bytes > RING_BYTES or plan.smem_bytes > CTA_SMEM_BYTES:
                     continue
-                per_sm = math.ceil(plan.ctas / sms)
-                waves = math.ceil(per_sm / plan.resident)
-                balance = round(plan.ctas / sms / per_sm, 2)
-                in_flight = min(per_sm, plan.resident) * stages * plan.stage_bytes
-                key = (balance < MIN_BALANCE, waves, -balance, -in_flight, splits, -stage_k)
+                in_flight = min(math.ceil(plan.ctas / sms), plan.resident) * stages * plan.stage_bytes
+                key = (*wave_key(plan.ctas, sms, plan.resident), -in_flight, splits, -stage_k)
                 ranked.append((key, plan))
     if not ranked:
         return f"K {k}: x's chunk of {MMA_N} rows and a ring of 2 buffers do not fit a CTA's shared memory"
-    return [plan for _, plan in sorted(ranked, key=lambda r: r[0])]
+    return best_first(ranked)
 
 
-class TmaGemv:
+class TmaGemv(SplitKKernel):
     """One compiled shape: ``__call__(w, x, out, workspace, counters, b, x_stride,
     out_stride, stream)`` on pointers, as gemv_splitk's ``SplitKGemv`` (W [n, k]
     bf16 with contiguous rows, 16-byte aligned; x and out bf16 rows contiguous, row
@@ -349,40 +349,11 @@ class TmaGemv:
             zeros[it * p.threads + tidx] = Float32(0.0)
         cute.arch.sync_threads()
 
-        finish_tile(
-            smem,
-            partial,
-            out,
-            workspace,
-            counters,
-            b,
-            out_stride,
-            tile,
-            split,
-            p.n,
-            TILE_ROWS,
-            MMA_N,
-            p.splits,
-            p.tiles,
-            BFloat16,
-        )
+        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, MMA_N)
 
 
 def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = ""):
     """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
     ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for ``cute.compile``
     (e.g. ``remarks{ptx}``)."""
-    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
-    return cute.compile(
-        TmaGemv(plan),
-        fake_pointer(BFloat16),
-        fake_pointer(BFloat16),
-        fake_pointer(BFloat16, 2),
-        fake_pointer(Float32),
-        fake_pointer(Int32, 4),
-        Int32(1),
-        Int32(plan.k),
-        Int32(plan.n),
-        cute.runtime.make_fake_stream(),
-        **({"options": flags} if flags else {}),
-    )
+    return compile_split(TmaGemv(plan), arch, options)

@@ -19,34 +19,34 @@ from typing import Any
 
 import torch
 
-from sparkdecode.protocols import LINEAR_WEIGHTS, BuildContext
-
-from .common import compiled, pointer
-from .linear import VECTOR_BYTES, weight_fp32
-from .linear_splitk import X_VECTOR, CuteLinearSplitK, SplitKWeight
+from .common import compiled
+from .linear import weight_fp32
+from .linear_splitk import CuteLinearSplitK, SplitKWeight
 
 
 class MmaWeight(SplitKWeight):
     """One bf16 weight's compiled MMA kernel, its pointer and the shared workspace."""
 
     provider = "cute.linear_mma"
+    kind = "MMA"  # in error messages
 
     def __init__(self, name: str, w: torch.Tensor, max_rows: int, sms: int, plan: Any = None):
-        """``plan`` (an ``MmaPlan`` of ``w``'s shape) in place of the planner's."""
+        """``plan`` (a plan of ``w``'s shape for this kernel) in place of the planner's."""
+        if weight_fp32(name, w):
+            raise ValueError(f"{self.provider}: {name} is fp32; the {self.kind} kernel takes bf16 weights")
+        super().__init__(name, w, max_rows, sms, plan)
+
+    @staticmethod
+    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
         from . import gemv_mma
 
-        if weight_fp32(name, w):
-            raise ValueError(f"{self.provider}: {name} is fp32; the MMA kernel takes bf16 weights")
-        if plan is None:
-            plan = gemv_mma.plan_mma(w.shape[0], w.shape[1], max_rows, w.stride(0), sms)
-        if isinstance(plan, str):
-            raise ValueError(f"{self.provider}: {name} {tuple(w.shape)}: {plan}")
-        self.name, self.plan, self.w = name, plan, w
-        self.vector = X_VECTOR
-        self.out_dtype = w.dtype
-        self.kernel = compiled(("gemv_mma", plan), lambda: gemv_mma.compile_mma(plan))
-        self.w_ptr = pointer(w, VECTOR_BYTES)
-        self.buffers = ()  # share() sets the workspace and the counters
+        return gemv_mma.plan_mma(w.shape[0], w.shape[1], max_rows, w.stride(0), sms)
+
+    @staticmethod
+    def compile(plan: Any) -> Any:
+        from . import gemv_mma
+
+        return compiled(("gemv_mma", plan), lambda: gemv_mma.compile_mma(plan))
 
 
 class CuteLinearMma(CuteLinearSplitK):
@@ -54,19 +54,4 @@ class CuteLinearMma(CuteLinearSplitK):
     the split-K CUDA-core GEMV; workspace and counters shared as cute.linear_splitk's."""
 
     name = "cute.linear_mma"
-    bf16_weight: type[SplitKWeight] = MmaWeight  # the bf16 weights' kernel
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        lw = ctx.layer(layer)
-        sms = torch.cuda.get_device_properties(lw.qkvg.device).multi_processor_count
-        self.weights = {}
-        for name in LINEAR_WEIGHTS:
-            w = getattr(lw, name)
-            cls = SplitKWeight if weight_fp32(name, w) else self.bf16_weight
-            self.weights[name] = cls(name, w, ctx.max_rows, sms)
-        self.share_scratch(ctx)
-
-    @classmethod
-    def build(cls, ctx: BuildContext, layer: int | None) -> CuteLinearMma:
-        assert layer is not None
-        return cls(ctx, layer)
+    bf16_weight = MmaWeight

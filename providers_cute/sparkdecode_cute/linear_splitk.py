@@ -30,20 +30,33 @@ class SplitKWeight(_Weight):
     provider = "cute.linear_splitk"  # in error messages
 
     def __init__(self, name: str, w: torch.Tensor, max_rows: int, sms: int, plan: Any = None):
-        """``plan`` (a ``SplitKPlan`` of ``w``'s shape) in place of the planner's."""
-        from . import gemv_splitk
-
+        """``plan`` (a plan of ``w``'s shape from ``make_plan``'s kernel) in place of
+        the planner's."""
         fp32 = weight_fp32(name, w)
         if plan is None:
-            plan = gemv_splitk.plan_splitk(w.shape[0], w.shape[1], fp32, max_rows, w.stride(0), sms)
+            plan = self.make_plan(w, fp32, max_rows, sms)
         if isinstance(plan, str):
             raise ValueError(f"{self.provider}: {name} {tuple(w.shape)}: {plan}")
         self.name, self.plan, self.w = name, plan, w
         self.vector = X_VECTOR
         self.out_dtype = w.dtype
-        self.kernel = compiled(("gemv_splitk", plan), lambda: gemv_splitk.compile_splitk(plan))
-        self.w_ptr = pointer(w, VECTOR_BYTES)
+        self.kernel = self.compile(plan)
+        self.w_ptr = pointer(w, VECTOR_BYTES)  # TMA's global address too: 16-byte aligned
         self.buffers = ()  # share() sets the workspace and the counters
+
+    @staticmethod
+    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
+        """The planner's tiling of ``w`` (or its reason)."""
+        from . import gemv_splitk
+
+        return gemv_splitk.plan_splitk(w.shape[0], w.shape[1], fp32, max_rows, w.stride(0), sms)
+
+    @staticmethod
+    def compile(plan: Any) -> Any:
+        """The compiled kernel of ``plan``, once per process."""
+        from . import gemv_splitk
+
+        return compiled(("gemv_splitk", plan), lambda: gemv_splitk.compile_splitk(plan))
 
     def share(self, workspace: torch.Tensor, counters: torch.Tensor) -> None:
         """The fp32 workspace and int32 tile counters (zero) the launches share."""
@@ -62,12 +75,16 @@ class CuteLinearSplitK(CuteLinear):
     kernel ends."""
 
     name = "cute.linear_splitk"
+    bf16_weight: type[SplitKWeight] = SplitKWeight  # the bf16 weights' kernel (the router's is split-K)
 
     def __init__(self, ctx: BuildContext, layer: int):
         lw = ctx.layer(layer)
-        device = lw.qkvg.device
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.weights = {name: SplitKWeight(name, getattr(lw, name), ctx.max_rows, sms) for name in LINEAR_WEIGHTS}
+        sms = torch.cuda.get_device_properties(lw.qkvg.device).multi_processor_count
+        self.weights = {}
+        for name in LINEAR_WEIGHTS:
+            w = getattr(lw, name)
+            cls = SplitKWeight if weight_fp32(name, w) else self.bf16_weight
+            self.weights[name] = cls(name, w, ctx.max_rows, sms)
         self.share_scratch(ctx)
 
     def share_scratch(self, ctx: BuildContext) -> None:
@@ -82,8 +99,3 @@ class CuteLinearSplitK(CuteLinear):
         self.counters = counters
         for w in self.weights.values():
             w.share(workspace, counters)
-
-    @classmethod
-    def build(cls, ctx: BuildContext, layer: int | None) -> CuteLinearSplitK:
-        assert layer is not None
-        return cls(ctx, layer)

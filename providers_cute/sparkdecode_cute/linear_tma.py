@@ -19,35 +19,27 @@ from typing import Any
 
 import torch
 
-from sparkdecode.protocols import BuildContext
-
-from .common import compiled, pointer
-from .linear import VECTOR_BYTES, weight_fp32
-from .linear_mma import CuteLinearMma
-from .linear_splitk import X_VECTOR, SplitKWeight
+from .common import compiled
+from .linear_mma import CuteLinearMma, MmaWeight
 
 
-class TmaWeight(SplitKWeight):
+class TmaWeight(MmaWeight):
     """One bf16 weight's compiled TMA kernel, its pointer and the shared workspace."""
 
     provider = "cute.linear_tma"
+    kind = "TMA"
 
-    def __init__(self, name: str, w: torch.Tensor, max_rows: int, sms: int, plan: Any = None):
-        """``plan`` (a ``TmaPlan`` of ``w``'s shape) in place of the planner's."""
+    @staticmethod
+    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
         from . import gemv_tma
 
-        if weight_fp32(name, w):
-            raise ValueError(f"{self.provider}: {name} is fp32; the TMA kernel takes bf16 weights")
-        if plan is None:
-            plan = gemv_tma.plan_tma(w.shape[0], w.shape[1], max_rows, w.stride(0), sms)
-        if isinstance(plan, str):
-            raise ValueError(f"{self.provider}: {name} {tuple(w.shape)}: {plan}")
-        self.name, self.plan, self.w = name, plan, w
-        self.vector = X_VECTOR
-        self.out_dtype = w.dtype
-        self.kernel = compiled(("gemv_tma", plan), lambda: gemv_tma.compile_tma(plan))
-        self.w_ptr = pointer(w, VECTOR_BYTES)  # TMA's global address: 16-byte aligned
-        self.buffers = ()  # share() sets the workspace and the counters
+        return gemv_tma.plan_tma(w.shape[0], w.shape[1], max_rows, w.stride(0), sms)
+
+    @staticmethod
+    def compile(plan: Any) -> Any:
+        from . import gemv_tma
+
+        return compiled(("gemv_tma", plan), lambda: gemv_tma.compile_tma(plan))
 
 
 class CuteLinearTma(CuteLinearMma):
@@ -56,8 +48,3 @@ class CuteLinearTma(CuteLinearMma):
 
     name = "cute.linear_tma"
     bf16_weight = TmaWeight
-
-    @classmethod
-    def build(cls, ctx: BuildContext, layer: int | None) -> CuteLinearTma:
-        assert layer is not None
-        return cls(ctx, layer)

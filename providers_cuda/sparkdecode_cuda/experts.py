@@ -32,7 +32,7 @@ from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, Routed
 from sparkdecode.weights import CHECKPOINT_FORMATS
 
 from .boundary import _Cuda, cuda_unsupported
-from .launch import Kernel, i32, ptr
+from .launch import Arg, Kernel, i32, ptr
 
 SOURCE = "experts.cu"
 COMPILE_OPTIONS = ("--fmad=false",)
@@ -159,43 +159,46 @@ class CudaExperts(_Cuda):
         if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
             raise ValueError(f"{self.name}: x rows must be contiguous, 8-byte aligned, row stride a multiple of 4")
 
+    def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
+        """The up kernel's arguments (those of every experts kernel's up, first):
+        x, its row stride and rows, the routes, w13 and its scales, the activations."""
+        e = self.experts
+        w13_scale, w13_global, _, _ = self.scales
+        return [
+            ptr(x),
+            i32(x.stride(0)),
+            i32(x.shape[0]),
+            ptr(ids),
+            i32(e.first_expert),
+            i32(e.num_local),
+            ptr(e.w13),
+            ptr(w13_scale),
+            ptr(w13_global),
+            ptr(self.act),
+        ]
+
+    def _down_args(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> list[Arg]:
+        """The down kernel's arguments (those of every experts kernel's down, first):
+        the activations of b rows, the routes, w2 and its scales, the routed rows."""
+        e = self.experts
+        _, _, w2_scale, w2_global = self.scales
+        return [
+            ptr(self.act),
+            i32(b),
+            ptr(ids),
+            i32(e.first_expert),
+            i32(e.num_local),
+            ptr(e.w2),
+            ptr(w2_scale),
+            ptr(w2_global),
+            ptr(rows),
+        ]
+
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
-        b = x.shape[0]
         self._check_run(x, ids, rows)
-        e = self.experts
-        w13_scale, w13_global, w2_scale, w2_global = self.scales
-        self.up.launch(
-            (self.grid_up, 1, 1),
-            (256, 1, 1),
-            [
-                ptr(x),
-                i32(x.stride(0)),
-                i32(b),
-                ptr(ids),
-                i32(e.first_expert),
-                i32(e.num_local),
-                ptr(e.w13),
-                ptr(w13_scale),
-                ptr(w13_global),
-                ptr(self.act),
-            ],
-        )
-        self.down.launch(
-            (self.grid_down, 1, 1),
-            (256, 1, 1),
-            [
-                ptr(self.act),
-                i32(b),
-                ptr(ids),
-                i32(e.first_expert),
-                i32(e.num_local),
-                ptr(e.w2),
-                ptr(w2_scale),
-                ptr(w2_global),
-                ptr(rows),
-            ],
-        )
+        self.up.launch((self.grid_up, 1, 1), (256, 1, 1), self._up_args(x, ids))
+        self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(x.shape[0], ids, rows))
 
 
 class CudaExpertsNvfp4(CudaExperts):

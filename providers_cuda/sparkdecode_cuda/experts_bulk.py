@@ -28,7 +28,7 @@ from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, Routed
 
 from .boundary import cuda_unsupported
 from .experts import MAX_LOCAL, MAX_ROUTES, MAX_ROWS, CudaExpertsNvfp4Marlin, _intermediate
-from .launch import Kernel, i32, ptr
+from .launch import Kernel, ptr
 
 SOURCE = "experts_bulk.cu"
 COMPILE_OPTIONS = ("--fmad=false",)
@@ -162,46 +162,10 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
 
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
-        b = x.shape[0]
         self._check_run(x, ids, rows)
-        e = self.experts
-        w13_scale, w13_global, w2_scale, w2_global = self.scales
         ws, count = self.workspace["up"]
-        self.up.launch(
-            (self.grid, 1, 1),
-            (THREADS, 1, 1),
-            [
-                ptr(x),
-                i32(x.stride(0)),
-                i32(b),
-                ptr(ids),
-                i32(e.first_expert),
-                i32(e.num_local),
-                ptr(e.w13),
-                ptr(w13_scale),
-                ptr(w13_global),
-                ptr(self.act),
-                ptr(ws),
-                ptr(count),
-            ],
-            shared=self.smem,
-        )
+        up = [*self._up_args(x, ids), ptr(ws), ptr(count)]
+        self.up.launch((self.grid, 1, 1), (THREADS, 1, 1), up, shared=self.smem)
         ws, count = self.workspace["down"]
-        self.down.launch(
-            (self.grid, 1, 1),
-            (THREADS, 1, 1),
-            [
-                ptr(self.act),
-                i32(b),
-                ptr(ids),
-                i32(e.first_expert),
-                i32(e.num_local),
-                ptr(e.w2),
-                ptr(w2_scale),
-                ptr(w2_global),
-                ptr(rows),
-                ptr(ws),
-                ptr(count),
-            ],
-            shared=self.smem,
-        )
+        down = [*self._down_args(x.shape[0], ids, rows), ptr(ws), ptr(count)]
+        self.down.launch((self.grid, 1, 1), (THREADS, 1, 1), down, shared=self.smem)

@@ -41,6 +41,7 @@ from .gemv import VECTOR_BYTES
 from .gemv_splitk import (
     H200_SMS,
     WARPS,
+    SplitGrid,
     SplitKKernel,
     best_first,
     compile_split,
@@ -61,7 +62,7 @@ MAX_CHUNK_BYTES = 64 * 1024  # x's chunk in shared memory (bf16, 8 rows)
 
 
 @dataclass(frozen=True)
-class MmaPlan:
+class MmaPlan(SplitGrid):
     """The compile-time shape of one kernel: bf16 W [n, k] (row stride
     ``w_stride``), up to ``max_rows`` rows of x, and the tiling."""
 
@@ -78,14 +79,6 @@ class MmaPlan:
         return MMA_M * self.groups
 
     @property
-    def tiles(self) -> int:
-        return self.n // self.tile_rows
-
-    @property
-    def chunk(self) -> int:
-        return self.k // self.splits
-
-    @property
     def steps(self) -> int:
         """16-byte vectors of one row per lane over the chunk."""
         return self.chunk // STEP
@@ -95,17 +88,9 @@ class MmaPlan:
         return self.steps // self.depth
 
     @property
-    def ctas(self) -> int:
-        return self.tiles * self.splits
-
-    @property
-    def threads(self) -> int:
-        return 32 * WARPS
-
-    @property
-    def workspace(self) -> int:
-        """fp32 elements of the split-K workspace (0 without a split)."""
-        return 0 if self.splits == 1 else self.splits * self.n * MMA_N
+    def cols(self) -> int:
+        """Rows of x the tile sums (the MMA's N; those past b are never stored)."""
+        return MMA_N
 
 
 def plan_mma(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> MmaPlan | str:
@@ -265,7 +250,7 @@ class MmaGemv(SplitKKernel):
                     partial[warp, (MMA_M * m + g + 8 * h) * MMA_N + 2 * t + e] = acc[m][e + 2 * h, 0, 0]
         cute.arch.sync_threads()
 
-        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, MMA_N)
+        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split)
 
 
 def compile_mma(plan: MmaPlan, arch: str | None = None, options: str = ""):

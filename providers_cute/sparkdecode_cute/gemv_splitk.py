@@ -50,8 +50,36 @@ H200_SMS = 132
 MIN_BALANCE = 0.9  # mean / most CTAs per SM taken before fewer waves
 
 
+class SplitGrid:
+    """The grid of a split-K plan (a dataclass of ``n``, ``k``, ``splits``, and
+    ``tile_rows`` and ``cols``): ``tiles`` of ``tile_rows`` weight rows by ``splits``
+    chunks of K, a CTA of ``threads`` each, the output's ``cols`` rows of x in the
+    workspace between the splits."""
+
+    @property
+    def tiles(self) -> int:
+        return self.n // self.tile_rows
+
+    @property
+    def chunk(self) -> int:
+        return self.k // self.splits
+
+    @property
+    def ctas(self) -> int:
+        return self.tiles * self.splits
+
+    @property
+    def threads(self) -> int:
+        return 32 * WARPS
+
+    @property
+    def workspace(self) -> int:
+        """fp32 elements of the split-K workspace (0 without a split)."""
+        return 0 if self.splits == 1 else self.splits * self.n * self.cols
+
+
 @dataclass(frozen=True)
-class SplitKPlan:
+class SplitKPlan(SplitGrid):
     """The compile-time shape of one kernel: W [n, k] (row stride ``w_stride``) of
     ``weight_fp32`` (else bf16), up to ``max_rows`` rows of x, and the tiling."""
 
@@ -74,14 +102,6 @@ class SplitKPlan:
         return ROW_LANES * self.rows
 
     @property
-    def tiles(self) -> int:
-        return self.n // self.tile_rows
-
-    @property
-    def chunk(self) -> int:
-        return self.k // self.splits
-
-    @property
     def steps(self) -> int:
         """Weight vectors of one row per lane over the chunk."""
         return self.chunk // (self.vector * K_LANES * WARPS)
@@ -91,17 +111,8 @@ class SplitKPlan:
         return self.steps // self.depth
 
     @property
-    def ctas(self) -> int:
-        return self.tiles * self.splits
-
-    @property
-    def threads(self) -> int:
-        return 32 * WARPS
-
-    @property
-    def workspace(self) -> int:
-        """fp32 elements of the split-K workspace (0 without a split)."""
-        return 0 if self.splits == 1 else self.splits * self.n * self.max_rows
+    def cols(self) -> int:
+        return self.max_rows
 
 
 def tiling_reason(n: int, k: int, vector: int, max_rows: int, w_stride: int, k_step: int, n_step: int) -> str | None:
@@ -209,9 +220,9 @@ class SplitKKernel:
             grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
         )
 
-    def finish(self, smem, partial, out, workspace, counters, b, out_stride, tile, split, cols):
+    def finish(self, smem, partial, out, workspace, counters, b, out_stride, tile, split):
         """``finish_tile`` of the CTA's tile and split: ``partial`` [WARPS, tile_rows
-        * cols] into ``out`` (``cols`` rows of x a row of W), in ``out_dtype``."""
+        * plan.cols] into ``out``, in ``out_dtype``."""
         p = self.plan
         finish_tile(
             smem,
@@ -225,7 +236,7 @@ class SplitKKernel:
             split,
             p.n,
             p.tile_rows,
-            cols,
+            p.cols,
             p.splits,
             p.tiles,
             self.out_dtype,
@@ -350,7 +361,7 @@ class SplitKGemv(SplitKKernel):
                     partial[warp, (g + ROW_LANES * r) * B + i] = lanes
         cute.arch.sync_threads()
 
-        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, B)
+        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split)
 
 
 @cute.jit

@@ -47,6 +47,7 @@ from .gemv import VECTOR_BYTES
 from .gemv_splitk import (
     H200_SMS,
     WARPS,
+    SplitGrid,
     SplitKKernel,
     best_first,
     compile_split,
@@ -73,7 +74,7 @@ BARRIER_BYTES = 2048  # the mbarriers (padded to the ring's 1024-byte alignment)
 
 
 @dataclass(frozen=True)
-class TmaPlan:
+class TmaPlan(SplitGrid):
     """The compile-time shape of one kernel: bf16 W [n, k] (row stride
     ``w_stride``), up to ``max_rows`` rows of x, and the tiling."""
 
@@ -90,25 +91,9 @@ class TmaPlan:
         return TILE_ROWS
 
     @property
-    def tiles(self) -> int:
-        return self.n // TILE_ROWS
-
-    @property
-    def chunk(self) -> int:
-        return self.k // self.splits
-
-    @property
     def k_tiles(self) -> int:
         """Ring buffers of weight one CTA loads."""
         return self.chunk // self.stage_k
-
-    @property
-    def ctas(self) -> int:
-        return self.tiles * self.splits
-
-    @property
-    def threads(self) -> int:
-        return 32 * WARPS
 
     @property
     def stage_bytes(self) -> int:
@@ -125,9 +110,9 @@ class TmaPlan:
         return min(SM_SMEM_BYTES // (self.smem_bytes + CTA_RESERVED_BYTES), 2048 // self.threads)
 
     @property
-    def workspace(self) -> int:
-        """fp32 elements of the split-K workspace (0 without a split)."""
-        return 0 if self.splits == 1 else self.splits * self.n * MMA_N
+    def cols(self) -> int:
+        """Rows of x the tile sums (the MMA's N; those past b are never stored)."""
+        return MMA_N
 
 
 def plan_tma(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> TmaPlan | str:
@@ -349,7 +334,7 @@ class TmaGemv(SplitKKernel):
             zeros[it * p.threads + tidx] = Float32(0.0)
         cute.arch.sync_threads()
 
-        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, MMA_N)
+        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split)
 
 
 def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = ""):

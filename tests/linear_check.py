@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
 from sparkdecode.bench import streams
@@ -24,6 +25,10 @@ from sparkdecode.bench.floor import copy_bandwidth
 from sparkdecode.bench.timing import Timer
 from sparkdecode.protocols import LINEAR_WEIGHTS
 from sparkdecode.reference.providers import ReferenceLinear
+
+HOPPER = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
+)
 
 # name -> (N, K) of Muse Spark's dense weights (H 8192, 128 q / 16 kv heads of 64,
 # E 256, P 4096) at TP1 and on one rank of TP8 (the router is fp32).

@@ -5,6 +5,7 @@ of the step compiles for sm_90a at TP1 and TP8-rank shapes of Muse Spark."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 
@@ -143,19 +144,20 @@ def test_splitk_plan_reasons(splitk):
     assert "N 60" in splitk.plan_splitk(60, 1024, False, 8)
 
 
-def test_mma_is_not_registered():
-    """cute.linear_mma waits for its GPU test (tests/test_gpu_cute_linear_mma.py);
-    its reasons are cute.linear's."""
-    from sparkdecode_cute.linear_mma import CuteLinearMma
-
-    assert CuteLinearMma not in plugin.PROVIDERS
+@pytest.mark.parametrize("module,cls", [("linear_mma", "CuteLinearMma"), ("linear_tma", "CuteLinearTma")])
+def test_tensor_core_linear_is_not_registered(module, cls):
+    """cute.linear_mma and cute.linear_tma wait for their GPU tests
+    (tests/test_gpu_cute_linear_mma.py, test_gpu_cute_linear_tma.py); their reasons
+    are cute.linear's."""
+    provider = getattr(importlib.import_module(f"sparkdecode_cute.{module}"), cls)
+    assert provider not in plugin.PROVIDERS
     hopper = _hopper(ModelSpec.preset("tiny"))
-    assert CuteLinearMma.unsupported(hopper) is None
-    assert CuteLinearMma.unsupported(dataclasses.replace(hopper, device="cpu", capability=None)) == "needs a CUDA GPU"
-    assert "SM80" in CuteLinearMma.unsupported(dataclasses.replace(hopper, capability=(8, 0)))
+    assert provider.unsupported(hopper) is None
+    assert provider.unsupported(dataclasses.replace(hopper, device="cpu", capability=None)) == "needs a CUDA GPU"
+    assert "SM80" in provider.unsupported(dataclasses.replace(hopper, capability=(8, 0)))
     missing = dataclasses.replace(hopper, libraries={**hopper.libraries, "cutlass": None})
-    assert "nvidia-cutlass-dsl==4.8.1" in CuteLinearMma.unsupported(missing)
-    assert "16 rows" in CuteLinearMma.unsupported(dataclasses.replace(hopper, max_rows=16))
+    assert "nvidia-cutlass-dsl==4.8.1" in provider.unsupported(missing)
+    assert "16 rows" in provider.unsupported(dataclasses.replace(hopper, max_rows=16))
 
 
 @pytest.fixture(scope="module")
@@ -215,21 +217,6 @@ def test_mma_plans(mma):
     for plan in plans:
         assert 8 * plan.chunk * 2 <= mma.MAX_CHUNK_BYTES
         assert 2 * plan.groups * plan.depth <= mma.MAX_BATCH_LOADS
-
-
-def test_tma_is_not_registered():
-    """cute.linear_tma waits for its GPU test (tests/test_gpu_cute_linear_tma.py);
-    its reasons are cute.linear's."""
-    from sparkdecode_cute.linear_tma import CuteLinearTma
-
-    assert CuteLinearTma not in plugin.PROVIDERS
-    hopper = _hopper(ModelSpec.preset("tiny"))
-    assert CuteLinearTma.unsupported(hopper) is None
-    assert CuteLinearTma.unsupported(dataclasses.replace(hopper, device="cpu", capability=None)) == "needs a CUDA GPU"
-    assert "SM80" in CuteLinearTma.unsupported(dataclasses.replace(hopper, capability=(8, 0)))
-    missing = dataclasses.replace(hopper, libraries={**hopper.libraries, "cutlass": None})
-    assert "nvidia-cutlass-dsl==4.8.1" in CuteLinearTma.unsupported(missing)
-    assert "16 rows" in CuteLinearTma.unsupported(dataclasses.replace(hopper, max_rows=16))
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from linear_check import SHAPES, Tiling, check_close, equals_reference, print_streams, tilings_equal_reference
+from linear_check import HOPPER, SHAPES, Tiling, check_close, equals_reference, print_streams, tilings_equal_reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
-    ),
-]
+pytestmark = [pytest.mark.gpu, HOPPER]
 
 pytest.importorskip("sparkdecode_cuda.linear")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from linear_check import (
+    HOPPER,
     SHAPES,
     Tiling,
     counters_return_to_zero,
@@ -22,12 +23,7 @@ from linear_check import (
     tilings_equal_reference,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
-    ),
-]
+pytestmark = [pytest.mark.gpu, HOPPER]
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 

@@ -9,17 +9,12 @@ import dataclasses
 
 import pytest
 import torch
-from linear_check import SHAPES, equals_reference
+from linear_check import HOPPER, SHAPES, equals_reference
 
 from sparkdecode.bench.streams import linear_context
 from sparkdecode.spec import ModelSpec
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
-    ),
-]
+pytestmark = [pytest.mark.gpu, HOPPER]
 
 linear = pytest.importorskip("sparkdecode_cute.linear")
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")

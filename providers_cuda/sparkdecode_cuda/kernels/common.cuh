@@ -49,3 +49,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   for (int w = 0; w < WARPS; ++w) total += scratch[w];
   return total;
 }
+
+// D += A * B on the tensor cores: m16n8k16, bf16 A (row) and B (col), fp32 C/D.
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two fp32 -> bf16x2, round to nearest even (lo in the low half).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}

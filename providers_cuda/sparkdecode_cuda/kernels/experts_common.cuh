@@ -49,21 +49,6 @@ __device__ void find_experts(const int* __restrict__ ids, int routes, int first_
   __syncthreads();
 }
 
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Two fp32 -> bf16x2, round to nearest even (lo in the low half).
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-  u32 d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
 // float(e4m3fn) of the two bytes of v (low byte first): exact through fp16 (e4m3's values
 // are fp16 numbers); the NaN bytes 0x7f, 0xff give a NaN (the provider refuses them).
 __device__ __forceinline__ float2 e4m3x2_to_float2(u32 v) {

@@ -51,14 +51,6 @@ static_assert(K_DIM % (SPLITS * WK * CK * DEPTH) == 0 && NC % DEPTH == 0, "K: wh
 static_assert(R % SPLITS == 0, "rows shared out over the cluster");
 static_assert(KS % 8 == 0, "x staged in 16-byte vectors");
 
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // A 16-byte weight load that leaves L1 alone (each weight byte is read once).
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 v;
@@ -66,13 +58,6 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
-}
-
-// Two fp32 -> bf16x2, round to nearest even (lo in the low half).
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-  u32 d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
 }
 
 // fp32 pair (v0, v1) -> three bf16x2 parts hi, mid, lo with v = hi + mid + lo exactly.

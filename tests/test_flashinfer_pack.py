@@ -24,7 +24,7 @@ from sparkdecode.reference.kvcache import BLOCK_SIZE, NULL_PAGE, PagedKVCache
 from sparkdecode.spec import ModelSpec
 from sparkdecode_flashinfer import allreduce, jit_cache, pages, plugin, support
 from sparkdecode_flashinfer.allreduce import FlashInferAllReduce
-from sparkdecode_flashinfer.prefill import FlashInferPrefill
+from sparkdecode_flashinfer.prefill import FlashInferFa3, FlashInferPrefill, jit_args, module_name
 from sparkdecode_flashinfer.xqa import FlashInferXqa, causal_mask
 
 PROVIDERS = (FlashInferXqa, FlashInferPrefill)
@@ -43,7 +43,7 @@ def test_pack_imports_without_flashinfer():
     assert plugin.PROVIDERS == (*PROVIDERS, FlashInferAllReduce)
 
 
-@pytest.mark.parametrize("cls", PROVIDERS)
+@pytest.mark.parametrize("cls", [*PROVIDERS, FlashInferFa3])
 def test_unsupported_reasons(cls):
     d = hopper()
     assert cls.unsupported(d) is None
@@ -65,6 +65,7 @@ def test_unsupported_shapes():
     odd = hopper(dataclasses.replace(spec, head_dim=72, hidden_size=1152))
     assert "head_dim 72" in FlashInferXqa.unsupported(odd)
     assert "head_dim 72" in FlashInferPrefill.unsupported(odd)
+    assert "head_dim 72" in FlashInferFa3.unsupported(odd)
     assert FlashInferXqa.unsupported(hopper(dataclasses.replace(spec, head_dim=128, hidden_size=2048))) is None
 
 
@@ -137,6 +138,29 @@ def test_discovered_and_reported_on_the_cpu():
     assert choice.chosen.name == "reference.attention_core"
     reasons = {c.name: c.reason for c in choice.candidates}
     assert reasons["flashinfer.xqa"] == reasons["flashinfer.fa2"] == "needs a CUDA GPU"
+
+
+def test_fa3_not_registered():
+    """flashinfer.fa3 is a candidate only: neither in the pack's providers nor
+    discovered, so no layout picks it until its GPU tests pass."""
+    assert FlashInferFa3 not in plugin.PROVIDERS
+    assert discover().find("flashinfer.fa3") is None
+    assert (FlashInferFa3.block, FlashInferFa3.backend, FlashInferPrefill.backend) == ("attention_core", "fa3", "fa2")
+
+
+def test_prefill_jit_modules():
+    """The one module each backend asks FlashInfer for at build (the plan's own
+    arguments: bf16, int32 indices, head_dim 64, the sliding-window build) and its
+    name, the archive's member that a prebuilt module is filed under."""
+    bf16 = torch.bfloat16
+    assert jit_args(64) == (bf16, bf16, bf16, torch.int32, 64, 64, 0, True, False, False)
+    base = (
+        "batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_dtype_o_bf16_dtype_idx_i32_"
+        "head_dim_qk_64_head_dim_vo_64_posenc_0_use_swa_True_use_logits_cap_False_f16qk_False"
+    )
+    assert module_name("fa2", 64) == f"{base}_kv_stride_equal"
+    assert module_name("fa3", 64) == f"{base}_sm90"
+    assert "head_dim_qk_128_head_dim_vo_128" in module_name("fa3", 128)
 
 
 def test_causal_mask_words():

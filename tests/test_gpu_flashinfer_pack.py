@@ -12,7 +12,8 @@ product (and take the row sum from the rounded values), the reference keeps them
 in fp32; both round the output to bf16 once. Each of these is a relative error of
 at most 2^-9 per term, averaging down over the keys, so a row's output (all heads,
 in fp32) differs by a few 1e-3 relative (on an H200: fa2 up to 3.6e-3, XQA up to
-5.0e-3); the bound is 1e-2, and nothing may be NaN. Positions outside a query's window or after it must not count at all: a key
+5.0e-3; fa3 not measured yet); the bound is 1e-2, and nothing may be NaN.
+Positions outside a query's window or after it must not count at all: a key
 wrongly in or out moves a row by far more than the bound (the keys are random).
 """
 
@@ -28,6 +29,7 @@ import torch
 from sparkdecode.deployment import detect
 from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.harness import DecodeHarness
+from sparkdecode.plugins import Registered, discover
 from sparkdecode.protocols import BuildContext, Step
 from sparkdecode.reference import functional as fn
 from sparkdecode.reference.kvcache import BLOCK_SIZE, NULL_PAGE, PagedKVCache
@@ -43,10 +45,10 @@ pytestmark = [
 ]
 
 pytest.importorskip("flashinfer")
-from sparkdecode_flashinfer.prefill import FlashInferPrefill  # noqa: E402
+from sparkdecode_flashinfer.prefill import FlashInferFa3, FlashInferPrefill, jit_args, module_name  # noqa: E402
 from sparkdecode_flashinfer.xqa import FlashInferXqa  # noqa: E402
 
-CORES = {"xqa": FlashInferXqa, "fa2": FlashInferPrefill}
+CORES = {"xqa": FlashInferXqa, "fa2": FlashInferPrefill, "fa3": FlashInferFa3}
 ROWS = 8
 BOUND = 1e-2
 WINDOW = 2048  # Muse Spark's
@@ -175,8 +177,14 @@ def test_executor_with_flashinfer_core(core):
     cannot flip a route of the random model; close to the stock forward."""
     spec = dataclasses.replace(ModelSpec.preset("tiny", 2), num_experts_per_tok=16)
     weights = random_weights(spec, seed=4, device="cuda")
-    name = CORES[core].name
-    executor = SpecializedDecode(weights, DecodeConfig(max_context=1024, pins={"attention_core": name}))
+    cls = CORES[core]
+    registry = discover()
+    if registry.find(cls.name) is None:  # a candidate not registered yet (fa3)
+        registry.providers.append(Registered(cls, "flashinfer", "sparkdecode-flashinfer", "0"))
+    name = cls.name
+    executor = SpecializedDecode(
+        weights, DecodeConfig(max_context=1024, pins={"attention_core": name}), registry=registry
+    )
     assert executor.layout.choices["attention_core"].chosen.name == name
     harness = DecodeHarness(ReferenceModel(weights, 1024), executor, max_prompt=70, graph=True)
     harness.prefill(torch.randint(0, spec.vocab_size, (70,), generator=torch.Generator().manual_seed(1)).cuda())
@@ -185,3 +193,14 @@ def test_executor_with_flashinfer_core(core):
         err = row_errors(r.executor_hidden, r.stock_hidden)
         assert err.max() < 3e-2, err
     assert harness.position >= 70 + 16
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_prefill_module_names(backend):
+    """The module the prefill cores build is the one FlashInfer names (the key of a
+    prebuilt module in the JIT archive): fa2's primary, equal-K/V-stride module,
+    fa3's SM90 module."""
+    from flashinfer.jit.attention import modules
+
+    gen = modules._gen_batch_prefill_primary_module if backend == "fa2" else modules.gen_batch_prefill_module
+    assert gen(backend, *jit_args(64)).name == module_name(backend, 64)

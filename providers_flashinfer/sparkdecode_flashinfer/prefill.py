@@ -1,9 +1,10 @@
-"""``flashinfer.fa2``: the verify step's attention core on FlashInfer's paged
-prefill (``BatchPrefillWithPagedKVCacheWrapper``, backend fa2, CUDA-graph mode).
+"""``flashinfer.fa2`` (and the candidate ``flashinfer.fa3``): the verify step's
+attention core on FlashInfer's paged prefill (``BatchPrefillWithPagedKVCacheWrapper``,
+backend fa2, or fa3 on the Hopper kernels; CUDA-graph mode).
 
 The wrapper splits host planning from the kernel: ``plan`` takes the step's
 lengths on the host (query and page index pointers, the last page's fill) and
-schedules the split-KV work into its int workspace; the kernel then reads every
+schedules the work (fa2: split-KV) into its int workspace; the kernel then reads every
 length and page from device buffers, so a graph captured once replays after a
 new plan. That plan is host work before every step: ``prepare_step`` (the
 executor's hook, called outside the graph), by the lowest layer of each KV-cache
@@ -30,7 +31,27 @@ from .pages import VisiblePages, first_visible_page, shared_groups
 from .support import check_cache, contiguous_rows, flashinfer_unsupported
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-KV float workspace (shared by all layers)
-HEAD_DIMS = (64, 128, 256)  # the prefill kernels' instantiated head dims
+HEAD_DIMS = (64, 128, 256)  # the prefill kernels' instantiated head dims (fa2 and fa3, QK = VO)
+
+
+def jit_args(head_dim: int) -> tuple:
+    """``get_batch_prefill_module``'s arguments after the backend, as ``plan`` derives
+    them from its call: bf16 q, K/V and output, int32 indices, ``head_dim`` for QK and
+    VO, no position encoding in the kernel, the sliding-window build (``window_left``
+    >= 0 on every layer), no logits cap, no fp16 QK reduction."""
+    bf16 = torch.bfloat16
+    return (bf16, bf16, bf16, torch.int32, head_dim, head_dim, 0, True, False, False)
+
+
+def module_name(backend: str, head_dim: int) -> str:
+    """The JIT module (its folder and ``.so`` name) FlashInfer 0.7.2 builds for
+    ``jit_args(head_dim)``: ``get_batch_prefill_uri``, fa2's primary module with its
+    equal-K/V-stride suffix, fa3's with ``_sm90``."""
+    suffix = {"fa2": "_kv_stride_equal", "fa3": "_sm90"}[backend]
+    return (
+        f"batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_dtype_o_bf16_dtype_idx_i32_"
+        f"head_dim_qk_{head_dim}_head_dim_vo_{head_dim}_posenc_0_use_swa_True_use_logits_cap_False_f16qk_False{suffix}"
+    )
 
 
 class MissingPlanError(RuntimeError):
@@ -57,7 +78,7 @@ class _PrefillGroup:
             paged_kv_indptr_buf=torch.zeros(2, **i32),
             paged_kv_indices_buf=indices,
             paged_kv_last_page_len_buf=torch.zeros(1, **i32),
-            backend="fa2",
+            backend=core.backend,
         )
         self.no_indices = torch.zeros(0, **i32)  # the kernel reads ``indices`` in place
         self.heads, self.kv_heads, self.head_dim = core.heads, core.kv_heads, core.head_dim
@@ -98,6 +119,7 @@ class FlashInferPrefill:
     block = "attention_core"
     name = "flashinfer.fa2"
     priority = 10
+    backend = "fa2"
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -119,10 +141,7 @@ class FlashInferPrefill:
         self.q_rows = contiguous_rows(ctx, f"flashinfer_q_{self.heads}", self.heads)
         self.out_rows = contiguous_rows(ctx, f"flashinfer_out_{self.heads}", self.heads)
         # JIT-compile (or load) the module now, not at the first plan.
-        bf16 = torch.bfloat16
-        get_batch_prefill_module(
-            "fa2", bf16, bf16, bf16, torch.int32, self.head_dim, self.head_dim, 0, True, False, False
-        )
+        get_batch_prefill_module(self.backend, *jit_args(self.head_dim))
         self.shared = shared_groups(ctx, self.name)
         self.shared.layers.add(layer)
         self.group: _PrefillGroup | None = None
@@ -161,3 +180,14 @@ class FlashInferPrefill:
         group.wrapper.run(q, (kv.k, kv.v), out=result)
         if result is not out:
             out.copy_(result)
+
+
+class FlashInferFa3(FlashInferPrefill):
+    """``flashinfer.fa3``: the same paged prefill on the Hopper (SM90) kernels, backend
+    fa3. Its plan schedules whole query tiles (192 rows at head_dim 64) per query
+    head with no split-KV, each CTA walking the step's whole visible context; the
+    kernel reads the page indices in place, as fa2's does. Not registered: a
+    candidate until its GPU tests pass."""
+
+    name = "flashinfer.fa3"
+    backend = "fa3"

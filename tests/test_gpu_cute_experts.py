@@ -43,10 +43,13 @@ SHAPES = {
     "tp8-rank-expert-tp": (4096, 512, 256, 256, 8, 0, True),
     "tp8-rank-ep": (4096, 4096, 32, 256, 8, 96, False),
 }
+# TP 1 holds all 256 experts whole: their offsets pass 2**31 elements (W13 from expert
+# 64 on, W2 from 128), so the kernels must index the experts in 64 bits.
+TP1 = {"tp1": (4096, 4096, 256, 256, 8, 0, False)}
 
 
 def make_experts(name: str, seed: int = 0) -> ExpertWeights:
-    p, i, held, _, _, first, sliced = SHAPES[name]
+    p, i, held, _, _, first, sliced = {**SHAPES, **TP1}[name]
     g = torch.Generator(device="cuda").manual_seed(seed)
     w13 = torch.randn(held, 2 * i, p, generator=g, device="cuda", dtype=torch.bfloat16) * p**-0.5
     w2 = torch.randn(held, p, i, generator=g, device="cuda", dtype=torch.bfloat16) * i**-0.5
@@ -105,6 +108,25 @@ def test_experts_equal_reference(name, b, kind):
     rows = torch.full((b, k, e.w13.shape[2]), float("nan"), dtype=torch.bfloat16, device="cuda")
     provider.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(b, k, device="cuda")), rows)
     check(rows, x, ids, e)
+
+
+@pytest.mark.parametrize("b", [1, 8])
+def test_experts_past_2_31_elements(b):
+    """TP 1 (all 256 whole experts, 26 GB of weights): rows routed to the last
+    experts read them where they are."""
+    e = make_experts("tp1")
+    k, p = TP1["tp1"][4], e.w13.shape[2]
+    (provider,) = build([e], k)
+    g = torch.Generator().manual_seed(5 + b)
+    x = torch.randn(b, p, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.stack([torch.randperm(128, generator=g)[:k] + 128 for _ in range(b)])
+    ids[0, :4] = torch.tensor([255, 191, 127, 63])
+    ids = ids.to(torch.int32).cuda()
+    rows = torch.full((b, k, p), float("nan"), dtype=torch.bfloat16, device="cuda")
+    provider.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(b, k, device="cuda")), rows)
+    check(rows, x, ids, e)
+    del e, provider
+    torch.cuda.empty_cache()
 
 
 def test_same_expert_twice_in_a_row():

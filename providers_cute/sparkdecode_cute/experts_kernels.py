@@ -30,7 +30,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from .experts_shape import LANES, VEC, WARPS, ExpertsShape, Plan, shape_unsupported
 from .gemv import fake_pointer
@@ -71,12 +71,13 @@ def _stream_dot(
     before any is used), the staged rows read from shared memory."""
     lane = cute.arch.lane_idx()
     n = len(rows)
+    e = Int64(local)  # an expert's offset passes 2**31 elements at TP 1 (256 experts)
     for g in cutlass.range(w.shape[3] // (LANES * chunks), unroll=1):
         loaded = []
         for u in cutlass.range_constexpr(chunks):
             c = (g * chunks + u) * LANES + lane
             for q in cutlass.range_constexpr(n):
-                loaded.append(w[local, rows[q], None, c].load())
+                loaded.append(w[e, rows[q], None, c].load())
         for u in cutlass.range_constexpr(chunks):
             c = (g * chunks + u) * LANES + lane
             weights = _scalars(loaded[u * n : (u + 1) * n])
@@ -91,9 +92,10 @@ def _prefetch_rows(w: cute.Tensor, local: Int32, row0: Int32, rows: cutlass.Cons
     (E, N, VEC, K / VEC) into L2, one 128-byte line a lane at a time."""
     lane = cute.arch.lane_idx()
     line = const_expr(128 // (VEC * 2))
+    e = Int64(local)
     for q in cutlass.range_constexpr(rows):
         for c in cutlass.range(lane * line, w.shape[3], LANES * line, unroll=1):
-            cute.arch.prefetch(w[local, row0 + q, None, c].iterator.llvm_ptr, cache_level="L2")
+            cute.arch.prefetch(w[e, row0 + q, None, c].iterator.llvm_ptr, cache_level="L2")
 
 
 class RoutedExperts:

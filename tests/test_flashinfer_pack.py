@@ -27,7 +27,7 @@ from sparkdecode_flashinfer.allreduce import FlashInferAllReduce
 from sparkdecode_flashinfer.prefill import FlashInferFa3, FlashInferPrefill, jit_args, module_name
 from sparkdecode_flashinfer.xqa import FlashInferXqa, causal_mask
 
-PROVIDERS = (FlashInferXqa, FlashInferPrefill)
+PROVIDERS = (FlashInferXqa, FlashInferPrefill, FlashInferFa3)
 
 
 def hopper(spec: ModelSpec | None = None, **changes) -> object:
@@ -43,7 +43,7 @@ def test_pack_imports_without_flashinfer():
     assert plugin.PROVIDERS == (*PROVIDERS, FlashInferAllReduce)
 
 
-@pytest.mark.parametrize("cls", [*PROVIDERS, FlashInferFa3])
+@pytest.mark.parametrize("cls", PROVIDERS)
 def test_unsupported_reasons(cls):
     d = hopper()
     assert cls.unsupported(d) is None
@@ -137,14 +137,12 @@ def test_discovered_and_reported_on_the_cpu():
     choice = layout.choices["attention_core"]
     assert choice.chosen.name == "reference.attention_core"
     reasons = {c.name: c.reason for c in choice.candidates}
-    assert reasons["flashinfer.xqa"] == reasons["flashinfer.fa2"] == "needs a CUDA GPU"
+    assert reasons["flashinfer.xqa"] == reasons["flashinfer.fa2"] == reasons["flashinfer.fa3"] == "needs a CUDA GPU"
 
 
-def test_fa3_not_registered():
-    """flashinfer.fa3 is a candidate only: neither in the pack's providers nor
-    discovered, so no layout picks it until its GPU tests pass."""
-    assert FlashInferFa3 not in plugin.PROVIDERS
-    assert discover().find("flashinfer.fa3") is None
+def test_fa3_is_the_fa2_core_on_the_sm90_backend():
+    """flashinfer.fa3 (registered once its H200 tests passed) changes only the backend."""
+    assert FlashInferFa3 in plugin.PROVIDERS and discover().find("flashinfer.fa3") is not None
     assert (FlashInferFa3.block, FlashInferFa3.backend, FlashInferPrefill.backend) == ("attention_core", "fa3", "fa2")
 
 

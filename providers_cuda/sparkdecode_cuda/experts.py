@@ -290,8 +290,7 @@ class CudaExpertsNvfp4Marlin(CudaExpertsNvfp4):
 
 class CudaExpertsNvfp4V2(CudaExpertsNvfp4):
     """``cuda.experts_nvfp4`` with experts.cu's EXPERTS_V2: the next batch's and the next
-    item's weights prefetched into L2 while computing. Not registered until its GPU test
-    and the streams bench have run."""
+    item's weights prefetched into L2 while computing."""
 
     name = "cuda.experts_nvfp4_v2"
     variant = 1
@@ -300,8 +299,7 @@ class CudaExpertsNvfp4V2(CudaExpertsNvfp4):
 class CudaExpertsNvfp4MarlinV2(CudaExpertsNvfp4Marlin):
     """``cuda.experts_nvfp4_marlin`` with experts.cu's EXPERTS_V2: the codes decoded as
     e4m3 bytes and the scale bytes as fp32 bits (tests/test_cuda_experts_marlin.py
-    emulates both against nvfp4_marlin.dequantize), plus the L2 prefetch. Not registered
-    until its GPU test and the streams bench have run."""
+    emulates both against nvfp4_marlin.dequantize), plus the L2 prefetch."""
 
     name = "cuda.experts_nvfp4_marlin_v2"
     variant = 1

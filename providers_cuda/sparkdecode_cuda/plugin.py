@@ -9,7 +9,15 @@ from sparkdecode.plugins import hookimpl
 from .all_reduce import CudaAllReduce
 from .attention import CudaAttention
 from .boundary import CudaAttentionBoundary, CudaBoundary, CudaFinal
-from .experts import CudaExperts, CudaExpertsNvfp4, CudaExpertsNvfp4Marlin
+from .experts import (
+    CudaExperts,
+    CudaExpertsNvfp4,
+    CudaExpertsNvfp4Marlin,
+    CudaExpertsNvfp4MarlinV2,
+    CudaExpertsNvfp4V2,
+)
+from .experts_bulk import CudaExpertsNvfp4MarlinBulk
+from .linear import CudaLinear
 from .markov import CudaMarkov
 from .moe import CudaMoE
 
@@ -21,6 +29,10 @@ PROVIDERS: tuple[type, ...] = (
     CudaExperts,
     CudaExpertsNvfp4,
     CudaExpertsNvfp4Marlin,
+    CudaExpertsNvfp4V2,
+    CudaExpertsNvfp4MarlinV2,
+    CudaExpertsNvfp4MarlinBulk,
+    CudaLinear,
     CudaFinal,
     CudaAllReduce,
     CudaMarkov,

@@ -8,9 +8,10 @@ from sparkdecode.plugins import hookimpl
 
 from .experts import CuteExperts
 from .linear import CuteLinear
+from .linear_mma import CuteLinearMma
 from .linear_splitk import CuteLinearSplitK
 
-PROVIDERS: tuple[type, ...] = (CuteLinear, CuteLinearSplitK, CuteExperts)
+PROVIDERS: tuple[type, ...] = (CuteLinear, CuteLinearSplitK, CuteLinearMma, CuteExperts)
 
 
 @hookimpl

@@ -8,10 +8,10 @@ table in this pack's README lists them. Importing it never imports FlashInfer
 from sparkdecode.plugins import hookimpl
 
 from .allreduce import FlashInferAllReduce
-from .prefill import FlashInferPrefill
+from .prefill import FlashInferFa3, FlashInferPrefill
 from .xqa import FlashInferXqa
 
-PROVIDERS: tuple[type, ...] = (FlashInferXqa, FlashInferPrefill, FlashInferAllReduce)
+PROVIDERS: tuple[type, ...] = (FlashInferXqa, FlashInferPrefill, FlashInferFa3, FlashInferAllReduce)
 
 
 @hookimpl

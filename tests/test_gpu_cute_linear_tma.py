@@ -1,11 +1,13 @@
 """cute.linear_tma (gemv_tma.py: TMA into a shared-memory ring and wgmma.m64n8k16,
 the fp32 router on gemv_splitk.py) on a Hopper GPU (marker gpu): against the
 reference within linear_check's bounds (the same numerics as cute.linear: exact
-products summed in fp32 in another order, rounded once), eager and in a replayed
-graph, at TP1 and TP8-rank shapes; the split-K counters back at 0; every tiling of
-the planner's first few within the bounds; and the weight streams of torch.mm,
-cute.linear_mma and cute.linear_tma, and of each tiling, printed (run with -s;
-nothing asserted about speed).
+products summed in fp32 in another order, rounded once), first at the smallest
+launches (one tile of 64 rows, one row of x: ``-k smallest`` under
+compute-sanitizer is short), then eager and in a replayed graph at TP1 and
+TP8-rank shapes; the split-K counters back at 0; every tiling of the planner's
+first few within the bounds; and the weight streams of torch.mm, cute.linear_mma
+and cute.linear_tma, and of each tiling, printed (run with -s; nothing asserted
+about speed).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from linear_check import (
     HOPPER,
     SHAPES,
     Tiling,
+    check_close,
     counters_return_to_zero,
     equals_reference,
     print_streams,
@@ -32,6 +35,29 @@ from sparkdecode_cute.linear_mma import CuteLinearMma  # noqa: E402
 from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight  # noqa: E402
 
 TILINGS = 6  # the planner's first tilings measured per weight
+
+# K and splits of the smallest launches: one tile of W [64, K], each CTA's chunk of K
+# in 8 steps of 128 through a ring of 2 buffers (so the producer's loop past its
+# prefetch runs); unsplit, and in two splits (added by the last CTA).
+SMALLEST = {"one-split": (1024, 1), "two-splits": (2048, 2)}
+
+
+@pytest.mark.parametrize("case", list(SMALLEST))
+def test_tma_smallest_equals_reference(case):
+    from sparkdecode_cute.gemv_tma import TmaPlan
+
+    k, splits = SMALLEST[case]
+    plan = TmaPlan(64, k, k, 8, splits, 128, 2)
+    assert (plan.ctas, plan.k_tiles) == (splits, 8), plan
+    g = torch.Generator(device="cuda").manual_seed(splits)
+    w = torch.randn(64, k, generator=g, device="cuda").to(torch.bfloat16)
+    x = torch.randn(1, k, generator=g, device="cuda").to(torch.bfloat16)
+    op = split_weight(TmaWeight, "qkvg", w, torch.cuda.get_device_properties(0).multi_processor_count, plan)
+    out = torch.empty(1, 64, dtype=torch.bfloat16, device="cuda")
+    op(x, out)
+    torch.cuda.synchronize()
+    check_close(f"W [64, {k}] {plan}", x, w, out, torch.nn.functional.linear(x, w))
+    assert not op.shared[1].any(), "tile counter not back at 0"
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

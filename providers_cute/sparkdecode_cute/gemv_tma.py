@@ -200,7 +200,10 @@ class TmaGemv(SplitKKernel):
 
     def produce(self, ring, state, tma_atom, tWgW, tWsW, k_tile0):
         """The producer warp: the chunk's K step ``state.count`` of W into ring
-        buffer ``state.index`` once the MMA warps have released it."""
+        buffer ``state.index`` once the MMA warps have released it. The caller
+        advances ``state``: in a ``cutlass.range`` loop the DSL carries only the
+        variables the loop body itself assigns or calls a method on, so an advance
+        in here would be traced once and every iteration would reload one buffer."""
         ring.producer_acquire(state)
         cute.copy(
             tma_atom,
@@ -208,7 +211,6 @@ class TmaGemv(SplitKKernel):
             tWsW[(None, state.index)],
             tma_bar_ptr=ring.producer_get_barrier(state),
         )
-        state.advance()
 
     @cute.kernel
     def kernel(
@@ -261,6 +263,7 @@ class TmaGemv(SplitKKernel):
             ahead = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
             for _ in cutlass.range_constexpr(prefetch):
                 self.produce(ring, ahead, tma_atom, tWgW, tWsW, k_tile0)
+                ahead.advance()
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
 
@@ -304,6 +307,7 @@ class TmaGemv(SplitKKernel):
             )
             for _ in cutlass.range(prefetch, p.k_tiles, unroll=1):
                 self.produce(ring, produced, tma_atom, tWgW, tWsW, k_tile0)
+                produced.advance()  # here, in the loop body: carried from one iteration to the next
         elif warp < PRODUCER_WARP:
             consumed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
             for kt in cutlass.range(p.k_tiles, unroll=1):

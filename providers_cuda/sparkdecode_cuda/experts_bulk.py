@@ -100,8 +100,7 @@ def shape_unsupported(
 
 class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
     """Sub-op ``experts_nvfp4`` on vLLM's SM90 Marlin layout (``nvfp4_marlin``), the
-    weights streamed into shared memory by bulk async copies (experts_bulk.cu). Not
-    registered until its GPU test and the streams bench have run."""
+    weights streamed into shared memory by bulk async copies (experts_bulk.cu)."""
 
     name = "cuda.experts_nvfp4_marlin_bulk"
 

@@ -18,9 +18,8 @@ router splits each weight exactly into three bf16 parts (hi + mid + lo, exact fo
 |w| >= 2^-109) and accumulates their products in fp32: the fp32 GEMM's result up to
 fp32 rounding of the sums (relative ~1e-6 of the row's magnitude), no bf16 rounding.
 
-Needs SM90: thread-block clusters and their shared memory, griddepcontrol. Not
-registered until its GPU test passes (tests/test_gpu_cuda_linear.py); the streams
-bench takes it by import path (``--linear-provider sparkdecode_cuda.linear:CudaLinear``).
+Needs SM90: thread-block clusters and their shared memory, griddepcontrol. Checked
+on the H200 by tests/test_gpu_cuda_linear.py.
 """
 
 from __future__ import annotations

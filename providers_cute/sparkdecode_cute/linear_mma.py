@@ -8,9 +8,7 @@ dependent launch.
 Numerics as cute.linear's: the same products (exact in fp32) accumulated in fp32 in
 another order (per MMA, over a warp's K, the warps, then the splits in split
 order), rounded once to the output dtype; results are identical from run to run.
-Not registered until its GPU test passes (tests/test_gpu_cute_linear_mma.py); the
-streams bench takes it by import path
-(``--linear-provider sparkdecode_cute.linear_mma:CuteLinearMma``).
+Checked on the H200 by tests/test_gpu_cute_linear_mma.py.
 """
 
 from __future__ import annotations

@@ -8,9 +8,7 @@ each tile), the fp32 router as cute.linear_splitk's CUDA-core stream
 Numerics as cute.linear's: the same products (exact in fp32) accumulated in fp32 in
 another order (in the tensor cores over the CTA's chunk, then the splits in split
 order), rounded once to the output dtype; results are identical from run to run.
-Not registered until its GPU test passes (tests/test_gpu_cute_linear_tma.py); the
-streams bench takes it by import path
-(``--linear-provider sparkdecode_cute.linear_tma:CuteLinearTma``).
+Checked on the H200 by tests/test_gpu_cute_linear_tma.py.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ from .experts import CuteExperts
 from .linear import CuteLinear
 from .linear_mma import CuteLinearMma
 from .linear_splitk import CuteLinearSplitK
+from .linear_tma import CuteLinearTma
 
-PROVIDERS: tuple[type, ...] = (CuteLinear, CuteLinearSplitK, CuteLinearMma, CuteExperts)
+PROVIDERS: tuple[type, ...] = (CuteLinear, CuteLinearSplitK, CuteLinearMma, CuteLinearTma, CuteExperts)
 
 
 @hookimpl

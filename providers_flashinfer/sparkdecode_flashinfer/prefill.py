@@ -186,8 +186,7 @@ class FlashInferFa3(FlashInferPrefill):
     """``flashinfer.fa3``: the same paged prefill on the Hopper (SM90) kernels, backend
     fa3. Its plan schedules whole query tiles (192 rows at head_dim 64) per query
     head with no split-KV, each CTA walking the step's whole visible context; the
-    kernel reads the page indices in place, as fa2's does. Not registered: a
-    candidate until its GPU tests pass."""
+    kernel reads the page indices in place, as fa2's does."""
 
     name = "flashinfer.fa3"
     backend = "fa3"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdecode.layout import LayoutError, cache_key, needed_kinds, resolve
+from sparkdecode.layout import LayoutError, cache_key, measured_seconds, needed_kinds, resolve
 from sparkdecode.plugins import Registered, Registry
 from sparkdecode.protocols import KINDS, Deployment
 from sparkdecode.spec import ModelSpec
@@ -175,6 +175,10 @@ def test_measure_picks_fastest_and_reports_times(tmp_path: Path) -> None:
     record = json.loads(path.read_text())
     assert record["chosen"] == {"attention": "quick.attention"}
     assert record["seconds"]["attention"]["slow.attention"] == pytest.approx(50e-6)
+    # What the bench records: the measured kinds' candidate times only.
+    assert measured_seconds(layout) == {
+        "attention": {"base.attention": 30e-6, "slow.attention": 50e-6, "quick.attention": 10e-6}
+    }
 
 
 def test_measure_skips_unsupported_and_uncontested(tmp_path: Path) -> None:

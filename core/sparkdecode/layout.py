@@ -240,8 +240,17 @@ def resolve(
     return Layout(choices)
 
 
+def measured_seconds(layout: Layout) -> dict[str, dict[str, float]]:
+    """Per kind the resolver measured: each timed candidate's layer time (seconds)."""
+    return {
+        kind: {c.name: c.seconds for c in choice.candidates if c.seconds is not None}
+        for kind, choice in layout.choices.items()
+        if choice.how == "measured"
+    }
+
+
 def _is_supported(candidates: list[tuple[Registered, Candidate]], name: str) -> bool:
     return any(r.name == name and c.reason is None for r, c in candidates)
 
 
-__all__ = ["BLOCKS", "Layout", "LayoutError", "resolve"]
+__all__ = ["BLOCKS", "Layout", "LayoutError", "measured_seconds", "resolve"]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..executor import DecodeConfig, SpecializedDecode
+from ..layout import measured_seconds
 from ..protocols import HostStep
 from .baseline import TorchBaseline, flashinfer_version
 from .configs import ROUTINGS, ROWS, BenchConfig
@@ -174,6 +175,7 @@ def run(
     runs: list[dict[str, Any]] = []
     candidate_runs: list[dict[str, Any]] = []
     layout: dict[str, str] = {}
+    measured: dict[str, dict[str, dict[str, float]]] = {}
     executor_notes: list[str] = []
     baseline_attention = ""
     for context in contexts:
@@ -188,6 +190,7 @@ def run(
             weights, DecodeConfig(q=ROWS, max_rows=ROWS, max_context=context, pins=dict(pins or {}))
         )
         layout = {kind: f"{c.chosen.name} ({c.how})" for kind, c in executor.layout.choices.items()}
+        measured[str(context)] = measured_seconds(executor.layout)
         executor_notes = []
         if executor.collectives.detached:
             executor_notes.append(f"rank {cfg.rank} of TP {cfg.tp} runs detached: its collectives are left out")
@@ -342,7 +345,8 @@ def run(
             + "), torch norms/RoPE/routing; paged attention: "
             + baseline_attention,
         },
-        "executor": {"layout": layout, "notes": executor_notes},
+        # The resolver's in-place layer times of each measured kind's candidates, per context.
+        "executor": {"layout": layout, "measured_seconds": measured, "notes": executor_notes},
         "collectives_left_out": _collectives(cfg),
         "runs": runs,
         # Per context: every supported provider of the asked kinds, per layer, alone

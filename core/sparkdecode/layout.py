@@ -10,7 +10,11 @@ For every kind (protocols.KINDS) that the deployment needs:
 3. otherwise, where a ``measure`` function is given (on a GPU: the candidate timed
    in place, in a graph of a whole layer), the fastest, its time combined over
    ranks so every rank picks the same; without one, the highest declared priority
-   (then the name, so the order is total);
+   (then the name, so the order is total). The candidates of a kind are timed in
+   ``MEASURE_ROUNDS`` interleaved rounds and each keeps its least time: a layer's
+   time only grows under interference (another process, a clock dip), and a
+   round-robin order spreads any drift over all of them alike, so a block that is
+   a few percent of its layer is still told apart;
 4. measured decisions are cached on disk, keyed by GPU, TP, spec, pack versions
    and pins; a corrupt or stale cache is ignored with a warning and rebuilt.
 """
@@ -35,6 +39,8 @@ logger = logging.getLogger(__name__)
 # ``kind`` and ``layout`` (kind -> class) serving the others, or None where that layer
 # cannot be timed here (a CUDA graph cannot capture its transport): not chosen by time.
 Measure = Callable[[str, type, Mapping[str, type]], float | None]
+
+MEASURE_ROUNDS = 3
 
 
 class LayoutError(ValueError):
@@ -157,6 +163,7 @@ def resolve(
     kinds: Sequence[str] | None = None,
     rank: int = 0,
     agree: Callable[[bool], bool] | None = None,
+    rounds: int = MEASURE_ROUNDS,
 ) -> Layout:
     """The provider of every kind the deployment needs (see the module docstring);
     ``kinds`` resolves those instead (the draft executor: ``DRAFT_KINDS``). Pins of
@@ -217,12 +224,20 @@ def resolve(
         return Layout(choices)
 
     for kind in contested:
+        layout = {k: c.chosen.cls for k, c in choices.items()}
+        timed = [(reg, cand) for reg, cand in table[kind] if cand.reason is None]
+        untimed: set[str] = set()
+        for _ in range(rounds):
+            for reg, cand in timed:
+                if reg.name in untimed:
+                    continue
+                seconds = measure(kind, reg.cls, layout)
+                if seconds is None:
+                    untimed.add(reg.name)
+                elif cand.seconds is None or seconds < cand.seconds:
+                    cand.seconds = seconds
         best: tuple[float, Registered] | None = None
-        for reg, cand in table[kind]:
-            if cand.reason is not None:
-                continue
-            layout = {k: c.chosen.cls for k, c in choices.items()}
-            cand.seconds = measure(kind, reg.cls, layout)
+        for reg, cand in timed:
             if cand.seconds is not None and (best is None or cand.seconds < best[0]):
                 best = (cand.seconds, reg)
         if best is not None:

@@ -70,6 +70,25 @@ def test_tiny_on_the_cpu_is_labelled_and_recorded(tiny_record):
     assert len(record["routing_method"]["favoured_experts"]) == spec.num_layers
 
 
+def test_a_slow_baseline_is_timed_fewer_times(tmp_path, monkeypatch):
+    """A baseline step slower than SLOW_BASELINE_S is timed SLOW_BASELINE_REPLAYS
+    times (the executor still over --replays), and the table says so."""
+    from sparkdecode.bench import runner
+
+    monkeypatch.setattr(runner, "SLOW_BASELINE_S", 0.0)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = main(
+            ["bench", "tiny", "--device", "cpu", "--context", "40", "--replays", "7", "--no-blocks"]
+            + ["--routing", "random", "--out", str(tmp_path), "--quiet"]
+        )
+    assert code == 0
+    (path,) = tmp_path.glob("tiny_*.json")
+    (run,) = json.loads(path.read_text())["runs"]
+    assert (run["baseline"]["count"], run["executor"]["count"]) == (runner.SLOW_BASELINE_REPLAYS, 7)
+    assert f"baseline: timed over {runner.SLOW_BASELINE_REPLAYS} replays only" in text.getvalue()
+
+
 def test_candidates_are_timed_per_layer(tiny_record):
     """--candidates: every provider that supports the kind here (on the CPU, the
     reference's), on every layer, in the record and the table."""

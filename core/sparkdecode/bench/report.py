@@ -134,6 +134,12 @@ def table(record: dict[str, Any]) -> str:
         + ("replays, L2 flushed before each; " if r["gpu"] else "eager runs; ")
         + "floor = bytes / copy bandwidth; % = floor / median"
     )
+    fewer = sorted({run["baseline"]["count"] for run in r["runs"] if run["baseline"]["count"] < r["replays"]})
+    if fewer:
+        lines.append(
+            f"baseline: timed over {', '.join(map(str, fewer))} replays only (its step is slow); "
+            f"the executor over {r['replays']}"
+        )
     lines.append(
         "attn err: the baseline's attention block vs the reference on identical inputs (largest over layers); "
         "out err: the step's hidden states, baseline vs executor (amplified where an expert choice flips); "

@@ -12,6 +12,17 @@ routes and ``MAX_FACTOR`` times in the largest element. A wrong weight, row, slo
 scale or sign gives errors of the size of the values themselves (hundreds of times
 the reference's), so these bounds fail on any such bug. Routes to experts another
 rank holds (EP) must be exact zeros.
+
+Kernels that do not round each dequantized weight to bf16 (experts.cu's EXPERTS_V3:
+e2m1 * block scale exact in bf16, the global scale on the fp32 sums, as vLLM's Marlin
+kernel computes) are closer to the exact quantized model than the reference, which
+rounds every weight; ``assert_experts_close_exact`` measures both against
+``truth_rows`` of the exact weights (``exact_weights``: e2m1 * block scale * global in
+fp64) and holds the kernel to at most the reference's L2 error (EXACT_L2_FACTOR) and
+MAX_FACTOR times its largest one: the kernel's error is its fp32 sums' (about 2^-24
+relative) and the same bf16 rounding points', the reference's adds every weight's
+rounding (up to 2^-9 relative each), so the kernel's is the smaller; a wrong weight,
+scale, global or sign still gives errors hundreds of times the reference's.
 """
 
 from __future__ import annotations
@@ -19,8 +30,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sparkdecode import nvfp4, nvfp4_marlin
+from sparkdecode.weights import ExpertWeights
+
 L2_FACTOR = 1.5
 MAX_FACTOR = 2.0
+EXACT_L2_FACTOR = 1.0
+
+
+def _exact(codes: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+    """fp64 [E, rows, K]: e2m1 * block scale (fp32 [E, rows, K / 16], exact) * glob (fp64 [E])."""
+    values = nvfp4.unpack(codes).double().unflatten(-1, (-1, nvfp4.BLOCK))
+    return (values * scale.double()[..., None] * glob[:, None, None, None]).flatten(-2)
+
+
+def exact_weights(experts: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 (w13, w2) of NVFP4 experts (checkpoint or Marlin layout) without any rounding:
+    each weight e2m1 * block scale * global, the product of the quantized model."""
+    m, q = experts.marlin, experts.nvfp4
+    if m is not None:
+        hidden, inter = m.w13_scale.shape[1] * nvfp4.BLOCK, m.w2_scale.shape[1] * nvfp4.BLOCK
+        w13 = _exact(
+            nvfp4_marlin.unpack_weight(experts.w13, hidden, 2 * inter, m.perms),
+            nvfp4_marlin.unpack_scales(m.w13_scale, hidden, 2 * inter, m.perms),
+            m.w13_global.double() / nvfp4_marlin.GLOBAL_SHIFT,
+        )
+        w2 = _exact(
+            nvfp4_marlin.unpack_weight(experts.w2, inter, hidden, m.perms),
+            nvfp4_marlin.unpack_scales(m.w2_scale, inter, hidden, m.perms),
+            m.w2_global.double() / nvfp4_marlin.GLOBAL_SHIFT,
+        )
+        return w13, w2
+    if q is None:
+        raise ValueError(f"{experts.format} experts are not NVFP4")
+    gate, up = experts.w13.chunk(2, dim=1)
+    gate_scale, up_scale = q.w13_scale.float().chunk(2, dim=1)
+    w13 = torch.cat(
+        [_exact(gate, gate_scale, q.w13_global[:, 0].double()), _exact(up, up_scale, q.w13_global[:, 1].double())],
+        dim=1,
+    )
+    return w13, _exact(experts.w2, q.w2_scale.float(), q.w2_global.double())
 
 
 def truth_rows(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, first: int) -> torch.Tensor:
@@ -61,4 +110,24 @@ def assert_experts_close(
     t = truth_rows(x, ids, w13, w2, first)[held]
     g, r = got[held].double() - t, ref[held].double() - t
     assert g.norm() <= L2_FACTOR * r.norm(), (g.norm().item(), r.norm().item())
+    assert g.abs().max() <= MAX_FACTOR * r.abs().max(), (g.abs().max().item(), r.abs().max().item())
+
+
+def assert_experts_close_exact(
+    got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights
+) -> None:
+    """``got`` (a kernel that keeps e2m1 * scale * global unrounded) against ``ref`` (the
+    reference on the bf16-rounded weights), both measured against ``truth_rows`` of
+    ``exact_weights``; see the module docstring for the bounds."""
+    assert torch.isfinite(got.float()).all()
+    w13, w2 = exact_weights(experts)
+    first = experts.first_expert
+    local = ids.long() - first
+    held = (local >= 0) & (local < w13.shape[0])
+    assert torch.equal(got[~held], torch.zeros_like(got[~held])), "a route to another rank's expert is not zero"
+    if not held.any():
+        return
+    t = truth_rows(x, ids, w13, w2, first)[held]
+    g, r = got[held].double() - t, ref[held].double() - t
+    assert g.norm() <= EXACT_L2_FACTOR * r.norm(), (g.norm().item(), r.norm().item())
     assert g.abs().max() <= MAX_FACTOR * r.abs().max(), (g.abs().max().item(), r.abs().max().item())

@@ -56,9 +56,15 @@ def decode_v2(word: torch.Tensor, nibble: torch.Tensor, byte: torch.Tensor, glob
 
 
 def emulate_gemm_weights(
-    words: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, k: int, n: int, decoder=decode
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    glob: torch.Tensor,
+    k: int,
+    n: int,
+    decoder=decode,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """bf16 [N, K]: the A operands warp_gemm_marlin feeds the MMA for one expert's
+    """[N, K] of ``dtype``: the A operands warp_gemm_marlin feeds the MMA for one expert's
     GEMM (words int32 [K / 16, 2N], scale bytes [K / 16, N], Marlin's fp32 global),
     each placed at its (row, k) by ``decoder``; every element must be fed exactly once."""
     flat_words, flat_scales = words.flatten(), scales.view(torch.uint8).flatten()
@@ -80,7 +86,7 @@ def emulate_gemm_weights(
     value = decoder(word, torch.tensor(NIBBLES)[reg, hl], byte, glob)
     row = blk0 + 16 * j + g + 8 * h
     col = kt * 16 + 2 * t + 8 * torch.tensor(K_HALF)[reg] + hl
-    out = torch.zeros(n, k, dtype=torch.bfloat16)
+    out = torch.zeros(n, k, dtype=dtype)
     count = torch.zeros(n * k, dtype=torch.int32)
     index = (row * k + col).flatten()
     count.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
@@ -156,9 +162,7 @@ def test_marlin_form_dequantizes_to_the_checkpoints_weights():
     assert marlin.format == "nvfp4_marlin"
     for got, want in zip(marlin.dequantized(), q.dequantized(), strict=True):
         assert torch.equal(bits(got), bits(want))
-    m = marlin.marlin
-    assert m is not None
-    back = nvfp4_marlin.from_marlin(marlin.w13, m.w13_scale, m.w13_global, marlin.w2, m.w2_scale, m.w2_global, 256, 128)
+    back = nvfp4_marlin.from_marlin(marlin)
     assert torch.equal(back.w13, q.w13) and torch.equal(back.w2, q.w2)
 
 

@@ -98,13 +98,22 @@ def test_unsupported_off_hopper(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "fmt,variant", [("bf16", 0), ("nvfp4", 0), ("nvfp4_marlin", 0), ("nvfp4", 1), ("nvfp4_marlin", 1)]
+    "fmt,variant",
+    [
+        ("bf16", 0),
+        ("nvfp4", 0),
+        ("nvfp4_marlin", 0),
+        ("nvfp4", 1),
+        ("nvfp4_marlin", 1),
+        ("nvfp4", 2),
+        ("nvfp4_marlin", 2),
+    ],
 )
 @pytest.mark.parametrize("width,intermediate,top_k", [(4096, 512, 8), (4096, 4096, 8), (512, 512, 4), (512, 256, 4)])
 def test_experts_kernels_compile_for_hopper(fmt, variant, width, intermediate, top_k, tmp_path, monkeypatch):
     """The routed experts at the TP8 rank's expert-TP slice (I 512) and EP (whole
     experts), and the tiny spec's shapes; the NVFP4 ones under EXPERTS_V2 too (the
-    unregistered V2 providers' define)."""
+    V2 providers' define) and EXPERTS_V2 = 2 (the unregistered V3 providers')."""
     from sparkdecode_cuda import experts
 
     monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
@@ -139,6 +148,8 @@ def test_experts_unsupported_shapes():
     assert experts.CudaExpertsNvfp4Marlin in plugin.PROVIDERS
     for cls in (experts.CudaExpertsNvfp4V2, experts.CudaExpertsNvfp4MarlinV2):
         assert cls in plugin.PROVIDERS and cls.variant == 1 and cls.__base__.variant == 0
+    for cls in (experts.CudaExpertsNvfp4V3, experts.CudaExpertsNvfp4MarlinV3):
+        assert cls not in plugin.PROVIDERS and cls.variant == 2
 
 
 def test_markov_kernel_compiles_and_says_what_it_takes(tmp_path, monkeypatch):

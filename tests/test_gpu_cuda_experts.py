@@ -15,6 +15,12 @@ With inputs whose products and sums are exact in fp32 (small integers times powe
 of two), the orders cannot differ and the outputs are asserted bit for bit: that
 checks the in-register dequantization against nvfp4.dequantize (Marlin's layout:
 nvfp4_marlin.dequantize) exactly.
+
+The "-v3" formats (EXPERTS_V3: the weights e2m1 * block scale exact in bf16, the global
+on the fp32 sums, as vLLM's Marlin kernel computes) are not rounded weight by weight,
+so they are held to the exact quantized model instead (expert_check's
+assert_experts_close_exact: error against exact weights at most the reference's), and
+their single-term outputs to the bf16 of the fp32 rounding of the exact products.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import dataclasses
 import pytest
 import torch
 
-from expert_check import assert_experts_close
+from expert_check import assert_experts_close, assert_experts_close_exact, exact_weights
 from marlin_pack import random_marlin
 from sparkdecode.nvfp4_marlin import marlin_form
 from sparkdecode.protocols import BuildContext, ExpertsInput, RoutedTopk
@@ -90,12 +96,16 @@ def routing(b: int, k: int, experts: int, kind: str, g: torch.Generator) -> torc
     return ids.to(torch.int32).cuda()
 
 
-def close(out: torch.Tensor, experts: ExpertWeights, x: torch.Tensor, ids: torch.Tensor) -> None:
+def close(out: torch.Tensor, experts: ExpertWeights, x: torch.Tensor, ids: torch.Tensor, exact: bool = False) -> None:
     """The kernel's rows against the reference's, both measured against exact sums
-    (tests/expert_check.py says why and how)."""
+    (tests/expert_check.py says why and how); ``exact``: a V3 kernel, against the exact
+    quantized weights."""
     w13, w2 = experts.dequantized()
     ref = fn.expert_rows(x, ids, w13, w2, experts.first_expert)
-    assert_experts_close(out, ref, x, ids, w13, w2, experts.first_expert)
+    if exact:
+        assert_experts_close_exact(out, ref, x, ids, experts)
+    else:
+        assert_experts_close(out, ref, x, ids, w13, w2, experts.first_expert)
 
 
 SHAPES = {
@@ -108,8 +118,8 @@ SHAPES = {
 
 
 def provider(fmt: str):
-    """A format's provider; "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels
-    (both unregistered)."""
+    """A format's provider; "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
+    "-v3": its EXPERTS_V3 variant (the last two unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -117,15 +127,49 @@ def provider(fmt: str):
         "nvfp4-v2": experts_mod.CudaExpertsNvfp4V2,
         "nvfp4_marlin-v2": experts_mod.CudaExpertsNvfp4MarlinV2,
         "nvfp4_marlin-bulk": bulk_mod.CudaExpertsNvfp4MarlinBulk,
+        "nvfp4-v3": experts_mod.CudaExpertsNvfp4V3,
+        "nvfp4_marlin-v3": experts_mod.CudaExpertsNvfp4MarlinV3,
     }[fmt]
 
 
 def weight_format(fmt: str) -> str:
-    return fmt.removesuffix("-v2").removesuffix("-bulk")
+    return fmt.removesuffix("-v2").removesuffix("-bulk").removesuffix("-v3")
 
 
-FORMATS = ["bf16", "nvfp4", "nvfp4_marlin", "nvfp4-v2", "nvfp4_marlin-v2", "nvfp4_marlin-bulk"]
-NVFP4_FORMATS = ["nvfp4", "nvfp4_marlin", "nvfp4-v2", "nvfp4_marlin-v2", "nvfp4_marlin-bulk"]
+def exact(fmt: str) -> bool:
+    """Whether the kernels keep the weights unrounded (EXPERTS_V3)."""
+    return fmt.endswith("-v3")
+
+
+def dequantized(experts: ExpertWeights, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights a format's kernels compute a one-term output of: the reference's bf16
+    ones, or for V3 the bf16 of the fp32 of the exact ones (the sum times the global,
+    rounded once in fp32, then to bf16)."""
+    if not exact(fmt):
+        return experts.dequantized()
+    w13, w2 = exact_weights(experts)
+    return w13.float().to(torch.bfloat16), w2.float().to(torch.bfloat16)
+
+
+FORMATS = [
+    "bf16",
+    "nvfp4",
+    "nvfp4_marlin",
+    "nvfp4-v2",
+    "nvfp4_marlin-v2",
+    "nvfp4_marlin-bulk",
+    "nvfp4-v3",
+    "nvfp4_marlin-v3",
+]
+NVFP4_FORMATS = [
+    "nvfp4",
+    "nvfp4_marlin",
+    "nvfp4-v2",
+    "nvfp4_marlin-v2",
+    "nvfp4_marlin-bulk",
+    "nvfp4-v3",
+    "nvfp4_marlin-v3",
+]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -143,7 +187,7 @@ def test_experts_equal_reference(fmt, shape):
             rows = torch.full((b, spec.top_k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
             op.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(b, spec.top_k, device="cuda")), rows)
             torch.cuda.synchronize()
-            close(rows, experts, x, ids)
+            close(rows, experts, x, ids, exact(fmt))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -172,7 +216,7 @@ def test_experts_replay_with_changing_ids(fmt):
         rows.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        close(rows, experts, x, ids)
+        close(rows, experts, x, ids, exact(fmt))
 
 
 def exact_nvfp4_experts(spec: ModelSpec, num: int, intermediate: int, g: torch.Generator) -> ExpertWeights:
@@ -198,15 +242,16 @@ def test_nvfp4_dequantization_bit_exact(fmt):
     dequantized W13 column c itself and the act buffer (bf16(silu(gate) * up), one
     slot per expert in route order) must equal the reference's SwiGLU of
     nvfp4.dequantize's bf16 values bit for bit, at columns across scale blocks.
-    Marlin's layout: random words, every finite scale byte, random globals."""
+    Marlin's layout: random words, every finite scale byte, random globals (V3: the
+    bytes vLLM's repack makes, 0 and 0x80..0xf7; its weights: ``dequantized``)."""
     spec = dataclasses.replace(ModelSpec.preset("muse-spark-open"), moe_intermediate_size=512)
     g = torch.Generator().manual_seed(5)
     if weight_format(fmt) == "nvfp4":
         experts = exact_nvfp4_experts(spec, 4, 512, g)
     else:
-        experts = random_marlin(4, spec.P, 512, g, device="cuda")
+        experts = random_marlin(4, spec.P, 512, g, device="cuda", floor=exact(fmt))
     op = provider(fmt).build(context(spec, experts), 0)
-    w13, _ = experts.dequantized()
+    w13, _ = dequantized(experts, fmt)
     k = spec.top_k
     ids = (torch.arange(k, dtype=torch.int32) % 4)[None].cuda()  # experts 0..3, each twice
     for col in (0, 1, 15, 16, 17, 31, 32, 100, 2049, spec.P - 1):
@@ -218,13 +263,14 @@ def test_nvfp4_dequantization_bit_exact(fmt):
         for slot in range(4):
             want = fn.swiglu(w13[slot][:, col][None], 512)[0]
             assert torch.equal(op.act[slot, 0], want), (col, slot)  # values: -0 == +0
-        close(rows, experts, x, ids)
+        close(rows, experts, x, ids, exact(fmt))
 
 
 @pytest.mark.parametrize("fmt", NVFP4_FORMATS)
 def test_nvfp4_down_projection_bit_exact(fmt):
     """act with one nonzero column per row: the down GEMM's sum has one term, so the
-    rows are W2's dequantized column times an exact bf16 value: bit for bit."""
+    rows are W2's dequantized column times an exact bf16 value: bit for bit (V3: the
+    exact column times it, rounded to fp32, then to bf16)."""
     spec = dataclasses.replace(ModelSpec.preset("muse-spark-open"), moe_intermediate_size=512)
     g = torch.Generator().manual_seed(9)
     experts = exact_nvfp4_experts(spec, 4, 512, g)
@@ -242,7 +288,7 @@ def test_nvfp4_down_projection_bit_exact(fmt):
     if weight_format(fmt) == "nvfp4_marlin":
         experts = marlin_form(experts)
     op = provider(fmt).build(context(spec, experts), 0)
-    _, w2 = experts.dequantized()
+    _, w2 = experts.dequantized() if not exact(fmt) else exact_weights(experts)
     k = spec.top_k
     x = torch.zeros(8, spec.P, dtype=torch.bfloat16, device="cuda")
     x[:, 0] = 1.0
@@ -253,7 +299,7 @@ def test_nvfp4_down_projection_bit_exact(fmt):
     act = fn.swiglu(torch.ones(1, 2, dtype=torch.bfloat16, device="cuda"), 1)[0, 0].float()
     for r in range(8):
         for j in range(k):
-            want = (w2[ids[r, j]][:, c].float() * act).to(torch.bfloat16)
+            want = (w2[ids[r, j]][:, c].double() * act.double()).float().to(torch.bfloat16)  # one fp32 rounding
             assert torch.equal(rows[r, j], want), (r, j)
 
 

@@ -19,10 +19,13 @@ GEMM outputs are rounded to bf16 where the reference rounds them, SwiGLU is the 
 fp32 operations; the GEMMs' fp32 sums run in another order (tensor-core MMA over
 16 values, the K-slices of the warps added in a fixed order), so an output differs
 by fp32 rounding of the sums, a bf16 ulp where that crosses a rounding boundary.
+The unregistered V3 providers (EXPERTS_V2 = 2) follow vLLM's Marlin math instead: the
+weights e2m1 * block scale exact in bf16, the global scale on the fp32 sums.
 """
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
@@ -303,3 +306,70 @@ class CudaExpertsNvfp4MarlinV2(CudaExpertsNvfp4Marlin):
 
     name = "cuda.experts_nvfp4_marlin_v2"
     variant = 1
+
+
+class _ExactScales:
+    """EXPERTS_V3's bound: e2m1 * block scale is exact in bf16 for every finite scale and
+    the globals apply to fp32 sums, so only non-finite scales are refused."""
+
+    name: str
+
+    def _check_bound(self, layer: int, largest: float) -> None:
+        if not math.isfinite(largest):
+            raise ValueError(f"layer {layer}: {self.name} takes finite block and global scales (got {largest:g})")
+
+
+class CudaExpertsNvfp4V3(_ExactScales, CudaExpertsNvfp4V2):
+    """``cuda.experts_nvfp4_v2`` with experts.cu's EXPERTS_V3 (EXPERTS_V2 = 2): each block's
+    table holds e2m1 * scale, exact in bf16, and the globals (gate's, up's, W2's) multiply
+    the GEMMs' fp32 sums once, before their bf16 roundings (vLLM's Marlin math, experts.cu's
+    header): the weights are not rounded to bf16 one by one, so the outputs are closer to
+    the exact quantized model than the reference's (tests/expert_check.py,
+    assert_experts_close_exact). Not registered."""
+
+    name = "cuda.experts_nvfp4_v3"
+    variant = 2
+
+
+# Marlin's scale bytes V3 decodes by bit placement: 0, or the fp16 exponent's top bit set
+# (values >= 2, all vLLM's repack keeps) below the inf / NaN bytes 0xf8..0xff.
+MARLIN_BYTE_FLOOR, MARLIN_BYTE_END = 0x80, 0xF8
+# Marlin's global times 2^-112 must stay a normal fp32 (experts.cu: exact, V3)
+MARLIN_GLOBAL_MIN = 2.0**-14
+
+
+def marlin_v3_unsupported(scale: torch.Tensor, global_scale: torch.Tensor) -> str | None:
+    """Why EXPERTS_V3 cannot decode these Marlin scale bytes and globals exactly, or None."""
+    b = scale.view(torch.uint8)
+    bad = ((b > 0) & (b < MARLIN_BYTE_FLOOR)) | (b >= MARLIN_BYTE_END)
+    if bad.any():
+        byte = int(b[bad][0])
+        return (
+            f"a Marlin scale byte 0x{byte:02x}: V3 decodes 0 and 0x{MARLIN_BYTE_FLOOR:02x}..0x{MARLIN_BYTE_END - 1:02x} "
+            "(block scales of at least 2, as vLLM's repack keeps them; finite)"
+        )
+    g = global_scale.abs()
+    if ((g > 0) & (g < MARLIN_GLOBAL_MIN)).any() or not torch.isfinite(g).all():
+        return f"a Marlin global scale below {MARLIN_GLOBAL_MIN:g} or not finite"
+    return None
+
+
+class CudaExpertsNvfp4MarlinV3(_ExactScales, CudaExpertsNvfp4MarlinV2):
+    """``cuda.experts_nvfp4_marlin_v2`` with experts.cu's EXPERTS_V3 (EXPERTS_V2 = 2):
+    codes and scale bytes placed as bf16 bits, one exact bf16x2 multiply per two codes,
+    Marlin's global on the GEMMs' fp32 sums, as vLLM's Marlin kernel computes
+    (experts.cu's header; tests/test_cuda_experts_v3.py emulates the decode for every
+    code and scale byte). Takes the scale bytes vLLM's repack makes (0 or at least 2);
+    refuses others. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3"
+    variant = 2
+
+    def _check_layout(self, layer: int) -> None:
+        super()._check_layout(layer)
+        m = self.experts.marlin
+        assert m is not None
+        for which, scale, glob in (("w13", m.w13_scale, m.w13_global), ("w2", m.w2_scale, m.w2_global)):
+            why = marlin_v3_unsupported(scale, glob)
+            if why:
+                raise ValueError(f"layer {layer}: {self.name}: {which}: {why}")

@@ -40,15 +40,41 @@
 // (marlin_word_v2) and a scale byte as fp32 bits (marlin_s64), and both NVFP4 formats
 // prefetch into L2 the next batch of a warp's weights and the next item's first batch
 // while computing (prefetch_gemm); with 0, the code above as it was.
+//
+// EXPERTS_V2 = 2 (EXPERTS_V3; NVFP4 only): V2's prefetch, and the weights no longer
+// rounded to bf16 one by one: A holds e2m1 * block scale EXACTLY (a bf16 product of
+// 2 by 4 significant bits), the MMA sums in fp32 over all of K, and each output sum is
+// multiplied once by the expert's fp32 global (W13: the gate rows' and the up rows'
+// own) before the gate/up and output roundings to bf16. That is the math of vLLM's
+// own Marlin kernel on SM90 (csrc/quantization/marlin/dequant.h: the fp4 codes' bits
+// placed as bf16 with the exponent unbiased, the e4m3-derived scale bytes placed as
+// bf16 by dequant_fp8_scales, one __hmul2 by the block scale in marlin_template.h's
+// scale(); marlin_template.h's write_result multiplies the fp32 sums by
+// global_scale_f32 before the bf16 conversion; marlin_utils_fp4.py puts 2^119 / sf in
+// that global and zeroes the scales below 2 so that each byte's top bit is set), up to
+// the order of the fp32 sums. Marlin (marlin_word_v3): a code's sign at bf16 bit 15 and
+// magnitude at bits 6..8 is the bf16 of e2m1 * 2^-126 (a subnormal for 0.5), two codes
+// a register by one mask, one multiply by 2^6 + 2^12 (or 2^2 + 2^8) and one mask; a
+// scale byte B (0, or 0x80..0xf7: fp16 bits 14..7 of a value F >= 2) sign-extended to
+// 16 bits and shifted left by 4 is the bf16 of -F * 2^112 (B = 0: zero), so one
+// mul.rn.bf16x2 gives -e2m1 * F * 2^-14 exactly (at most 6 significant bits, at least
+// 2^-14, at most 21), and the global becomes Marlin's times -2^-112 (the sign and the
+// powers of two exact). NVFP4 rows (FMT 1): the block's table holds e2m1 * scale
+// (make_lut_v3, exact in bf16 for every finite e4m3 scale) and the globals move to the
+// output. tests/test_cuda_experts_v3.py emulates both decodes for every code and byte.
 #include "common.cuh"
 #include "experts_common.cuh"
 
 #ifndef EXPERTS_V2
 #define EXPERTS_V2 0
 #endif
+#define EXPERTS_V3 (EXPERTS_V2 >= 2)
 
 #if !defined(P_DIM) || !defined(I_LOCAL) || !defined(FMT) || !defined(TOP_K)
 #error "experts.cu needs P_DIM, I_LOCAL, FMT and TOP_K"
+#endif
+#if EXPERTS_V3 && FMT == 0
+#error "EXPERTS_V2 = 2 (V3) is for the NVFP4 formats"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -131,6 +157,54 @@ __device__ __forceinline__ u32 dequant_pair(u32 w, int lo, int hi, float s126) {
   const float f1 = __uint_as_float(((c1 & 7u) << 22) | ((c1 & 8u) << 28)) * s126;
   return pack_bf16x2(f0, f1);
 }
+
+#if EXPERTS_V3
+// NVFP4 (FMT 1), V3: the table of e2m1 * sc (fp32 exact, then exact in bf16: at most 6
+// significant bits, from 2^-10 to 2688 for every finite e4m3 sc).
+__device__ __forceinline__ Lut make_lut_v3(float sc) {
+  constexpr float E2M1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  u32 p[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) p[c] = pack_bf16x2(E2M1[2 * c] * sc, E2M1[2 * c + 1] * sc);
+  return {prmt(p[0], p[1], 0x6420), prmt(p[2], p[3], 0x6420), prmt(p[0], p[1], 0x7531), prmt(p[2], p[3], 0x7531)};
+}
+
+// Marlin (FMT 2), V3: bytes k (row g) and k + 2 (row g + 8) of a thread's scale word as
+// bf16x2 {-F_g * 2^112, -F_g8 * 2^112}: each byte and its sign byte (prmt's sign
+// replication) as 16 bits, shifted into bf16 bits 4..15 (see the top).
+__device__ __forceinline__ u32 marlin_scales_v3(u32 v, int k) {
+  return (prmt(v, 0u, k ? 0xb391 : 0xa280) << 4) & 0xfff0fff0u;
+}
+
+// a * {s.lo, s.lo} (HI = 0) or a * {s.hi, s.hi} (HI = 1), bf16x2, rounded once (exact here).
+template <int HI>
+__device__ __forceinline__ u32 mul_bf16x2_bcast(u32 a, u32 s) {
+  u32 d;
+  if (HI)
+    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {h, h};\n mul.rn.bf16x2 %0, %1, t;}"
+        : "=r"(d)
+        : "r"(a), "r"(s));
+  else
+    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {l, l};\n mul.rn.bf16x2 %0, %1, t;}"
+        : "=r"(d)
+        : "r"(a), "r"(s));
+  return d;
+}
+
+// The A fragments of a Marlin word (nibbles 0, 4; 2, 6; 1, 5; 3, 7: see the top) as
+// -e2m1 * F * 2^-14, s2 from marlin_scales_v3 (row g low, row g + 8 high). A code
+// nibble masked alone in each 16-bit half and multiplied by 2^6 + 2^12 (nibble 0; 2^2 +
+// 2^8 for nibble 1) lands twice, at bits 6..9 and 12..15, without carries; the mask
+// keeps the magnitude at 6..8 and the sign at 15: the bf16 of e2m1 * 2^-126.
+__device__ __forceinline__ void marlin_word_v3(u32 w, u32 s2, u32 a[4]) {
+  constexpr u32 M = 0x81c081c0u;
+  const u32 h = w >> 8;  // nibbles 2, 3 (6, 7) where 0, 1 (4, 5) were
+  a[0] = mul_bf16x2_bcast<0>(((w & 0x000f000fu) * 0x1040u) & M, s2);
+  a[1] = mul_bf16x2_bcast<1>(((h & 0x000f000fu) * 0x1040u) & M, s2);
+  a[2] = mul_bf16x2_bcast<0>(((w & 0x00f000f0u) * 0x104u) & M, s2);
+  a[3] = mul_bf16x2_bcast<1>(((h & 0x00f000f0u) * 0x104u) & M, s2);
+}
+#endif
 
 // The weights of one expert for one GEMM: rows of K values.
 struct Weights {
@@ -225,9 +299,14 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
           for (int a = 0; a < 2; ++a)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
+#if EXPERTS_V3
+              const float2 scale = e4m3x2_to_float2(sc[a][h][cb]);
+              lut[a][h] = make_lut_v3(j == 0 ? scale.x : scale.y);
+#else
               const float glob = row0[a] + g + 8 * h < W.split ? W.global_lo : W.global_hi;
               const float2 scale = e4m3x2_to_float2(sc[a][h][cb]);
               lut[a][h] = make_lut(((j == 0 ? scale.x : scale.y) * glob) * 0x1p126f);
+#endif
             }
         }
 #pragma unroll
@@ -294,11 +373,20 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
       }
 #pragma unroll
       for (int b = 0; b < NBLK; ++b) {
+#if !EXPERTS_V3
         const float glob = blk0[b] < W.split ? W.global_lo : W.global_hi;
+#endif
         const uint4 v = q[b][sb];
         const u32 words[4] = {v.x, v.y, v.z, v.w};
         const u32 scales[2] = {sc[b][sb].x, sc[b][sb].y};
-#if EXPERTS_V2
+#if EXPERTS_V3
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          u32 a[4];
+          marlin_word_v3(words[j], marlin_scales_v3(scales[j >> 1], j & 1), a);
+          mma_bf16(c[4 * b + j], a[0], a[1], a[2], a[3], b0, b1);
+        }
+#elif EXPERTS_V2
         const float g105 = glob * 0x1p105f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -385,8 +473,14 @@ __device__ __forceinline__ Weights up_weights(const unsigned char* w13, const un
   Weights W;
   W.w = w13 + e * EXPERT_BYTES;
   W.scale = FMT >= 1 ? w13_scale + (long)e * 2 * I_LOCAL * (P_DIM / 16) : nullptr;
+#if EXPERTS_V3
+  // the factors of the GEMM's fp32 sums (Marlin's: marlin_word_v3's -2^-112, exact)
+  W.global_lo = FMT == 1 ? w13_global[2 * e] : w13_global[e] * -0x1p-112f;
+  W.global_hi = FMT == 1 ? w13_global[2 * e + 1] : w13_global[e] * -0x1p-112f;
+#else
   W.global_lo = FMT == 1 ? w13_global[2 * e] : FMT == 2 ? w13_global[e] * 0x1p-119f : 1.f;
   W.global_hi = FMT == 1 ? w13_global[2 * e + 1] : FMT == 2 ? w13_global[e] * 0x1p-119f : 1.f;
+#endif
   W.split = I_LOCAL;
   return W;
 }
@@ -398,7 +492,11 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
   Weights W;
   W.w = w2 + e * EXPERT_BYTES;
   W.scale = FMT >= 1 ? w2_scale + (long)e * P_DIM * (I_LOCAL / 16) : nullptr;
+#if EXPERTS_V3
+  W.global_lo = W.global_hi = FMT == 1 ? w2_global[e] : w2_global[e] * -0x1p-112f;
+#else
   W.global_lo = W.global_hi = FMT == 1 ? w2_global[e] : FMT == 2 ? w2_global[e] * 0x1p-119f : 1.f;
+#endif
   W.split = P_DIM;
   return W;
 }
@@ -443,7 +541,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_up_kernel(
 #pragma unroll
         for (int e4 = 0; e4 < 4; ++e4) {
           const int i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
+#if EXPERTS_V3
+          const float gate = round_bf16(c[a][e4] * W.global_lo), up = round_bf16(c[TPB + a][e4] * W.global_hi);
+#else
           const float gate = round_bf16(c[a][e4]), up = round_bf16(c[TPB + a][e4]);
+#endif
           const float silu = gate / (1.0f + expf(-gate));
           act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);
         }
@@ -493,8 +595,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_down_kernel(
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
     float c[NT2][4];
+#if EXPERTS_V3
+    float out_scale = 0.f;  // the global of the item's expert
+#endif
     if (n_slots > 0) {
       const Weights W = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]);
+#if EXPERTS_V3
+      out_scale = W.global_lo;
+#endif
       int row0[NT2 / TPB];  // blocks of TPB tiles
 #pragma unroll
       for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
@@ -519,7 +627,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_down_kernel(
       for (int e4 = 0; e4 < 4; ++e4) {
         const int p = p0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
         if (n >= b) continue;
+#if EXPERTS_V3
+        const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4] * out_scale) : (bf16_t)0;
+#else
         const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4]) : (bf16_t)0;
+#endif
         for (int j = 0; j < TOP_K; ++j) {
           const int route = n * TOP_K + j;
           const int rs = routes.slot[route];

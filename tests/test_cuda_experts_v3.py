@@ -1,0 +1,172 @@
+"""experts.cu's EXPERTS_V3 decodes (EXPERTS_V2 = 2), emulated on the CPU instruction by
+instruction: Marlin's (marlin_scales_v3, marlin_word_v3, mul.rn.bf16x2) gives A =
+-e2m1 * F * 2^-14 EXACTLY for every code at every nibble under every scale byte vLLM's
+repack makes (0 and 0x80..0xf7: F >= 2), so A times Marlin's global * -2^-112 (the
+kernels' output factor) is e2m1 * scale * global, the exact quantized weight; the bytes
+it does not decode so are exactly those the provider refuses. The checkpoint layout's
+(make_lut_v3 with lut_quad) gives e2m1 * scale exactly for every code and every finite
+e4m3 scale. The Marlin kernels' addressing with this decode rebuilds the exact weights
+of random Marlin tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cuda_experts_marlin import emulate_gemm_weights
+from test_cuda_experts_nvfp4_lut import MASK, bf16x2, decode_word, prmt
+
+from expert_check import exact_weights
+from marlin_pack import random_marlin
+from sparkdecode import nvfp4
+
+experts_mod = pytest.importorskip("sparkdecode_cuda.experts")
+
+E2M1 = torch.tensor(nvfp4.E2M1, dtype=torch.float64)
+BYTES = torch.arange(256, dtype=torch.int64)
+VALID = (BYTES == 0) | ((BYTES >= 0x80) & (BYTES < 0xF8))  # vLLM's repack: 0, or values >= 2
+
+
+def bf16_of(bits: torch.Tensor) -> torch.Tensor:
+    """fp64 value of 16-bit patterns (int64)."""
+    return (bits & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()
+
+
+def e2m1(code: torch.Tensor) -> torch.Tensor:
+    value = E2M1[code & 7]
+    return torch.where((code & 8) != 0, -value, value)
+
+
+def marlin_f(byte: torch.Tensor) -> torch.Tensor:
+    """Marlin's fp16 scale value of a byte (bits 14..7 of an fp16; unpack_scales' F before / 2^7)."""
+    return (byte.to(torch.int16) << 7).view(torch.float16).double()
+
+
+def marlin_scales_v3(v: torch.Tensor, k: int) -> torch.Tensor:
+    """experts.cu's marlin_scales_v3: (prmt(v, 0, sel) << 4) & 0xfff0fff0."""
+    return (prmt(v, torch.zeros_like(v), 0xB391 if k else 0xA280) << 4) & 0xFFF0FFF0
+
+
+def mul_bcast(a: torch.Tensor, s: torch.Tensor, hi: int) -> torch.Tensor:
+    """mul_bf16x2_bcast: both halves of a times s's low (hi = 0) or high half, as fp64
+    products (the kernel rounds each once to bf16; exactness is asserted separately)."""
+    scale = bf16_of(s >> (16 * hi))
+    return torch.stack((bf16_of(a) * scale, bf16_of(a >> 16) * scale), dim=-1)
+
+
+def marlin_word_v3(w: torch.Tensor, s2: torch.Tensor) -> list[torch.Tensor]:
+    """experts.cu's marlin_word_v3: [a0, a1, a2, a3], each fp64 [..., 2] (low, high half)."""
+    m = 0x81C081C0
+    h = (w & MASK) >> 8
+    c0 = ((w & 0x000F000F) * 0x1040) & MASK & m
+    c1 = ((h & 0x000F000F) * 0x1040) & MASK & m
+    c2 = ((w & 0x00F000F0) * 0x104) & MASK & m
+    c3 = ((h & 0x00F000F0) * 0x104) & MASK & m
+    return [mul_bcast(c0, s2, 0), mul_bcast(c1, s2, 1), mul_bcast(c2, s2, 0), mul_bcast(c3, s2, 1)]
+
+
+# the nibbles of a0..a3's low and high halves, and their row half (g or g + 8)
+NIBBLES = ((0, 4), (2, 6), (1, 5), (3, 7))
+ROW_HALF = (0, 1, 0, 1)
+
+
+def test_marlin_v3_decode_is_exact_for_every_code_and_scale_byte():
+    """Every code at every nibble (the words c * 0x11111111, then random words), every
+    scale byte in both rows and both selectors: A is a bf16 number (the one rounding of
+    mul.rn.bf16x2 is exact) equal to -e2m1 * F * 2^-14 where the byte is one vLLM makes;
+    every other byte decodes to something else and is refused by the provider."""
+    g = torch.Generator().manual_seed(0)
+    words = torch.cat((torch.arange(16, dtype=torch.int64) * 0x11111111, torch.randint(0, 2**32, (48,), generator=g)))
+    for k in (0, 1):
+        for row in (0, 1):
+            # the byte under test at byte k + 2 row of the scale word, other bytes random
+            other = torch.randint(0, 2**32, (256,), generator=g)
+            shift = 8 * (k + 2 * row)
+            v = (other & ~(0xFF << shift) & MASK) | (BYTES << shift)
+            s2 = marlin_scales_v3(v, k)
+            a = marlin_word_v3(words[:, None], s2[None, :])  # each [words, bytes, 2]
+            for r in range(4):
+                if ROW_HALF[r] != row:
+                    continue
+                for half in (0, 1):
+                    nibble = NIBBLES[r][half]
+                    got = a[r][..., half]
+                    code = (words[:, None] >> (4 * nibble)) & 0xF
+                    want = -e2m1(code) * marlin_f(BYTES)[None, :] * 2.0**-14
+                    exact = got.to(torch.bfloat16).double() == got  # the product needs no rounding
+                    same = got == want
+                    assert (exact & same)[:, VALID].all(), (k, row, r, half)
+                    assert not same[:, ~VALID].all(dim=0).any(), "a refused byte decodes exactly"
+    # the bf16 subnormal codes (0.5 * 2^-126) and signed zeros went through the multiply
+    assert bf16_of(torch.tensor(0x0040)) == 2.0**-127
+
+
+def test_marlin_v3_refuses_exactly_the_bytes_it_does_not_decode():
+    scale = BYTES.to(torch.uint8).view(torch.float8_e4m3fn)
+    glob = torch.ones(1)
+    for byte in range(256):
+        why = experts_mod.marlin_v3_unsupported(scale[byte : byte + 1], glob)
+        assert (why is None) == bool(VALID[byte]), (byte, why)
+    assert "below" in experts_mod.marlin_v3_unsupported(scale[:1], torch.tensor([2.0**-20]))
+    assert experts_mod.marlin_v3_unsupported(scale[:1], torch.tensor([0.0, 2.0**120])) is None
+
+
+def decode_v3(word: torch.Tensor, nibble: torch.Tensor, byte: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+    """One code as the V3 kernels weigh it, for emulate_gemm_weights: marlin_word_v3's A
+    (its nibble's register and half, the scale byte at the register's row half) times
+    the output factor Marlin's global * -2^-112, fp64."""
+    reg = torch.tensor([[r for r in range(4) if n in NIBBLES[r]][0] for n in range(8)])[nibble]
+    half = (nibble >= 4).long()
+    v = byte.long() | (byte.long() << 16)  # the row's byte at both rows: a0..a3 take their own half
+    s2 = marlin_scales_v3(v, 0)
+    a = marlin_word_v3(word, s2)
+    value = torch.zeros(torch.broadcast_shapes(word.shape, nibble.shape, byte.shape), dtype=torch.float64)
+    for r in range(4):
+        value = torch.where((reg == r) & (half == 0), a[r][..., 0], value)
+        value = torch.where((reg == r) & (half == 1), a[r][..., 1], value)
+    return value * (glob.double() * -(2.0**-112))
+
+
+@pytest.mark.parametrize("hidden,inter", [(64, 64), (128, 64), (256, 192)])
+def test_marlin_v3_addressing_rebuilds_the_exact_weights(hidden, inter):
+    """The Marlin kernels' loads and fragments (test_cuda_experts_marlin) with the V3
+    decode and output factor give exact_weights (e2m1 * scale * global in fp64)."""
+    experts = random_marlin(2, hidden, inter, torch.Generator().manual_seed(hidden + inter), floor=True)
+    m = experts.marlin
+    assert m is not None
+    want13, want2 = exact_weights(experts)
+    f64 = torch.float64
+    got13 = torch.stack(
+        [
+            emulate_gemm_weights(experts.w13[e], m.w13_scale[e], m.w13_global[e], hidden, 2 * inter, decode_v3, f64)
+            for e in range(2)
+        ]
+    )
+    got2 = torch.stack(
+        [
+            emulate_gemm_weights(experts.w2[e], m.w2_scale[e], m.w2_global[e], inter, hidden, decode_v3, f64)
+            for e in range(2)
+        ]
+    )
+    assert torch.equal(got13, want13) and torch.equal(got2, want2)
+
+
+def make_lut_v3(sc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """experts.cu's make_lut_v3: the bf16 of e2m1 * sc (fp32 products), packed as make_lut."""
+    e = torch.tensor(nvfp4.E2M1, dtype=torch.float32)
+    p = [bf16x2(e[2 * c] * sc, e[2 * c + 1] * sc) for c in range(4)]
+    return prmt(p[0], p[1], 0x6420), prmt(p[2], p[3], 0x6420), prmt(p[0], p[1], 0x7531), prmt(p[2], p[3], 0x7531)
+
+
+def test_nvfp4_v3_table_is_exact_for_every_code_and_finite_scale():
+    """Every code at every nibble, every finite e4m3 scale byte (subnormals included):
+    the table decode gives the bf16 of e2m1 * scale, which equals it exactly."""
+    scale_bytes = torch.tensor([v for v in range(256) if v & 0x7F != 0x7F], dtype=torch.uint8)
+    sc = scale_bytes.view(torch.float8_e4m3fn).float()  # e4m3x2_to_float2: exact
+    g = torch.Generator().manual_seed(1)
+    words = torch.cat((torch.arange(16, dtype=torch.int64) * 0x11111111, torch.randint(0, 2**32, (48,), generator=g)))
+    got = bf16_of(decode_word(make_lut_v3(sc[:, None]), words[None, :]))  # [scales, words, 8]
+    codes = torch.stack([(words >> (4 * n)) & 0xF for n in range(8)], dim=-1)
+    want = e2m1(codes)[None] * sc.double()[:, None, None]
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # signed zeros too

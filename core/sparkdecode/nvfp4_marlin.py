@@ -137,34 +137,25 @@ def _e4m3_split(scale: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Te
     return e4m3, power
 
 
-def from_marlin(
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w13_global: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor,
-    hidden: int,
-    intermediate: int,
-    first_expert: int = 0,
-    intermediate_slice: tuple[int, int] | None = None,
-) -> ExpertWeights:
-    """The NVFP4 experts vLLM keeps after its SM90 Marlin repack (its ``w13_weight``,
-    ``w13_weight_scale``, ``w13_weight_scale_2``, ``w2_*``; ``hidden`` the experts'
-    width P, ``intermediate`` this rank's I) as ``ExpertWeights("nvfp4")`` that
-    dequantize to Marlin's weights bit for bit. W13's two halves share one global
-    scale (``w13_global[:, 0] == w13_global[:, 1]``); input scales are not kept
-    (Marlin runs W4A16)."""
-    num = w13.shape[0]
-    perms = marlin_perms(w13.device)
-    codes13 = unpack_weight(w13, hidden, 2 * intermediate, perms)
-    codes2 = unpack_weight(w2, intermediate, hidden, perms)
-    scale13, power13 = _e4m3_split(unpack_scales(w13_scale, hidden, 2 * intermediate, perms), "w13_weight_scale")
-    scale2, power2 = _e4m3_split(unpack_scales(w2_scale, intermediate, hidden, perms), "w2_weight_scale")
-    g13 = w13_global.float().reshape(num) / GLOBAL_SHIFT * power13
-    g2 = w2_global.float().reshape(num) / GLOBAL_SHIFT * power2
+def from_marlin(experts: ExpertWeights) -> ExpertWeights:
+    """Experts held in vLLM's SM90 Marlin layout (``marlin_experts``) copied back into
+    the checkpoint's form, ``ExpertWeights("nvfp4")``, that dequantizes to Marlin's
+    weights bit for bit. W13's two halves share one global scale
+    (``w13_global[:, 0] == w13_global[:, 1]``); input scales are not kept (Marlin
+    runs W4A16)."""
+    m = experts.marlin
+    if m is None:
+        raise ValueError(f"{experts.format} experts are not in Marlin's layout")
+    num = experts.w13.shape[0]
+    hidden, intermediate = m.w13_scale.shape[1] * nvfp4.BLOCK, m.w2_scale.shape[1] * nvfp4.BLOCK
+    codes13 = unpack_weight(experts.w13, hidden, 2 * intermediate, m.perms)
+    codes2 = unpack_weight(experts.w2, intermediate, hidden, m.perms)
+    scale13, power13 = _e4m3_split(unpack_scales(m.w13_scale, hidden, 2 * intermediate, m.perms), "w13_weight_scale")
+    scale2, power2 = _e4m3_split(unpack_scales(m.w2_scale, intermediate, hidden, m.perms), "w2_weight_scale")
+    g13 = m.w13_global.float().reshape(num) / GLOBAL_SHIFT * power13
+    g2 = m.w2_global.float().reshape(num) / GLOBAL_SHIFT * power2
     scales = Nvfp4Scales(scale13, torch.stack([g13, g13], dim=1), scale2, g2)
-    return ExpertWeights("nvfp4", codes13, codes2, first_expert, intermediate_slice, scales)
+    return ExpertWeights("nvfp4", codes13, codes2, experts.first_expert, experts.intermediate_slice, scales)
 
 
 def marlin_experts(
@@ -179,8 +170,9 @@ def marlin_experts(
     first_expert: int = 0,
     intermediate_slice: tuple[int, int] | None = None,
 ) -> ExpertWeights:
-    """vLLM's Marlin-repacked NVFP4 experts (the same tensors as ``from_marlin``)
-    held as they are: ``ExpertWeights("nvfp4_marlin")`` of the tensors themselves
+    """vLLM's Marlin-repacked NVFP4 experts (its ``w13_weight``, ``w13_weight_scale``,
+    ``w13_weight_scale_2``, ``w2_*``; ``hidden`` the experts' width P,
+    ``intermediate`` this rank's I) held as they are: ``ExpertWeights("nvfp4_marlin")`` of the tensors themselves
     (no copy), after checking each one's shape and type; raises ValueError naming
     the first that differs."""
     num = w13.shape[0]

@@ -195,7 +195,7 @@ def test_marlin_layout_reads_back_to_the_weights_marlin_computes_with(
     marlin = marlin_utils_fp4.prepare_nvfp4_moe_layer_for_marlin(
         layer, e.w13, s.w13_scale, gate, e.w2, s.w2_scale, w2_global, is_act_and_mul=True
     )
-    back = nvfp4_marlin.from_marlin(*marlin, hidden=spec.P, intermediate=spec.I)
+    back = nvfp4_marlin.from_marlin(nvfp4_marlin.marlin_experts(*marlin, spec.P, spec.I))
     assert torch.equal(back.w13, e.w13) and torch.equal(back.w2, e.w2)
     w13, w2 = back.dequantized()
     assert torch.equal(w13, nvfp4.dequantize(e.w13, s.w13_scale, gate))
@@ -275,7 +275,7 @@ def test_the_adapter_views_marlins_tensors(served: Any, ours: ModelWeights) -> N
         ):
             assert mine_t.data_ptr() == getattr(experts, name).data_ptr(), (layer.layer_idx, name)
         w13, w2 = e.dequantized()
-        back = nvfp4_marlin.from_marlin(e.w13, m.w13_scale, m.w13_global, e.w2, m.w2_scale, m.w2_global, spec.P, spec.I)
+        back = nvfp4_marlin.from_marlin(e)
         b13, b2 = back.dequantized()
         assert torch.equal(w13, b13) and torch.equal(w2, b2), layer.layer_idx
         d13, d2 = marlin_definition(ours.layers[layer.layer_idx].experts).dequantized()

@@ -151,25 +151,8 @@ def dequantized(experts: ExpertWeights, fmt: str) -> tuple[torch.Tensor, torch.T
     return w13.float().to(torch.bfloat16), w2.float().to(torch.bfloat16)
 
 
-FORMATS = [
-    "bf16",
-    "nvfp4",
-    "nvfp4_marlin",
-    "nvfp4-v2",
-    "nvfp4_marlin-v2",
-    "nvfp4_marlin-bulk",
-    "nvfp4-v3",
-    "nvfp4_marlin-v3",
-]
-NVFP4_FORMATS = [
-    "nvfp4",
-    "nvfp4_marlin",
-    "nvfp4-v2",
-    "nvfp4_marlin-v2",
-    "nvfp4_marlin-bulk",
-    "nvfp4-v3",
-    "nvfp4_marlin-v3",
-]
+NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [f"nvfp4_marlin{v}" for v in ("", "-v2", "-bulk", "-v3")]
+FORMATS = ["bf16", *NVFP4_FORMATS]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

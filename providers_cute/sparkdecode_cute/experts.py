@@ -14,6 +14,8 @@ can carry through h into the W2 sums. Results are identical from run to run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk
@@ -57,9 +59,14 @@ class CuteExperts(CuteProvider):
             return f"serves bf16 experts, not {deployment.expert_format}"
         return shape_unsupported(_deployment_shape(deployment))
 
-    def __init__(self, ctx: BuildContext, layer: int):
-        from . import experts_kernels as kernels
+    @staticmethod
+    def compile(shape: ExpertsShape) -> Any:
+        """The compiled kernels of ``shape`` for the GPU at hand."""
+        from .experts_kernels import compile_experts
 
+        return compile_experts(shape)
+
+    def __init__(self, ctx: BuildContext, layer: int):
         e = ctx.layer(layer).experts
         if e.format != "bf16":
             raise ValueError(f"layer {layer}: {self.name} serves bf16 experts, not {e.format}")
@@ -77,7 +84,7 @@ class CuteExperts(CuteProvider):
         if reason:
             raise ValueError(f"layer {layer}: {self.name}: {reason}")
         self.shape, self.first_expert = shape, e.first_expert
-        self.kernel = compiled(("experts", shape), lambda: kernels.compile_experts(shape))
+        self.kernel = compiled((self.name, shape), lambda: self.compile(shape))
         self.w13, self.w2 = pointer(e.w13, VECTOR_BYTES), pointer(e.w2, VECTOR_BYTES)
         self.weights = (e.w13, e.w2)  # keep the storage the pointers name alive
         # h of each routed row, at the row's first slot with the expert: layers share it.

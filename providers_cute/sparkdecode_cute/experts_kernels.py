@@ -87,6 +87,24 @@ def _stream_dot(
 
 
 @cute.jit
+def swiglu(gate: Float32, up: Float32) -> BFloat16:
+    """``bf16(silu(gate) * up)`` of the fp32 sums, each rounded to bf16 first (as
+    the reference rounds the gate/up GEMM's output)."""
+    gate = gate.to(BFloat16).to(Float32)
+    up = up.to(BFloat16).to(Float32)
+    return (gate / (1.0 + cute.math.exp(-gate)) * up).to(BFloat16)
+
+
+@cute.jit
+def store_route(rows: cute.Tensor, meta: cute.Tensor, i: Int32, j: int, p: Int32, y: BFloat16, top_k: int):
+    """rows[r * k + j, p] = y where staged row i (routed row r) holds the expert in
+    slot j (``meta``: ``RoutedExperts._route``'s)."""
+    big = (cute.size(meta) - 1) // 3
+    if ((meta[big + i] >> j) & 1) != 0:
+        rows[meta[i] * top_k + j, p % VEC, p // VEC] = y
+
+
+@cute.jit
 def _prefetch_rows(w: cute.Tensor, local: Int32, row0: Int32, rows: cutlass.Constexpr[int]):
     """Prefetch rows ``row0 .. row0 + rows - 1`` of expert ``local`` of ``w``
     (E, N, VEC, K / VEC) into L2, one 128-byte line a lane at a time."""
@@ -100,7 +118,13 @@ def _prefetch_rows(w: cute.Tensor, local: Int32, row0: Int32, rows: cutlass.Cons
 
 class RoutedExperts:
     """The compiled pair of kernels for one ``ExpertsShape``; ``__call__`` is the
-    ``cute.jit`` host function (compile it with ``cute.compile``)."""
+    ``cute.jit`` host function (compile it with ``cute.compile``).
+
+    The routing (distinct experts, staging, zero rows, PDL, the persistent split of
+    the work) is this class's; a work item's products are ``_gate_up_item`` and
+    ``_down_item`` (here on the CUDA cores; experts_mma_kernels.py's subclass puts
+    them on the tensor cores), over tiles of ``gate_up_cols`` intermediate columns
+    and ``down_rows`` W2 rows a CTA."""
 
     def __init__(self, shape: ExpertsShape):
         reason = shape_unsupported(shape)
@@ -108,23 +132,38 @@ class RoutedExperts:
             raise ValueError(reason)
         self.s = shape
         self.plan = Plan.of(shape)
+        self.gate_up_cols = self.plan.gate_up_pairs
+        self.down_rows = self.plan.down_rows
+        self.pad = 0  # elements after each staged row
+        self.reduce_floats = 0  # fp32 shared memory of the items' reductions
         self.slots = shape.max_rows * shape.top_k
         # Shared memory after the staged rows: the ids, the distinct experts' first
         # slots, a count a warp, and the routing of the expert at hand.
         self.meta_ints = 3 * shape.max_rows + 1
 
     def _smem_bytes(self, width: int) -> int:
-        return self.s.max_rows * width * 2 + 4 * (2 * self.slots + WARPS + self.meta_ints) + 256
+        ints = 2 * self.slots + WARPS + self.meta_ints
+        return self.s.max_rows * (width + self.pad) * 2 + 4 * (ints + self.reduce_floats) + 256
 
     def _smem(self, width: int):
+        """The staged rows (row stride ``width + pad``), the ids, the distinct
+        experts, the warps' counts, the routing, and the reduction's floats (or None)."""
         smem = cutlass.memory.SmemAllocator()
         big = self.s.max_rows
-        rows = smem.allocate_tensor(BFloat16, cute.make_layout((big, VEC, width // VEC), stride=(width, 1, VEC)), 16)
+        layout = cute.make_layout((big, VEC, width // VEC), stride=(width + self.pad, 1, VEC))
+        rows = smem.allocate_tensor(BFloat16, layout, 16)
         ids = smem.allocate_tensor(Int32, cute.make_layout(self.slots), 16)
         distinct = smem.allocate_tensor(Int32, cute.make_layout(self.slots), 16)
         counts = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)
         meta = smem.allocate_tensor(Int32, cute.make_layout(self.meta_ints), 16)
-        return rows, ids, distinct, counts, meta
+        red = None
+        if self.reduce_floats:
+            red = smem.allocate_tensor(
+                Float32,
+                cute.make_layout((WARPS, self.reduce_floats // WARPS), stride=(self.reduce_floats // WARPS, 1)),
+                16,
+            )
+        return rows, ids, distinct, counts, meta, red
 
     # ---- the distinct experts and their routes, from the ids (every CTA) ------------
 
@@ -204,6 +243,48 @@ class RoutedExperts:
         ctas, _, _ = cute.arch.grid_dim()
         return (cta * items) // ctas, ((cta + 1) * items) // ctas
 
+    # ---- a work item's products (CUDA cores) ------------------------------------------
+
+    @cute.jit
+    def _gate_up_item(self, w13, local, n0, xs, m, meta, h, red):
+        """h of the m staged rows at intermediate columns ``n0 ..`` (the CTA's tile):
+        warp w takes ``gate_up_warp_pairs`` columns, each dot reduced across the warp."""
+        s, plan, big = self.s, self.plan, self.s.max_rows
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        pw = const_expr(plan.gate_up_warp_pairs)
+        acc = cute.make_rmem_tensor(cute.make_layout((2 * pw, big)), Float32)
+        acc.fill(0.0)
+        n0 = n0 + warp * pw
+        rows = []
+        for q in cutlass.range_constexpr(pw):
+            rows += [n0 + q, s.intermediate + n0 + q]
+        _stream_dot(w13, local, rows, plan.gate_up_chunks, xs, m, acc)
+        for i in cutlass.range_constexpr(big):
+            if i < m:
+                for q in cutlass.range_constexpr(pw):
+                    act = swiglu(_warp_sum(acc[2 * q, i]), _warp_sum(acc[2 * q + 1, i]))
+                    if lane == i:
+                        h[meta[2 * big + i], n0 + q] = act
+
+    @cute.jit
+    def _down_item(self, w2, local, p0, hs, m, meta, rows, red):
+        """W2 rows ``p0 ..`` (the CTA's tile) of the m staged h rows into their route
+        rows: warp w takes ``down_warp_rows`` rows, each dot reduced across the warp."""
+        s, plan, big = self.s, self.plan, self.s.max_rows
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        rw = const_expr(plan.down_warp_rows)
+        acc = cute.make_rmem_tensor(cute.make_layout((rw, big)), Float32)
+        acc.fill(0.0)
+        p0 = p0 + warp * rw
+        _stream_dot(w2, local, [p0 + q for q in range(rw)], plan.down_chunks, hs, m, acc)
+        for i in cutlass.range_constexpr(big):
+            if i < m:
+                for q in cutlass.range_constexpr(rw):
+                    y = _warp_sum(acc[q, i]).to(BFloat16)
+                    for j in cutlass.range_constexpr(s.top_k):
+                        if lane == j:
+                            store_route(rows, meta, i, j, p0 + q, y, s.top_k)
+
     # ---- kernel 1: W13 tiles, SwiGLU, h -------------------------------------------
 
     @cute.kernel
@@ -216,12 +297,11 @@ class RoutedExperts:
         b: Int32,
         first_expert: Int32,
     ):
-        s, plan, big = self.s, self.plan, self.s.max_rows
-        tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = tidx // LANES, tidx % LANES
-        xs, ids_s, distinct, counts, meta = self._smem(s.width)
-        pw, nc = const_expr(plan.gate_up_warp_pairs), const_expr(plan.gate_up_chunks)
-        tiles = const_expr(s.intermediate // plan.gate_up_pairs)
+        s, big = self.s, self.s.max_rows
+        warp = cute.arch.warp_idx()
+        xs, ids_s, distinct, counts, meta, red = self._smem(s.width)
+        cols = const_expr(self.gate_up_cols)
+        tiles = const_expr(s.intermediate // cols)
 
         cute.arch.griddepcontrol_wait()  # x and ids come from the kernels before
         n = self._distinct(ids, b, first_expert, ids_s, distinct, counts)
@@ -230,9 +310,9 @@ class RoutedExperts:
         if start < end:  # the first W13 tile streams in while x is staged
             d = start // tiles
             local = ids_s[distinct[d]] - first_expert
-            n0 = (start - d * tiles) * plan.gate_up_pairs + warp * pw
-            _prefetch_rows(w13, local, n0, pw)
-            _prefetch_rows(w13, local, s.intermediate + n0, pw)
+            n0 = (start - d * tiles) * cols + warp * (cols // WARPS)
+            _prefetch_rows(w13, local, n0, cols // WARPS)
+            _prefetch_rows(w13, local, s.intermediate + n0, cols // WARPS)
         current = Int32(-1)
         for item in cutlass.range(start, end, unroll=1):
             d = item // tiles
@@ -242,22 +322,7 @@ class RoutedExperts:
                 self._route(ids_s, b, ids_s[slot], meta)
                 self._stage(x, meta, meta[3 * big], xs)
                 current = d
-            m = meta[3 * big]
-            acc = cute.make_rmem_tensor(cute.make_layout((2 * pw, big)), Float32)
-            acc.fill(0.0)
-            n0 = (item - d * tiles) * plan.gate_up_pairs + warp * pw
-            rows = []
-            for q in cutlass.range_constexpr(pw):
-                rows += [n0 + q, s.intermediate + n0 + q]
-            _stream_dot(w13, local, rows, nc, xs, m, acc)
-            for i in cutlass.range_constexpr(big):
-                if i < m:
-                    for q in cutlass.range_constexpr(pw):
-                        gate = _warp_sum(acc[2 * q, i]).to(BFloat16).to(Float32)
-                        up = _warp_sum(acc[2 * q + 1, i]).to(BFloat16).to(Float32)
-                        act = gate / (1.0 + cute.math.exp(-gate)) * up
-                        if lane == i:
-                            h[meta[2 * big + i], n0 + q] = act.to(BFloat16)
+            self._gate_up_item(w13, local, (item - d * tiles) * cols, xs, meta[3 * big], meta, h, red)
 
     # ---- kernel 2: W2 tiles into the route rows --------------------------------------
 
@@ -271,12 +336,12 @@ class RoutedExperts:
         b: Int32,
         first_expert: Int32,
     ):
-        s, plan, big = self.s, self.plan, self.s.max_rows
+        s, big = self.s, self.s.max_rows
         tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = tidx // LANES, tidx % LANES
-        hs, ids_s, distinct, counts, meta = self._smem(s.intermediate)
-        rw, nc = const_expr(plan.down_warp_rows), const_expr(plan.down_chunks)
-        tiles = const_expr(s.width // plan.down_rows)
+        warp = cute.arch.warp_idx()
+        hs, ids_s, distinct, counts, meta, red = self._smem(s.intermediate)
+        rows_a_tile = const_expr(self.down_rows)
+        tiles = const_expr(s.width // rows_a_tile)
 
         # The ids were complete before gate_up passed its wait, so before this
         # kernel started: find the work and prefetch its first W2 tile into L2.
@@ -285,7 +350,8 @@ class RoutedExperts:
         if start < end:
             d = start // tiles
             local = ids_s[distinct[d]] - first_expert
-            _prefetch_rows(w2, local, (start - d * tiles) * plan.down_rows + warp * rw, rw)
+            per_warp = const_expr(rows_a_tile // WARPS)
+            _prefetch_rows(w2, local, (start - d * tiles) * rows_a_tile + warp * per_warp, per_warp)
         cute.arch.griddepcontrol_wait()  # h comes from gate_up
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -308,21 +374,7 @@ class RoutedExperts:
                 self._route(ids_s, b, ids_s[slot], meta)
                 self._stage(h, cute.make_tensor(meta.iterator + 2 * big, cute.make_layout(big)), meta[3 * big], hs)
                 current = d
-            m = meta[3 * big]
-            acc = cute.make_rmem_tensor(cute.make_layout((rw, big)), Float32)
-            acc.fill(0.0)
-            p0 = (item - d * tiles) * plan.down_rows + warp * rw
-            _stream_dot(w2, local, [p0 + q for q in range(rw)], nc, hs, m, acc)
-            for i in cutlass.range_constexpr(big):
-                if i < m:
-                    r = meta[i]
-                    mask = meta[big + i]
-                    for q in cutlass.range_constexpr(rw):
-                        y = _warp_sum(acc[q, i]).to(BFloat16)
-                        p = p0 + q
-                        for j in cutlass.range_constexpr(s.top_k):
-                            if (lane == j) & (((mask >> j) & 1) != 0):
-                                rows[r * s.top_k + j, p % VEC, p // VEC] = y
+            self._down_item(w2, local, (item - d * tiles) * rows_a_tile, hs, meta[3 * big], meta, rows, red)
 
     # ---- the host function ------------------------------------------------------------
 
@@ -370,13 +422,15 @@ class RoutedExperts:
         )
 
 
-def compile_experts(shape: ExpertsShape, arch: str | None = None):
-    """The compiled host function for ``shape`` for ``arch`` (e.g. ``sm_90a``; by
-    default ``CUTE_DSL_ARCH`` or the GPU's); call it with the real pointers."""
+def compile_experts(shape: ExpertsShape, arch: str | None = None, options: str = "", kind: type = RoutedExperts):
+    """The compiled host function of ``kind`` (``RoutedExperts`` or a subclass) for
+    ``shape`` for ``arch`` (e.g. ``sm_90a``; by default ``CUTE_DSL_ARCH`` or the
+    GPU's), with further ``options`` for ``cute.compile`` (e.g. ``remarks{ptx}``);
+    call it with the real pointers."""
     bf16 = fake_pointer(BFloat16)
-    options = {} if arch is None else {"options": f"--gpu-arch {arch}"}
+    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
     return cute.compile(
-        RoutedExperts(shape),
+        kind(shape),
         bf16,
         Int32(shape.width // VEC),
         fake_pointer(Int32, 4),
@@ -388,5 +442,5 @@ def compile_experts(shape: ExpertsShape, arch: str | None = None):
         Int32(0),
         Int32(264),
         cute.runtime.make_fake_stream(),
-        **options,
+        **({"options": flags} if flags else {}),
     )

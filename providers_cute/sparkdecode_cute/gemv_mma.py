@@ -124,6 +124,24 @@ def mma_plans(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: i
     return best_first(ranked)
 
 
+def load_half(pair: cute.Tensor, h: int, vector: cute.Tensor) -> None:
+    """Half ``h`` of a lane's A ``pair`` (h 0: row g, 1: row g + 8) = the 16-byte
+    ``vector`` of that row."""
+    cute.local_tile(pair, (VECTOR,), (h,)).store(vector.load())
+
+
+def mma_vector(atom, acc: cute.Tensor, pair: cute.Tensor, xv: cute.Tensor) -> None:
+    """``acc += A B`` over one 16-byte vector a lane (two MMAs of 16 k): ``pair``
+    the lane's 8 k of rows g and g + 8 (A), ``xv`` its same 8 k of x row g (B)."""
+    # A of MMA j: elements 4j + (0, 1) of row g, of row g + 8, then 4j + (2, 3) of each.
+    a_layout = cute.make_layout(((2, 2, 2), 1, 1), stride=((1, VECTOR, 2), 0, 0))
+    b_layout = cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0))
+    for j in range(2):
+        a = cute.make_tensor(pair.iterator + 4 * j, a_layout)
+        bx = cute.make_tensor(xv.iterator + 4 * j, b_layout)
+        cute.gemm(atom, acc, a, bx, acc)
+
+
 class MmaGemv(SplitKKernel):
     """One compiled shape: ``__call__(w, x, out, workspace, counters, b, x_stride,
     out_stride, stream)`` on pointers, as gemv_splitk's ``SplitKGemv`` (W [n, k]
@@ -147,26 +165,18 @@ class MmaGemv(SplitKKernel):
             for m in range(p.groups):
                 pair = buffer[d * p.groups + m]
                 for h in range(2):
-                    tile = cute.local_tile(mW, (1, VECTOR), (row + MMA_M * m + 8 * h, kv))
-                    cute.local_tile(pair, (VECTOR,), (h,)).store(tile.load())
+                    load_half(pair, h, cute.local_tile(mW, (1, VECTOR), (row + MMA_M * m + 8 * h, kv)))
 
     def multiply(self, atom, sX, acc, buffer, batch, x_vector):
         """``acc[m] += A[m] B`` over batch ``batch``: per step, the lane's 8 k of x
         row g (``x_vector`` of the staged chunk) against each group's two rows."""
         p = self.plan
-        # A of MMA j: elements 4j + (0, 1) of row g, of row g + 8, then 4j + (2, 3) of each.
-        a_layout = cute.make_layout(((2, 2, 2), 1, 1), stride=((1, VECTOR, 2), 0, 0))
-        b_layout = cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0))
         xv = cute.make_rmem_tensor((VECTOR,), BFloat16)
         for d in range(p.depth):
             kv = x_vector + (batch * p.depth + d) * X_STEP
             xv.store(cute.local_tile(sX, (VECTOR,), (kv,)).load())
             for m in range(p.groups):
-                pair = buffer[d * p.groups + m]
-                for j in range(2):
-                    a = cute.make_tensor(pair.iterator + 4 * j, a_layout)
-                    bx = cute.make_tensor(xv.iterator + 4 * j, b_layout)
-                    cute.gemm(atom, acc[m], a, bx, acc[m])
+                mma_vector(atom, acc[m], buffer[d * p.groups + m], xv)
 
     @cute.kernel
     def kernel(

@@ -1,6 +1,8 @@
 """cute.experts on the CPU: why it does not apply without a Hopper GPU, the CuTe DSL
 or bf16 experts (and the layout falls back to the reference), and its two kernels
-compile for sm_90a at the tiny, TP8-rank EP and TP8-rank expert-TP shapes."""
+compile for sm_90a at the tiny, TP8-rank EP and TP8-rank expert-TP shapes; its
+tensor-core variant cute.experts_mma (not registered yet) compiles at those and at
+TP 1 with no local memory."""
 
 from __future__ import annotations
 
@@ -15,11 +17,26 @@ from sparkdecode.plugins import discover
 from sparkdecode.spec import ModelSpec
 from sparkdecode_cute import plugin
 from sparkdecode_cute.experts import CuteExperts
+from sparkdecode_cute.experts_mma import CuteExpertsMma
 from sparkdecode_cute.experts_shape import ExpertsShape, shape_unsupported
 
 
 def test_registered():
     assert CuteExperts in plugin.PROVIDERS
+    assert CuteExpertsMma not in plugin.PROVIDERS  # until it is measured on the H200
+
+
+def test_mma_variant_reasons():
+    """cute.experts_mma takes what cute.experts takes, under its own name."""
+    assert (CuteExpertsMma.block, CuteExpertsMma.name) == ("experts", "cute.experts_mma")
+    hopper = _hopper(ModelSpec.preset("tiny"))
+    assert CuteExpertsMma.unsupported(hopper) is None
+    assert "not nvfp4" in CuteExpertsMma.unsupported(dataclasses.replace(hopper, expert_format="nvfp4"))
+    assert "at most 8" in CuteExpertsMma.unsupported(dataclasses.replace(hopper, max_rows=16))
+    spark = ModelSpec.preset("muse-spark-open", 1)
+    for mode in ("ep", "tp"):
+        assert CuteExpertsMma.unsupported(_hopper(spark, tp=8, expert_parallel=mode)) is None
+    assert CuteExpertsMma.unsupported(_hopper(spark)) is None
 
 
 def test_unsupported_reasons():
@@ -67,6 +84,27 @@ def test_compiles_for_sm90a(kernels, name):
     shape = ExpertsShape(*SHAPES[name])
     assert shape_unsupported(shape) is None
     assert kernels.compile_experts(shape, "sm_90a") is not None
+
+
+MMA_SHAPES = {**SHAPES, "tp1": (4096, 4096, 256, 8, 8)}
+
+
+@pytest.fixture(scope="module")
+def mma_kernels():
+    return pytest.importorskip("sparkdecode_cute.experts_mma_kernels", reason="nvidia-cutlass-dsl is not installed")
+
+
+@pytest.mark.parametrize("name", MMA_SHAPES)
+def test_mma_compiles_for_sm90a(mma_kernels, capfd, name):
+    """Both tensor-core kernels compile with no register spills (TP 1: experts
+    indexed in 64 bits, as the CUDA-core kernels)."""
+    shape = ExpertsShape(*MMA_SHAPES[name])
+    assert shape_unsupported(shape) is None
+    capfd.readouterr()
+    assert mma_kernels.compile_experts_mma(shape, "sm_90a", "remarks{ptx}") is not None
+    report = "".join(capfd.readouterr())
+    # ptxas's report (remarks{ptx}) of gate_up and of down: no local memory.
+    assert report.count("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads") == 2, report
 
 
 def test_shape_reasons():

@@ -1,6 +1,8 @@
-"""cute.experts on a Hopper GPU against reference.experts (marker gpu).
+"""cute.experts and its tensor-core variant cute.experts_mma (not registered yet) on a
+Hopper GPU against reference.experts (marker gpu); each test runs for both
+(``-k experts_mma`` picks the variant's).
 
-Bounds, and why: the kernels round where ``fn.expert_rows`` rounds (gate/up GEMM to
+Bounds, and why (the same for both): the kernels round where ``fn.expert_rows`` rounds (gate/up GEMM to
 bf16, ``silu(gate) * up`` in fp32 to bf16, W2 GEMM to bf16) but accumulate the fp32
 products in another order and take exp as ex2.approx. So an fp32 sum near a bf16
 rounding boundary lands on the neighbouring value: an output element may differ by
@@ -33,8 +35,10 @@ pytestmark = [
 ]
 
 experts_mod = pytest.importorskip("sparkdecode_cute.experts", reason="providers_cute is not installed")
+mma_mod = pytest.importorskip("sparkdecode_cute.experts_mma", reason="providers_cute is not installed")
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
+PROVIDERS = [experts_mod.CuteExperts, mma_mod.CuteExpertsMma]
 COPY_TBPS = 4.27  # the H200's device-to-device copy bandwidth (the weight streams' target: >= 85%)
 
 # name -> (P, I-slice, experts held, E, top-k, first expert held, I-slice given)
@@ -56,8 +60,16 @@ def make_experts(name: str, seed: int = 0) -> ExpertWeights:
     return ExpertWeights("bf16", w13, w2, first, (i, 2 * i) if sliced else None)
 
 
-def build(experts_by_layer: list[ExpertWeights], top_k: int, max_rows: int = 8, buffers=None):
-    """A BuildContext with only what ``cute.experts`` reads."""
+@pytest.fixture(params=PROVIDERS, ids=[cls.name for cls in PROVIDERS])
+def provider_cls(request) -> type:
+    return request.param
+
+
+def build(
+    experts_by_layer: list[ExpertWeights], top_k: int, max_rows: int = 8, buffers=None, cls=experts_mod.CuteExperts
+):
+    """``cls`` (cute.experts or its variant) of each layer, from a BuildContext with
+    only what they read."""
     buffers = {} if buffers is None else buffers
     layers = [SimpleNamespace(experts=e) for e in experts_by_layer]
     ctx = SimpleNamespace(
@@ -67,7 +79,7 @@ def build(experts_by_layer: list[ExpertWeights], top_k: int, max_rows: int = 8, 
         layer=lambda index: layers[index],
         scratch=lambda name, shape, dtype: scratch_buffer(buffers, torch.device("cuda"), name, shape, dtype),
     )
-    return [experts_mod.CuteExperts.build(ctx, index) for index in range(len(layers))]
+    return [cls.build(ctx, index) for index in range(len(layers))]
 
 
 def random_ids(name: str, b: int, kind: str, g: torch.Generator) -> torch.Tensor:
@@ -98,10 +110,10 @@ def check(got: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, e: ExpertWeight
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("b", [1, 3, 8])
 @pytest.mark.parametrize("kind", ["distinct", "duplicate"])
-def test_experts_equal_reference(name, b, kind):
+def test_experts_equal_reference(provider_cls, name, b, kind):
     e = make_experts(name)
     k = SHAPES[name][4]
-    (provider,) = build([e], k)
+    (provider,) = build([e], k, cls=provider_cls)
     g = torch.Generator().manual_seed(b * 7 + len(kind))
     x = torch.randn(b, e.w13.shape[2], generator=g).to(torch.bfloat16).cuda()
     ids = random_ids(name, b, kind, g)
@@ -111,12 +123,12 @@ def test_experts_equal_reference(name, b, kind):
 
 
 @pytest.mark.parametrize("b", [1, 8])
-def test_experts_past_2_31_elements(b):
+def test_experts_past_2_31_elements(provider_cls, b):
     """TP 1 (all 256 whole experts, 26 GB of weights): rows routed to the last
     experts read them where they are."""
     e = make_experts("tp1")
     k, p = TP1["tp1"][4], e.w13.shape[2]
-    (provider,) = build([e], k)
+    (provider,) = build([e], k, cls=provider_cls)
     g = torch.Generator().manual_seed(5 + b)
     x = torch.randn(b, p, generator=g).to(torch.bfloat16).cuda()
     ids = torch.stack([torch.randperm(128, generator=g)[:k] + 128 for _ in range(b)])
@@ -129,10 +141,10 @@ def test_experts_past_2_31_elements(b):
     torch.cuda.empty_cache()
 
 
-def test_same_expert_twice_in_a_row():
-    """A row may name an expert in two slots: both slots get its output."""
+def test_same_expert_twice_in_a_row(provider_cls):
+    """A row may name an expert in two slots: both slots get its output (tiny)."""
     e = make_experts("tiny")
-    (provider,) = build([e], 4)
+    (provider,) = build([e], 4, cls=provider_cls)
     ids = torch.tensor([[3, 3, 5, 3], [5, 1, 1, 2]], dtype=torch.int32, device="cuda")
     x = torch.randn(2, 512, device="cuda").to(torch.bfloat16)
     rows = torch.full((2, 4, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -142,12 +154,12 @@ def test_same_expert_twice_in_a_row():
 
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("b", [1, 8])
-def test_graph_replays_with_changing_ids(name, b):
+def test_graph_replays_with_changing_ids(provider_cls, name, b):
     """One captured graph, replayed with new ids (and x) each time: the distinct
     experts are found on the device at every replay."""
     e = make_experts(name, seed=1)
     k, p = SHAPES[name][4], e.w13.shape[2]
-    (provider,) = build([e], k)
+    (provider,) = build([e], k, cls=provider_cls)
     g = torch.Generator().manual_seed(11 + b)
     x = torch.zeros(b, p, dtype=torch.bfloat16, device="cuda")
     ids = random_ids(name, b, "distinct", g)
@@ -191,7 +203,12 @@ def test_executor_with_cute_experts():
 
 
 def time_experts_chain(
-    name: str, b: int, layers: int = 4, replays: int = 20, ctas_per_sm: int | None = None
+    name: str,
+    b: int,
+    layers: int = 4,
+    replays: int = 20,
+    ctas_per_sm: int | None = None,
+    cls: type = experts_mod.CuteExperts,
 ) -> dict[str, float]:
     """The experts of ``layers`` distinct layers (each layer's weights its own,
     together far beyond L2) chained back to back in one CUDA graph, each launch a
@@ -199,7 +216,7 @@ def time_experts_chain(
     bytes streamed a second (each distinct held expert's W13 and W2 once)."""
     experts = [make_experts(name, seed=100 + i) for i in range(layers)]
     k, p = SHAPES[name][4], experts[0].w13.shape[2]
-    providers = build(experts, k)
+    providers = build(experts, k, cls=cls)
     if ctas_per_sm is not None:  # a tuning sweep: the persistent grid's size
         for provider in providers:
             provider.ctas = ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
@@ -233,11 +250,11 @@ def time_experts_chain(
 @pytest.mark.parametrize("name", ["tp8-rank-expert-tp", "tp8-rank-ep"])
 @pytest.mark.parametrize("b", [1, 8])
 @pytest.mark.parametrize("ctas_per_sm", [None, 1, 3])
-def test_bandwidth(name, b, ctas_per_sm):
-    r = time_experts_chain(name, b, ctas_per_sm=ctas_per_sm)
+def test_bandwidth(provider_cls, name, b, ctas_per_sm):
+    r = time_experts_chain(name, b, ctas_per_sm=ctas_per_sm, cls=provider_cls)
     grid = "default grid" if ctas_per_sm is None else f"{ctas_per_sm} CTAs/SM"
     print(
-        f"\ncute.experts {name} b={b} ({grid}): {r['distinct']} experts, {r['us_per_layer']:.1f} us/layer, "
+        f"\n{provider_cls.name} {name} b={b} ({grid}): {r['distinct']} experts, {r['us_per_layer']:.1f} us/layer, "
         f"{r['TBps']:.2f} TB/s = {r['TBps'] / COPY_TBPS:.0%} of the H200's copy bandwidth"
     )
     assert r["us_per_layer"] > 0

@@ -347,6 +347,18 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
     for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
   const bf16_t* xr = x + (long)g * xs;
   const bool xrow = g < nx;
+#if EXPERTS_V3
+  // The thread's words, scales and x at the warp's first step, advanced a batch at a
+  // time: a batch's loads at constant offsets (a step: N / 2 uint4, N / 8 uint2, 8 u32).
+  const uint4* wp[NBLK];
+  const uint2* sp[NBLK];
+#pragma unroll
+  for (int b = 0; b < NBLK; ++b) {
+    wp[b] = reinterpret_cast<const uint4*>(W.w) + ((long)(k0 / 16) * 2 * N + 2 * blk0[b]) / 4 + lane;
+    sp[b] = reinterpret_cast<const uint2*>(W.scale + (long)(k0 / 16) * N + blk0[b]) + g;
+  }
+  const u32* xp = reinterpret_cast<const u32*>(xr + k0 + 2 * t);
+#endif
 #pragma unroll 1
   for (int batch = 0; batch < STEPS; batch += SB) {
     uint4 q[NBLK][SB];
@@ -354,6 +366,15 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
 #if EXPERTS_V2
     if (batch + SB < STEPS) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + SB);
 #endif
+#if EXPERTS_V3
+#pragma unroll
+    for (int sb = 0; sb < SB; ++sb)
+#pragma unroll
+      for (int b = 0; b < NBLK; ++b) {
+        q[b][sb] = __ldg(wp[b] + sb * (N / 2));
+        sc[b][sb] = __ldg(sp[b] + sb * (N / 8));
+      }
+#else
 #pragma unroll
     for (int sb = 0; sb < SB; ++sb) {
       const long kt = k0 / 16 + batch + sb;  // the row of 16 k
@@ -363,14 +384,22 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
         sc[b][sb] = __ldg(reinterpret_cast<const uint2*>(W.scale + kt * N + blk0[b]) + g);
       }
     }
+#endif
 #pragma unroll
     for (int sb = 0; sb < SB; ++sb) {
-      const int k = k0 + (batch + sb) * 16 + 2 * t;
       u32 b0 = 0u, b1 = 0u;
+#if EXPERTS_V3
+      if (xrow) {
+        b0 = __ldg(xp + 8 * sb);
+        b1 = __ldg(xp + 8 * sb + 4);
+      }
+#else
+      const int k = k0 + (batch + sb) * 16 + 2 * t;
       if (xrow) {
         b0 = __ldg(reinterpret_cast<const u32*>(xr + k));
         b1 = __ldg(reinterpret_cast<const u32*>(xr + k + 8));
       }
+#endif
 #pragma unroll
       for (int b = 0; b < NBLK; ++b) {
 #if !EXPERTS_V3
@@ -409,6 +438,14 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
 #endif
       }
     }
+#if EXPERTS_V3
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) {
+      wp[b] += SB * (N / 2);
+      sp[b] += SB * (N / 8);
+    }
+    xp += SB * 8;
+#endif
   }
 }
 

@@ -62,6 +62,7 @@
 // powers of two exact). NVFP4 rows (FMT 1): the block's table holds e2m1 * scale
 // (make_lut_v3, exact in bf16 for every finite e4m3 scale) and the globals move to the
 // output. tests/test_cuda_experts_v3.py emulates both decodes for every code and byte.
+// The V3 Marlin loop also keeps its load pointers, advanced a batch at a time.
 #include "common.cuh"
 #include "experts_common.cuh"
 

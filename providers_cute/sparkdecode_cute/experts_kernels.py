@@ -87,12 +87,16 @@ def _stream_dot(
 
 
 @cute.jit
-def swiglu(gate: Float32, up: Float32) -> BFloat16:
-    """``bf16(silu(gate) * up)`` of the fp32 sums, each rounded to bf16 first (as
-    the reference rounds the gate/up GEMM's output)."""
-    gate = gate.to(BFloat16).to(Float32)
-    up = up.to(BFloat16).to(Float32)
-    return (gate / (1.0 + cute.math.exp(-gate)) * up).to(BFloat16)
+def round_bf16(v: Float32) -> Float32:
+    """``v`` rounded to bf16 (as the reference rounds the gate/up GEMM's output)."""
+    return v.to(BFloat16).to(Float32)
+
+
+@cute.jit
+def swiglu(gate: Float32, up: Float32) -> Float32:
+    """``silu(gate) * up`` in fp32 (of the sums rounded by ``round_bf16``); h is its
+    rounding to bf16."""
+    return gate / (1.0 + cute.math.exp(-gate)) * up
 
 
 @cute.jit
@@ -245,16 +249,23 @@ class RoutedExperts:
 
     # ---- a work item's products (CUDA cores) ------------------------------------------
 
+    def _warp_lane(self):
+        """The thread's warp and lane as the kernels and items take them: here
+        ``tidx // 32`` and ``tidx % 32``, one ``tid.x`` read (the code these kernels
+        were checked and measured with on the H200)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        return tidx // LANES, tidx % LANES
+
     @cute.jit
-    def _gate_up_item(self, w13, local, n0, xs, m, meta, h, red):
-        """h of the m staged rows at intermediate columns ``n0 ..`` (the CTA's tile):
-        warp w takes ``gate_up_warp_pairs`` columns, each dot reduced across the warp."""
+    def _gate_up_item(self, warp, lane, w13, local, tile, xs, m, meta, h, red):
+        """h of the m staged rows at the intermediate columns of tile ``tile`` (``warp``
+        and ``lane``: the thread's): warp w takes ``gate_up_warp_pairs`` columns, each
+        dot reduced across the warp."""
         s, plan, big = self.s, self.plan, self.s.max_rows
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         pw = const_expr(plan.gate_up_warp_pairs)
         acc = cute.make_rmem_tensor(cute.make_layout((2 * pw, big)), Float32)
         acc.fill(0.0)
-        n0 = n0 + warp * pw
+        n0 = tile * plan.gate_up_pairs + warp * pw
         rows = []
         for q in cutlass.range_constexpr(pw):
             rows += [n0 + q, s.intermediate + n0 + q]
@@ -262,28 +273,31 @@ class RoutedExperts:
         for i in cutlass.range_constexpr(big):
             if i < m:
                 for q in cutlass.range_constexpr(pw):
-                    act = swiglu(_warp_sum(acc[2 * q, i]), _warp_sum(acc[2 * q + 1, i]))
+                    act = swiglu(round_bf16(_warp_sum(acc[2 * q, i])), round_bf16(_warp_sum(acc[2 * q + 1, i])))
                     if lane == i:
-                        h[meta[2 * big + i], n0 + q] = act
+                        h[meta[2 * big + i], n0 + q] = act.to(BFloat16)
 
     @cute.jit
-    def _down_item(self, w2, local, p0, hs, m, meta, rows, red):
-        """W2 rows ``p0 ..`` (the CTA's tile) of the m staged h rows into their route
-        rows: warp w takes ``down_warp_rows`` rows, each dot reduced across the warp."""
+    def _down_item(self, warp, lane, w2, local, tile, hs, m, meta, rows, red):
+        """The W2 rows of tile ``tile`` of the m staged h rows into their route rows
+        (``warp`` and ``lane``: the thread's): warp w takes ``down_warp_rows`` rows,
+        each dot reduced across the warp."""
         s, plan, big = self.s, self.plan, self.s.max_rows
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         rw = const_expr(plan.down_warp_rows)
         acc = cute.make_rmem_tensor(cute.make_layout((rw, big)), Float32)
         acc.fill(0.0)
-        p0 = p0 + warp * rw
+        p0 = tile * plan.down_rows + warp * rw
         _stream_dot(w2, local, [p0 + q for q in range(rw)], plan.down_chunks, hs, m, acc)
         for i in cutlass.range_constexpr(big):
             if i < m:
+                r = meta[i]
+                mask = meta[big + i]
                 for q in cutlass.range_constexpr(rw):
                     y = _warp_sum(acc[q, i]).to(BFloat16)
+                    p = p0 + q
                     for j in cutlass.range_constexpr(s.top_k):
-                        if lane == j:
-                            store_route(rows, meta, i, j, p0 + q, y, s.top_k)
+                        if (lane == j) & (((mask >> j) & 1) != 0):
+                            rows[r * s.top_k + j, p % VEC, p // VEC] = y
 
     # ---- kernel 1: W13 tiles, SwiGLU, h -------------------------------------------
 
@@ -298,7 +312,7 @@ class RoutedExperts:
         first_expert: Int32,
     ):
         s, big = self.s, self.s.max_rows
-        warp = cute.arch.warp_idx()
+        warp, lane = self._warp_lane()
         xs, ids_s, distinct, counts, meta, red = self._smem(s.width)
         cols = const_expr(self.gate_up_cols)
         tiles = const_expr(s.intermediate // cols)
@@ -322,7 +336,8 @@ class RoutedExperts:
                 self._route(ids_s, b, ids_s[slot], meta)
                 self._stage(x, meta, meta[3 * big], xs)
                 current = d
-            self._gate_up_item(w13, local, (item - d * tiles) * cols, xs, meta[3 * big], meta, h, red)
+            m = meta[3 * big]
+            self._gate_up_item(warp, lane, w13, local, item - d * tiles, xs, m, meta, h, red)
 
     # ---- kernel 2: W2 tiles into the route rows --------------------------------------
 
@@ -338,7 +353,7 @@ class RoutedExperts:
     ):
         s, big = self.s, self.s.max_rows
         tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.warp_idx()
+        warp, lane = self._warp_lane()
         hs, ids_s, distinct, counts, meta, red = self._smem(s.intermediate)
         rows_a_tile = const_expr(self.down_rows)
         tiles = const_expr(s.width // rows_a_tile)
@@ -374,7 +389,8 @@ class RoutedExperts:
                 self._route(ids_s, b, ids_s[slot], meta)
                 self._stage(h, cute.make_tensor(meta.iterator + 2 * big, cute.make_layout(big)), meta[3 * big], hs)
                 current = d
-            self._down_item(w2, local, (item - d * tiles) * rows_a_tile, hs, meta[3 * big], meta, rows, red)
+            m = meta[3 * big]
+            self._down_item(warp, lane, w2, local, item - d * tiles, hs, m, meta, rows, red)
 
     # ---- the host function ------------------------------------------------------------
 

@@ -41,7 +41,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
-from .experts_kernels import RoutedExperts, compile_experts, store_route, swiglu
+from .experts_kernels import RoutedExperts, compile_experts, round_bf16, store_route, swiglu
 from .experts_shape import LANES, VEC, WARPS, ExpertsShape
 from .gemv_mma import K_LANES, MMA_K, MMA_M, MMA_N, load_half, mma_vector
 
@@ -63,6 +63,11 @@ class RoutedExpertsMma(RoutedExperts):
         self.pad = PAD
         self.reduce_floats = WARPS * C_FLOATS
         self.mma = cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (MMA_M, MMA_N, MMA_K))
+
+    def _warp_lane(self):
+        """The thread's warp (``warp_idx``: uniform in the warp, so the first tile's
+        prefetch addresses are a warp's) and lane; the items here read their own."""
+        return cute.arch.warp_idx(), cute.arch.lane_idx()
 
     @cute.jit
     def _load(self, w: cute.Tensor, e: Int64, top: list, bottom: list, buffer: list, batch: Int32, depth: int):
@@ -131,8 +136,9 @@ class RoutedExpertsMma(RoutedExperts):
         return total
 
     @cute.jit
-    def _gate_up_item(self, w13, local, n0, xs, m, meta, h, red):
+    def _gate_up_item(self, _warp, _lane, w13, local, tile, xs, m, meta, h, red):
         s, big = self.s, self.s.max_rows
+        n0 = tile * GATE_UP_COLS
         g = cute.arch.lane_idx() // K_LANES
         top = [n0 + MMA_N * a + g for a in range(GROUPS)]
         self._products(w13, local, top, [s.intermediate + r for r in top], xs, m, red)
@@ -144,10 +150,13 @@ class RoutedExpertsMma(RoutedExperts):
             if i < m:
                 gate = self._sum(red, (a * 4 + e) * LANES + lane)
                 up = self._sum(red, (a * 4 + 2 + e) * LANES + lane)
-                h[meta[2 * big + i], n0 + MMA_N * a + lane // K_LANES] = swiglu(gate, up)
+                h[meta[2 * big + i], n0 + MMA_N * a + lane // K_LANES] = swiglu(round_bf16(gate), round_bf16(up)).to(
+                    BFloat16
+                )
 
     @cute.jit
-    def _down_item(self, w2, local, p0, hs, m, meta, rows, red):
+    def _down_item(self, _warp, _lane, w2, local, tile, hs, m, meta, rows, red):
+        p0 = tile * DOWN_ROWS
         g = cute.arch.lane_idx() // K_LANES
         top = [p0 + MMA_M * a + g for a in range(GROUPS)]
         self._products(w2, local, top, [r + MMA_N for r in top], hs, m, red)

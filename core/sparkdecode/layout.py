@@ -14,7 +14,9 @@ For every kind (protocols.KINDS) that the deployment needs:
    ``MEASURE_ROUNDS`` interleaved rounds and each keeps its least time: a layer's
    time only grows under interference (another process, a clock dip), and a
    round-robin order spreads any drift over all of them alike, so a block that is
-   a few percent of its layer is still told apart;
+   a few percent of its layer is still told apart. After the first round only the
+   candidates within ``CLOSE`` of the fastest are timed again (a clear loser costs
+   one timing);
 4. measured decisions are cached on disk, keyed by GPU, TP, spec, pack versions
    and pins; a corrupt or stale cache is ignored with a warning and rebuilt.
 """
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 Measure = Callable[[str, type, Mapping[str, type]], float | None]
 
 MEASURE_ROUNDS = 3
+CLOSE = 0.05  # candidates this close to the fastest's time get the further rounds
 
 
 class LayoutError(ValueError):
@@ -227,9 +230,12 @@ def resolve(
         layout = {k: c.chosen.cls for k, c in choices.items()}
         timed = [(reg, cand) for reg, cand in table[kind] if cand.reason is None]
         untimed: set[str] = set()
-        for _ in range(rounds):
+        for round_ in range(rounds):
+            times = [c.seconds for _, c in timed if c.seconds is not None]
+            bar = min(times) * (1 + CLOSE) if round_ and times else None
             for reg, cand in timed:
-                if reg.name in untimed:
+                again = round_ == 0 or (bar is not None and cand.seconds is not None and cand.seconds <= bar)
+                if reg.name in untimed or not again:
                     continue
                 seconds = measure(kind, reg.cls, layout)
                 if seconds is None:

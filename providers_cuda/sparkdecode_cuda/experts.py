@@ -60,18 +60,27 @@ def _warps_k(k: int, chunk: int) -> int:
     return 8 if k >= 16 * chunk else 4 if k >= 8 * chunk else 2 if k >= 4 * chunk else 1
 
 
-def shape_unsupported(
-    width: int, intermediate: int, fmt: str, top_k: int, max_rows: int, num_local: int = MAX_LOCAL
-) -> str | None:
-    """Why the kernels cannot take this pooled width P, this rank's I-slice and its
-    count of experts, or None."""
-    chunk = CHUNK[fmt]
+def routes_unsupported(top_k: int, max_rows: int, num_local: int) -> str | None:
+    """Why the experts kernels' route tables (experts_common.cuh) cannot hold this
+    many experts on a rank, rows or routes, or None."""
     if num_local > MAX_LOCAL:
         return f"{num_local} experts on a rank: the experts kernels take at most {MAX_LOCAL}"
     if max_rows > MAX_ROWS:
         return f"max_rows {max_rows}: the experts kernels take at most {MAX_ROWS} rows"
     if max_rows * top_k > MAX_ROUTES:
         return f"{max_rows} rows x top-{top_k}: the experts kernels take at most {MAX_ROUTES} routes"
+    return None
+
+
+def shape_unsupported(
+    width: int, intermediate: int, fmt: str, top_k: int, max_rows: int, num_local: int = MAX_LOCAL
+) -> str | None:
+    """Why the kernels cannot take this pooled width P, this rank's I-slice and its
+    count of experts, or None."""
+    chunk = CHUNK[fmt]
+    reason = routes_unsupported(top_k, max_rows, num_local)
+    if reason:
+        return reason
     for what, k in (("moe_hidden_size", width), ("this rank's moe_intermediate_size", intermediate)):
         if k % chunk:
             return f"{what} {k}: the {fmt} experts kernels take multiples of {chunk}"

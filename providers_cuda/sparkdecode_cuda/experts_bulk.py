@@ -27,7 +27,7 @@ import torch
 from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk
 
 from .boundary import cuda_unsupported
-from .experts import MAX_LOCAL, MAX_ROUTES, MAX_ROWS, CudaExpertsNvfp4Marlin, _intermediate
+from .experts import MAX_LOCAL, MAX_ROUTES, MAX_ROWS, CudaExpertsNvfp4Marlin, _intermediate, routes_unsupported
 from .launch import Kernel, ptr
 
 SOURCE = "experts_bulk.cu"
@@ -86,12 +86,9 @@ def shape_unsupported(
 ) -> str | None:
     """Why the kernels cannot take this pooled width P, this rank's I-slice and its
     count of experts, or None."""
-    if num_local > MAX_LOCAL:
-        return f"{num_local} experts on a rank: the experts kernels take at most {MAX_LOCAL}"
-    if max_rows > MAX_ROWS:
-        return f"max_rows {max_rows}: the experts kernels take at most {MAX_ROWS} rows"
-    if max_rows * top_k > MAX_ROUTES:
-        return f"{max_rows} rows x top-{top_k}: the experts kernels take at most {MAX_ROUTES} routes"
+    reason = routes_unsupported(top_k, max_rows, num_local)
+    if reason:
+        return reason
     for what, k in (("moe_hidden_size", width), ("this rank's moe_intermediate_size", intermediate)):
         if k % K_STEP:
             return f"{what} {k}: the bulk-copy experts kernels take multiples of {K_STEP} (a stage's K)"

@@ -192,11 +192,15 @@ def test_mma_compiles_for_hopper(mma, splitk, capfd, deployment, name):
     _spill_free(capfd)
 
 
+@pytest.mark.parametrize("kernel", ["mma", "tma"])
 @pytest.mark.parametrize("max_rows", [1, 3])
-def test_mma_compiles_for_fewer_rows(mma, capfd, max_rows):
+def test_tensor_core_gemvs_compile_for_fewer_rows(request, capfd, kernel, max_rows):
+    """The MMA and TMA GEMVs compile spill-free for 1 and 3 rows too."""
+    module = request.getfixturevalue(kernel)
+    plan, compile_ = getattr(module, f"plan_{kernel}"), getattr(module, f"compile_{kernel}")
     for n, k, _ in (TP8["qkvg"], TP8["pooler_tp8_columns"]):
         capfd.readouterr()
-        assert mma.compile_mma(mma.plan_mma(n, k, max_rows), "sm_90a", "remarks{ptx}") is not None
+        assert compile_(plan(n, k, max_rows), "sm_90a", "remarks{ptx}") is not None
         _spill_free(capfd)
 
 
@@ -236,14 +240,6 @@ def test_tma_compiles_for_hopper(tma, capfd, deployment, name):
     capfd.readouterr()
     assert tma.compile_tma(plan, "sm_90a", "remarks{ptx}") is not None
     _spill_free(capfd)
-
-
-@pytest.mark.parametrize("max_rows", [1, 3])
-def test_tma_compiles_for_fewer_rows(tma, capfd, max_rows):
-    for n, k, _ in (TP8["qkvg"], TP8["pooler_tp8_columns"]):
-        capfd.readouterr()
-        assert tma.compile_tma(tma.plan_tma(n, k, max_rows), "sm_90a", "remarks{ptx}") is not None
-        _spill_free(capfd)
 
 
 def test_tma_plans(tma, splitk):

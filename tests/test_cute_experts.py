@@ -1,7 +1,7 @@
 """cute.experts on the CPU: why it does not apply without a Hopper GPU, the CuTe DSL
 or bf16 experts (and the layout falls back to the reference), and its two kernels
 compile for sm_90a at the tiny, TP8-rank EP and TP8-rank expert-TP shapes; its
-tensor-core variant cute.experts_mma (not registered yet) compiles at those and at
+tensor-core variant cute.experts_mma compiles at those and at
 TP 1 with no local memory."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from sparkdecode_cute.experts_shape import ExpertsShape, shape_unsupported
 
 def test_registered():
     assert CuteExperts in plugin.PROVIDERS
-    assert CuteExpertsMma not in plugin.PROVIDERS  # until it is measured on the H200
+    assert CuteExpertsMma in plugin.PROVIDERS
 
 
 def test_mma_variant_reasons():

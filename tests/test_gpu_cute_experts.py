@@ -1,4 +1,4 @@
-"""cute.experts and its tensor-core variant cute.experts_mma (not registered yet) on a
+"""cute.experts and its tensor-core variant cute.experts_mma on a
 Hopper GPU against reference.experts (marker gpu); each test runs for both
 (``-k experts_mma`` picks the variant's).
 

@@ -334,7 +334,8 @@ class CudaExpertsNvfp4V3(_ExactScales, CudaExpertsNvfp4V2):
     the GEMMs' fp32 sums once, before their bf16 roundings (vLLM's Marlin math, experts.cu's
     header): the weights are not rounded to bf16 one by one, so the outputs are closer to
     the exact quantized model than the reference's (tests/expert_check.py,
-    assert_experts_close_exact). Not registered."""
+    assert_experts_close_exact). Not registered: on the H200 it is no faster than
+    ``cuda.experts_nvfp4`` (bench/NOTES.md v7), and the V1 kernel keeps the reference's roundings."""
 
     name = "cuda.experts_nvfp4_v3"
     variant = 2
@@ -369,7 +370,7 @@ class CudaExpertsNvfp4MarlinV3(_ExactScales, CudaExpertsNvfp4MarlinV2):
     Marlin's global on the GEMMs' fp32 sums, as vLLM's Marlin kernel computes
     (experts.cu's header; tests/test_cuda_experts_v3.py emulates the decode for every
     code and scale byte). Takes the scale bytes vLLM's repack makes (0 or at least 2);
-    refuses others. Not registered."""
+    refuses others. The fastest Marlin kernel measured (bench/NOTES.md v7)."""
 
     name = "cuda.experts_nvfp4_marlin_v3"
     variant = 2

@@ -14,6 +14,7 @@ from .experts import (
     CudaExpertsNvfp4,
     CudaExpertsNvfp4Marlin,
     CudaExpertsNvfp4MarlinV2,
+    CudaExpertsNvfp4MarlinV3,
     CudaExpertsNvfp4V2,
 )
 from .experts_bulk import CudaExpertsNvfp4MarlinBulk
@@ -31,6 +32,7 @@ PROVIDERS: tuple[type, ...] = (
     CudaExpertsNvfp4Marlin,
     CudaExpertsNvfp4V2,
     CudaExpertsNvfp4MarlinV2,
+    CudaExpertsNvfp4MarlinV3,
     CudaExpertsNvfp4MarlinBulk,
     CudaLinear,
     CudaFinal,

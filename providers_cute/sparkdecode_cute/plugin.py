@@ -7,12 +7,13 @@ table in this pack's README lists them.
 from sparkdecode.plugins import hookimpl
 
 from .experts import CuteExperts
+from .experts_mma import CuteExpertsMma
 from .linear import CuteLinear
 from .linear_mma import CuteLinearMma
 from .linear_splitk import CuteLinearSplitK
 from .linear_tma import CuteLinearTma
 
-PROVIDERS: tuple[type, ...] = (CuteLinear, CuteLinearSplitK, CuteLinearMma, CuteLinearTma, CuteExperts)
+PROVIDERS: tuple[type, ...] = (CuteLinear, CuteLinearSplitK, CuteLinearMma, CuteLinearTma, CuteExperts, CuteExpertsMma)
 
 
 @hookimpl

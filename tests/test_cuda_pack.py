@@ -238,6 +238,75 @@ def test_linear_plans_and_unsupported_shapes():
     assert linear.CudaLinear in plugin.PROVIDERS
 
 
+@pytest.mark.parametrize("n,k", [(8192, 1024), (8192, 2048), (8192, 4096), (1024, 512), (4096, 512), (4096, 1024)])
+def test_publishing_o_proj_compiles_for_hopper(n, k, tmp_path, monkeypatch):
+    """o_proj with its epilogue publishing into the Lamport mailbox (linear.cu's PUBLISH)
+    at the TP 8, 4 and 2 ranks' widths (real and tiny): a tiling with 16-byte shares of
+    rows (the model's own choice there); the fp32 router refused at compile time."""
+    from sparkdecode_cuda import linear
+
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    chosen = linear.publishing_plan(n, k, 132)
+    assert chosen is not None and (chosen.rows // chosen.splits) % 8 == 0
+    assert chosen == linear.plan(n, k, False, 132)
+    published = nvrtc.compile_cubin(linear.SOURCE, "sm_90a", {**chosen.defines(), "PUBLISH": 1}, linear.COMPILE_OPTIONS)
+    plain = nvrtc.compile_cubin(linear.SOURCE, "sm_90a", chosen.defines(), linear.COMPILE_OPTIONS)
+    assert b"linear_kernel" in published and published != plain
+    with pytest.raises(nvrtc.CompileError, match="published"):  # the fp32 router cannot publish
+        nvrtc.compile_cubin(
+            linear.SOURCE,
+            "sm_90a",
+            {**linear.plan(256, 8192, True, 132).defines(), "PUBLISH": 1},
+            linear.COMPILE_OPTIONS,
+        )
+
+
+def test_publish_pairs_o_proj_with_the_fused_boundary():
+    """CudaAttentionBoundary.pair_attention asks the attention block to publish only at
+    TP > 1 (with a mailbox), and runs its fused kernel gather-only only where the
+    attention agreed; an attention provider without publish_partial is left alone."""
+    from sparkdecode_cuda.attention import CudaAttention
+    from sparkdecode_cuda.boundary import CudaAttentionBoundary
+
+    asked: list[object] = []
+
+    class Publishing:
+        def publish_partial(self, mailbox: object) -> bool:
+            asked.append(mailbox)
+            return True
+
+    class Refusing:
+        def publish_partial(self, mailbox: object) -> bool:
+            return False
+
+    boundary = CudaAttentionBoundary.__new__(CudaAttentionBoundary)
+    for workspace, block, published in (
+        (None, Publishing(), False),  # TP 1 or detached: nothing to publish into
+        ("ws", object(), False),  # reference.attention: no publish_partial
+        ("ws", Refusing(), False),
+        ("ws", Publishing(), True),
+    ):
+        boundary.workspace, boundary.published = workspace, False
+        boundary.pair_attention(block)
+        assert boundary.published is published
+    assert asked == ["ws"]
+
+    class Linear:
+        def __init__(self, answer: bool):
+            self.answer, self.calls = answer, []
+
+        def publish(self, name: str, mailbox: object) -> bool:
+            self.calls.append((name, mailbox))
+            return self.answer
+
+    front = CudaAttention.__new__(CudaAttention)
+    for answer in (True, False):
+        front.linear = Linear(answer)
+        assert front.publish_partial("ws") is answer and front.linear.calls == [("o_proj", "ws")]
+    front.linear = object()  # a linear provider that cannot publish (reference.linear)
+    assert front.publish_partial("ws") is False
+
+
 @pytest.mark.parametrize("width,intermediate,top_k", [(4096, 512, 8), (4096, 4096, 8), (512, 512, 4), (512, 256, 4)])
 def test_experts_bulk_kernels_compile_for_hopper(width, intermediate, top_k, tmp_path, monkeypatch):
     """The bulk-copy Marlin experts at the TP8 rank's expert-TP slice (I 512), EP (whole

@@ -142,3 +142,33 @@ def test_executor_uses_the_weights_in_place(weights):
     layer = executor.layers[1].attention.layer
     assert layer.qkvg.data_ptr() == weights.layers[1].qkvg.data_ptr()
     assert executor.layers[2].moe.experts.experts.w13.data_ptr() == weights.layers[2].experts.w13.data_ptr()
+
+
+def test_each_attention_boundary_meets_its_layers_attention(weights):
+    """An attention boundary with ``pair_attention`` is handed its own layer's attention
+    block once both are built (every layer, in layer order); one without the hook is
+    left alone (the reference's)."""
+    from sparkdecode.plugins import Registered, Registry
+    from sparkdecode.reference.providers import PROVIDERS, ReferenceAttentionBoundary
+
+    class PairingBoundary(ReferenceAttentionBoundary):
+        name = "test.pairing_boundary"
+        priority = 5
+        met: list[tuple[int, object]] = []
+
+        @classmethod
+        def build(cls, ctx, layer):
+            built = super().build(ctx, layer)
+            built.index = layer
+            return built
+
+        def pair_attention(self, attention: object) -> None:
+            PairingBoundary.met.append((self.index, attention))
+
+    registry = Registry(
+        [Registered(c, "reference", "sparkdecode", "0") for c in PROVIDERS]
+        + [Registered(PairingBoundary, "test", "dist-test", "1.0")]
+    )
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=MAX_CONTEXT), registry=registry)
+    assert executor.layout.choices["attention_boundary"].chosen.name == "test.pairing_boundary"
+    assert PairingBoundary.met == [(i, layer.attention) for i, layer in enumerate(executor.layers)]

@@ -13,11 +13,14 @@ Asserted, per TP size:
   ``moe_reference_transport`` (the same cuda.moe, its reductions over gloo) bit for
   bit: the Lamport sum is the reference transport's;
 - ``fused`` variants (cuda.attention_boundary fused with the all-reduce, cuda.moe
-  with its tail reductions on cuda.all_reduce): within 3e-2 relative per row of the
+  with its tail reductions on cuda.all_reduce) and ``fused_publish`` (also
+  cuda.attention with cuda.linear, whose o_proj publishes the partial from its
+  epilogue while the boundary only gathers): within 3e-2 relative per row of the
   stock forward at every step and greedy tokens agreeing where decided (the bound
   and the rule of test_gpu_cuda_pack.py: the kernels' row reductions sum in another
   order, one bf16 ulp here and there, over two layers, every expert routed);
-  1,000 steps at TP 2, 200 at TP 8, replaying one CUDA graph;
+  ``fused_publish`` 1,000 steps at TP 2, 100 at TP 4, 200 at TP 8, replaying one
+  CUDA graph;
 - every rank's hidden states (and first steps' aux streams) are the same bits;
 - the TP output equals the TP-1 model within bf16 rounding (3e-2, test_tp.py's bound);
 - no hang: each TP size runs under a watchdog that kills the ranks and fails.
@@ -77,15 +80,17 @@ CASES = {
         variant("tiny", "tp", "moe_reference_transport", 4, False, smooth=False),
         variant("tiny", "tp", "moe_fused", 4, False, smooth=False, same_as=5),
         variant("tiny", "ep", "fused", 6, False, shard_unpooler=True),
-        variant("tiny", "tp", "fused", 1000, True),
+        variant("tiny", "tp", "fused", 6, True),
+        variant("tiny", "tp", "fused_publish", 1000, True),
     ],
     4: [
         variant("tiny-tp8", "ep", "all_reduce", 4, False, shard_pooler=True, shard_unpooler=True),
-        variant("tiny-tp8", "tp", "fused", 100, True),
+        variant("tiny-tp8", "tp", "fused_publish", 100, True),
     ],
     8: [
         variant("tiny-tp8", "tp", "all_reduce", 6, True),
-        variant("tiny-tp8", "ep", "fused", 200, True),
+        variant("tiny-tp8", "ep", "fused", 6, True),
+        variant("tiny-tp8", "ep", "fused_publish", 200, True),
     ],
 }
 
@@ -147,12 +152,14 @@ def test_all_reduce_op_is_the_reference_transport(tp, tmp_path):
     """Bit for bit (NaN as NaN) on random bf16 with -0.0, infinities, NaN, overflow
     and subnormals, eagerly and replaying one graph of every shape 10 times. Then the
     fused kernels at the tiny and the real widths (tp_gpu_worker.fused_ops): the
-    boundary within its kernel bounds, the MoE tail bit for bit, the same bits on
-    every rank."""
+    boundary within its kernel bounds, the MoE tail bit for bit, the o_proj publishing
+    from its epilogue with the boundary only gathering bit for bit the same as the
+    boundary pushing (tp_gpu_worker.published_partial), the same bits on every rank."""
     ranks = watched(tp_gpu_worker.all_reduce_op, tp, tmp_path, OP_SHAPES, 10)
     for r in ranks:
         assert len(r["checks"]) == 12 * len(OP_SHAPES) and all(r["checks"]), r["checks"]
         assert r["boundary_ok"] == [True, True] and r["tail_ok"] == [True] * 4, (r["boundary_ok"], r["tail_ok"])
+        assert r["published_ok"] == [True, True], r["published_ok"]
     for r in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["replicated"], r["replicated"]))
 

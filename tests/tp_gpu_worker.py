@@ -47,6 +47,16 @@ PINS = {
         "attention_boundary": "cuda.attention_boundary",
         "moe": "cuda.moe",
     },
+    # The same with cuda.attention and cuda.linear: the o_proj publishes its partial
+    # from its epilogue and the fused boundary only gathers.
+    "fused_publish": {
+        **REFERENCE,
+        "all_reduce": "cuda.all_reduce",
+        "attention": "cuda.attention",
+        "linear": "cuda.linear",
+        "attention_boundary": "cuda.attention_boundary",
+        "moe": "cuda.moe",
+    },
 }
 
 
@@ -60,6 +70,8 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     executor = SpecializedDecode(shard, config, group=group)
     chosen = {kind: executor.layout.choices[kind].chosen.name for kind in pins}
     assert chosen == pins, chosen
+    published = [getattr(layer.attention_boundary, "published", False) for layer in executor.layers]
+    assert all(published) if variant["pins"] == "fused_publish" else not any(published), published
     harness = DecodeHarness(
         ReferenceModel(shard, max_context, group), executor, PROMPT, seed=variant["seed"], graph=variant["graph"]
     )
@@ -200,11 +212,12 @@ def fused_ops(rank: int, tp: int, reference, device: torch.device) -> dict:
     from sparkdecode_cuda.boundary import CudaAttentionBoundary
     from sparkdecode_cuda.moe import MoEKernels
 
-    out: dict = {"boundary_ok": [], "tail_ok": [], "replicated": []}
+    out: dict = {"boundary_ok": [], "tail_ok": [], "published_ok": [], "replicated": []}
     for preset in ("tiny", "muse-spark-open"):
         spec = ModelSpec.preset(preset)
         ctx = context(spec, 8, tp, rank, device)
         boundary, w = CudaAttentionBoundary(ctx, 0), ctx.layer(0)
+        out["published_ok"].append(published_partial(ctx, boundary, rank, device))
         mine = torch.Generator(device=device).manual_seed(100 + rank)  # this rank's partials
         shared = torch.Generator(device=device).manual_seed(100)  # replicated values
         partial = (torch.randn(8, spec.H, generator=mine, device=device) * 2).to(torch.bfloat16)
@@ -233,3 +246,68 @@ def fused_ops(rank: int, tp: int, reference, device: torch.device) -> dict:
             out["tail_ok"].append(same_bits(fused, ref))
             out["replicated"].append(fused)
     return out
+
+
+def published_partial(ctx, boundary, rank: int, device: torch.device) -> bool:
+    """cuda.linear's o_proj publishing its partial from the epilogue, then the fused
+    boundary gathering only, against the same o_proj not publishing and the boundary
+    pushing then gathering: the partial, the stream and the output the same bits, at
+    8, 3 and 1 rows, each path twice in turn (every generation's slots reused), then
+    both in one graph replayed on new inputs."""
+    from types import SimpleNamespace
+
+    from sparkdecode_cuda.boundary import CudaAttentionBoundary
+    from sparkdecode_cuda.linear import _Weight
+
+    spec, tp = ctx.spec, ctx.tp
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    mine = torch.Generator(device=device).manual_seed(200 + rank)
+    shared = torch.Generator(device=device).manual_seed(200)
+    k = spec.q_size // tp
+    weight = (torch.randn(spec.H, k, generator=mine, device=device) * k**-0.5).to(torch.bfloat16)
+    plain, publishing = _Weight("o_proj", weight, 8, sms), _Weight("o_proj", weight, 8, sms)
+    gathering = CudaAttentionBoundary(ctx, 0)
+    gathering.pair_attention(SimpleNamespace(publish_partial=lambda mailbox: publishing.publish(mailbox)))
+    if not gathering.published or boundary.published:
+        return False
+    x = torch.empty(8, k, dtype=torch.bfloat16, device=device)
+    stream0 = torch.empty(8, spec.H, device=device)
+    sides = [
+        (
+            o_proj,
+            b,
+            torch.empty(8, spec.H, dtype=torch.bfloat16, device=device),
+            torch.empty_like(stream0),
+            torch.empty(8, spec.H, dtype=torch.bfloat16, device=device),
+        )
+        for o_proj, b in ((plain, boundary), (publishing, gathering))
+    ]
+
+    def draw() -> None:
+        x.copy_(torch.randn(x.shape, generator=mine, device=device))
+        stream0.copy_(torch.randn(stream0.shape, generator=shared, device=device))
+
+    def calls(rows: int) -> None:
+        for o_proj, b, partial, stream, xf in sides:
+            o_proj(x[:rows], partial[:rows])
+            stream[:rows].copy_(stream0[:rows])
+            b.run(partial[:rows], stream[:rows], xf[:rows])
+
+    def same(rows: int) -> bool:
+        (_, _, pa, sa, xa), (_, _, pb, sb, xb) = sides
+        return all(same_bits(a[:rows], c[:rows]) for a, c in ((pa, pb), (sa, sb), (xa, xb)))
+
+    ok = []
+    for rows in (8, 3, 1):
+        for _ in range(2):
+            draw()
+            calls(rows)
+            ok.append(same(rows))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls(8)
+    for _ in range(3):
+        draw()
+        graph.replay()
+        ok.append(same(8))
+    return all(ok)

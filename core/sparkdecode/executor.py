@@ -160,15 +160,12 @@ class SpecializedDecode:
         aux = self.config.aux_layers
         layers = []
         for i in range(self.spec.num_layers):
-            layers.append(
-                DecodeLayer(
-                    classes["boundary"].build(ctx, i),
-                    classes["attention"].build(ctx, i),
-                    classes["attention_boundary"].build(ctx, i),
-                    classes["moe"].build(ctx, i),
-                    self._buffer(f"aux{i}", torch.float32) if i in aux else None,
-                )
-            )
+            boundary, attention = classes["boundary"].build(ctx, i), classes["attention"].build(ctx, i)
+            attention_boundary = classes["attention_boundary"].build(ctx, i)
+            pair(attention_boundary, attention)
+            moe = classes["moe"].build(ctx, i)
+            aux_buffer = self._buffer(f"aux{i}", torch.float32) if i in aux else None
+            layers.append(DecodeLayer(boundary, attention, attention_boundary, moe, aux_buffer))
         self.layers = tuple(layers)
         self.final = classes["final"].build(ctx, None)
         end = self.spec.num_layers
@@ -307,7 +304,9 @@ class SpecializedDecode:
             box.publish(self.config.max_rows).normal_()
         ctx = self._context(classes, buffers, mailboxes)
         kv = _measurement_kv(self.weights, index, self.config.max_context, self.config.max_rows, device)
-        built = [classes[k].build(ctx, index) for k in ("boundary", "attention", "attention_boundary", "moe")]
+        built = [classes[k].build(ctx, index) for k in ("boundary", "attention", "attention_boundary")]
+        pair(built[2], built[1])
+        built.append(classes["moe"].build(ctx, index))
         final = classes["final"].build(ctx, None) if kind == "final" else None
         for provider in built + ([final] if final else []):
             provider.prepare_kv(kv)
@@ -359,6 +358,15 @@ class SpecializedDecode:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             seconds = float(t.item())
         return seconds
+
+
+def pair(attention_boundary: Any, attention: Any) -> None:
+    """A layer's attention boundary meets its attention block once both are built
+    (``AttentionBoundaryProvider.pair_attention``, optional): where the boundary can
+    gather a partial the attention publishes, they agree on it here."""
+    hook = getattr(attention_boundary, "pair_attention", None)
+    if hook is not None:
+        hook(attention)
 
 
 def metadata_ok(group: KVGroupMetadata, b: int) -> bool:

@@ -255,7 +255,16 @@ class AttentionProvider(Provider, Protocol):
 
 class AttentionBoundaryProvider(Provider, Protocol):
     """All-reduce of ``partial`` (TP > 1), post_attn_norm, the gated add into
-    ``stream`` (fp32 [b, H], in place), pre_ffn_norm into ``out`` (bf16 [b, H])."""
+    ``stream`` (fp32 [b, H], in place), pre_ffn_norm into ``out`` (bf16 [b, H]).
+
+    Optional ``pair_attention(attention)``: called by the executor once layer l's
+    attention block and this boundary are built (before any KV binding or capture, in
+    the same order on every rank). A boundary that gathers a partial published into
+    its own mailbox offers that mailbox to the attention provider (by a method of the
+    attention provider's that both packs know, e.g. the cuda pack's
+    ``publish_partial(mailbox) -> bool``); where the attention agrees, its o_proj
+    epilogue publishes this rank's partial and the boundary only gathers. ``partial``
+    still holds this rank's values, so the result is the same bits either way."""
 
     def run(self, partial: torch.Tensor, stream: torch.Tensor, out: torch.Tensor) -> None: ...
 

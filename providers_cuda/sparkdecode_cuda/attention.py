@@ -67,6 +67,13 @@ class CudaAttention(_Cuda):
             raise ValueError(f"layer {self.index}: K and V caches have different strides")
         self.core.prepare_kv(kv)
 
+    def publish_partial(self, mailbox: object) -> bool:
+        """The o_proj's output is this block's partial as it stands (nothing after it),
+        so its GEMM may publish it into the attention boundary's Lamport mailbox from
+        its epilogue, where the ``linear`` provider can (``publish``); whether it will."""
+        publish = getattr(self.linear, "publish", None)
+        return bool(publish is not None and publish("o_proj", mailbox))
+
     def prepare_step(self, host: HostStep) -> None:
         """The core's host work for the step, where it has any."""
         hook = getattr(self.core, "prepare_step", None)

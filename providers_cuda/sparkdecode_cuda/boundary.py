@@ -160,6 +160,7 @@ class CudaAttentionBoundary(_Cuda):
         self.spec, self.layer = ctx.spec, ctx.layer(layer)
         self.kernel = _BoundaryKernel(ctx)
         self.workspace = workspace(ctx)  # None at TP 1 and on a detached rank
+        self.published = False  # the layer's attention publishes its partial (pair_attention)
         if self.workspace is not None:
             defines = {"H": self.kernel.width, "THREADS": self.kernel.threads}
             self.fused = Kernel(SOURCE, "attention_boundary_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -168,6 +169,16 @@ class CudaAttentionBoundary(_Cuda):
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaAttentionBoundary:
         assert layer is not None
         return cls(ctx, layer)
+
+    def pair_attention(self, attention: object) -> None:
+        """Called by the executor once this layer's attention block is built beside this
+        boundary: at TP > 1, ask it to publish its o_proj partial into this rank's
+        Lamport slots from the GEMM's epilogue (``publish_partial``, where the attention
+        provider has one); if it does, the fused kernel only gathers. The same bits
+        either way (the pushed values are the partial's)."""
+        publish = getattr(attention, "publish_partial", None)
+        if self.workspace is not None and publish is not None:
+            self.published = bool(publish(self.workspace))
 
     def run(self, partial: torch.Tensor, stream: torch.Tensor, out: torch.Tensor) -> None:
         s, w = self.spec, self.layer
@@ -207,6 +218,7 @@ class CudaAttentionBoundary(_Cuda):
                 ptr(w.pre_ffn_norm),
                 f32(s.post_norm_eps),
                 f32(s.rms_norm_eps),
+                i32(int(self.published)),
                 *ws.args(),
             ],
         )

@@ -47,6 +47,22 @@ and is read again, never mixed bits within one bf16 pair). Every thread executes
    holds on one GPU (all ranks share one L2) and fails across GPUs: a peer's L2
    could keep a line the fence did not order. Do not narrow it.
 
+Publishing from a producer. A call's push may come from the kernel that produces
+the values instead of the consumer: ``cuda.linear``'s o_proj built with PUBLISH
+(linear.cu) pushes this rank's partial from its epilogue, 16 bytes a thread at the
+offsets the consumer reads, and ``attention_boundary_all_reduce_kernel`` with
+``published`` only gathers (``CudaAttentionBoundary.pair_attention`` sets both up at
+the build). The producer reads the generation after ``pdl_wait`` and does not advance
+it; the consumer, the next Lamport kernel in stream order, reads the same value (no
+other Lamport kernel runs between them), so the push lands in the slot the consumer
+takes. Argument 2 holds unchanged: the producer's push of call k + 1 follows its
+``fence.acq_rel.sys`` and, in stream order, the completed kernel that cleared call
+k's slots. The consumer's own block still comes from the partial, which the producer
+wrote with the same (not yet canonicalized) bits it pushed, so the sum is the same
+bits as when the consumer pushes. A published producer must run only where its
+consumer follows it (the executor's layer order); run alone, its pushes would fill
+slots nobody clears.
+
 Liveness. A slow rank only delays the others (they spin). The spin traps with a
 message after LAMPORT_SPIN_LIMIT_NS (ten minutes) instead of hanging forever; a
 rank that stops making calls (a crash) is the only way to reach it.

@@ -31,6 +31,7 @@ import torch
 from sparkdecode.protocols import LINEAR_WEIGHTS, BuildContext, Deployment
 
 from .boundary import _Cuda, cuda_unsupported
+from .lamport import LamportWorkspace
 from .launch import Kernel, i32, ptr
 
 SOURCE = "linear.cu"
@@ -129,6 +130,16 @@ def plan(n: int, k: int, fp32: bool, sms: int) -> Plan:
     return min(candidates, key=lambda p: (round(p.seconds(sms), 8), p.ctas < sms, p.splits, -p.rows, -p.depth))
 
 
+def publishing_plan(n: int, k: int, sms: int) -> Plan | None:
+    """The fastest tiling by the model of a bf16 weight whose epilogue publishes into the
+    Lamport mailbox (linear.cu's PUBLISH: 16-byte vectors of a CTA's share of rows), or
+    None when no tiling has such shares."""
+    candidates = [p for p in plans(n, k, False) if (p.rows // p.splits) % 8 == 0]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda p: (round(p.seconds(sms), 8), p.ctas < sms, p.splits, -p.rows, -p.depth))
+
+
 def shape_unsupported(name: str, n: int, k: int, fp32: bool) -> str | None:
     """Why the kernel takes no tiling of this N x K weight, or None."""
     if plans(n, k, fp32):
@@ -169,6 +180,22 @@ class _Weight:
         if (self.plan.n, self.plan.k, self.plan.fp32) != (w.shape[0], w.shape[1], self.fp32):
             raise ValueError(f"cuda.linear: {name} {tuple(w.shape)} {w.dtype} under a plan for {self.plan}")
         self.kernel = Kernel(SOURCE, "linear_kernel", w.device, self.plan.defines(), COMPILE_OPTIONS)
+        self.sms = sms
+        self.mailbox: LamportWorkspace | None = None  # set by publish()
+
+    def publish(self, mailbox: LamportWorkspace) -> bool:
+        """From now on every call also publishes its output into ``mailbox`` (this
+        rank's slot of the current generation in every peer, at row * N + column), for
+        the next Lamport kernel to gather. False (nothing changes) where this weight
+        cannot: the fp32 router, no tiling with 16-byte shares, or a slot too small."""
+        n, k = self.w.shape
+        chosen = None if self.fp32 else publishing_plan(n, k, self.sms)
+        if chosen is None or MAX_ROWS * n > mailbox.capacity:
+            return False
+        defines = {**chosen.defines(), "PUBLISH": 1}
+        self.plan, self.mailbox = chosen, mailbox
+        self.kernel = Kernel(SOURCE, "linear_kernel", self.w.device, defines, COMPILE_OPTIONS)
+        return True
 
     def check(self, x: torch.Tensor, out: torch.Tensor) -> None:
         b, (n, k) = x.shape[0], self.w.shape
@@ -183,11 +210,12 @@ class _Weight:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         self.check(x, out)
-        self.kernel.launch(
-            (self.plan.ctas, 1, 1),
-            (THREADS, 1, 1),
-            [ptr(self.w), ptr(x), i32(x.stride(0)), i32(x.shape[0]), ptr(out), i32(out.stride(0))],
-        )
+        args = [ptr(self.w), ptr(x), i32(x.stride(0)), i32(x.shape[0]), ptr(out), i32(out.stride(0))]
+        if self.mailbox is not None:
+            if out.stride(0) % 8 or out.data_ptr() % 16:
+                raise ValueError(f"cuda.linear {self.name}: a published output takes 16-byte-aligned rows")
+            args += self.mailbox.args()
+        self.kernel.launch((self.plan.ctas, 1, 1), (THREADS, 1, 1), args)
 
 
 class CudaLinear(_Cuda):
@@ -216,6 +244,11 @@ class CudaLinear(_Cuda):
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaLinear:
         assert layer is not None
         return cls(ctx, layer)
+
+    def publish(self, name: str, mailbox: LamportWorkspace) -> bool:
+        """Weight ``name``'s output published into ``mailbox`` by its epilogue from now
+        on (``_Weight.publish``); whether it will be."""
+        return self.weights[name].publish(mailbox)
 
     def run(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
         self.weights[name](x, out)

@@ -15,7 +15,9 @@
 //
 // attention_boundary_all_reduce_kernel (TP > 1): MODE 3 on the one-shot all-reduce
 // of every rank's bf16 o_proj partial (lamport.cuh), rounded to bf16 once as the
-// reference transport rounds, then the same code as boundary_kernel.
+// reference transport rounds, then the same code as boundary_kernel. `published`: the
+// o_proj GEMM has pushed this rank's partial to the peers from its epilogue
+// (linear.cu's PUBLISH), so this kernel only gathers; else it pushes first.
 #include "lamport.cuh"
 
 #ifndef H
@@ -103,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_boundary_all_red
     bf16_t* __restrict__ out,                                 // [b, H]
     const float* __restrict__ alpha, const float* __restrict__ beta,
     const bf16_t* __restrict__ next_weight, float eps_post, float eps_next,
-    const u64* __restrict__ peers, int* __restrict__ control, int rank, int tp, long long cap) {
+    int published, const u64* __restrict__ peers, int* __restrict__ control, int rank, int tp, long long cap) {
   __shared__ float scratch[32];
   const int row = blockIdx.x;
   const int base = threadIdx.x * ITEMS;
@@ -119,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_boundary_all_red
   const Lamport l = lamport_begin(peers, control, rank, tp, cap);
   const long long offset = (long long)row * H + base;
   const uint4 local = *(const uint4*)(partial + (long)row * partial_stride + base);
-  lamport_push(l, offset, local);
+  if (!published) lamport_push(l, offset, local);
   float acc[8];
   lamport_sum(l, offset, local, acc);
   float v[ITEMS];

@@ -25,7 +25,22 @@
 // Sums, in a fixed order: within a warp the MMA's fp32 accumulation over its k;
 // then per output value the (rank, warp-along-K) partials in rank order, then warp
 // order; one rounding to bf16 (fp32 out for the router). The same bits every run.
+//
+// PUBLISH (bf16 only; 0 when absent): the epilogue also publishes its output into the
+// Lamport mailbox (lamport.cuh) for the next kernel to gather: each thread rounds 8
+// consecutive output columns of one row of x (the same sums and roundings), stores
+// them as 16 bytes and pushes them to slot (g, rank) of every peer at element
+// row * N_DIM + column, g being the generation the consumer reads next (this kernel
+// does not advance it; the consumer does). The o_proj partial's producer for
+// cuda.attention_boundary at TP > 1 (lamport.py, "Publishing from a producer").
+#ifndef PUBLISH
+#define PUBLISH 0
+#endif
+#if PUBLISH
+#include "lamport.cuh"
+#else
 #include "common.cuh"
+#endif
 
 #if !defined(N_DIM) || !defined(K_DIM) || !defined(TM) || !defined(WM) || !defined(SPLITS) || !defined(DEPTH) || \
     !defined(W_FP32)
@@ -50,6 +65,7 @@ static_assert(N_DIM % R == 0, "N: a multiple of the CTA's rows");
 static_assert(K_DIM % (SPLITS * WK * CK * DEPTH) == 0 && NC % DEPTH == 0, "K: whole batches of chunks");
 static_assert(R % SPLITS == 0, "rows shared out over the cluster");
 static_assert(KS % 8 == 0, "x staged in 16-byte vectors");
+static_assert(!PUBLISH || (!W_FP32 && (R / SPLITS) % 8 == 0), "published: bf16, 16-byte vectors of a CTA's rows");
 
 // A 16-byte weight load that leaves L1 alone (each weight byte is read once).
 __device__ __forceinline__ uint4 load_stream(const void* p) {
@@ -115,6 +131,20 @@ __device__ __forceinline__ void load_batch(uint4 (&q)[DEPTH][TM][2], const unsig
         q[d][a][h] = load_stream(w + (long)(16 * a + 8 * h) * ROW_BYTES + (long)(c0 + d) * CK * (W_FP32 ? 4 : 2));
 }
 
+// Output value (n, row) of the CTA's block: the cluster's partials in rank order, then
+// warp order.
+__device__ __forceinline__ float output_sum(const float* red, int n, int row) {
+  float p[SPLITS * WK];
+#pragma unroll
+  for (int src = 0; src < SPLITS; ++src)
+#pragma unroll
+    for (int v = 0; v < WK; ++v) p[src * WK + v] = load_partial(red, (v * NB + n) * R + row, src);
+  float s = p[0];
+#pragma unroll
+  for (int j = 1; j < SPLITS * WK; ++j) s += p[j];
+  return s;
+}
+
 #if W_FP32
 #define OUT_T float
 #else
@@ -128,7 +158,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
 #endif
         linear_kernel(const unsigned char* __restrict__ w,  // [N, K] bf16 or fp32, rows contiguous
                       const bf16_t* __restrict__ x, int x_stride, int b,  // [b, K]
-                      OUT_T* __restrict__ out, int out_stride) {           // [b, N]
+                      OUT_T* __restrict__ out, int out_stride             // [b, N]
+#if PUBLISH
+                      ,
+                      const u64* __restrict__ peers, int* __restrict__ control, int tp_rank, int tp, long long cap
+#endif
+        ) {
   __shared__ __align__(16) bf16_t xs[NB * XROW];
   __shared__ float red[WK * NB * R];  // [wk][n][row]: the warps' partials
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -221,17 +256,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
   cluster_sync();  // every partial of the cluster written
   // This rank's share of the block's rows: R / SPLITS rows x the b rows of x.
   constexpr int ROWS = R / SPLITS;
+#if PUBLISH
+  const Lamport l = lamport_begin(peers, control, tp_rank, tp, cap);
+  for (int i = threadIdx.x; i < ROWS / 8 * NB; i += NTHREADS) {
+    const int n = i / (ROWS / 8), row = rank * ROWS + i % (ROWS / 8) * 8;
+    if (n >= b) continue;
+    u32 h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      h[j] = (u32)float_to_bf16(output_sum(red, n, row + 2 * j)) |
+             (u32)float_to_bf16(output_sum(red, n, row + 2 * j + 1)) << 16;
+    const uint4 v = make_uint4(h[0], h[1], h[2], h[3]);
+    const long col = (long)(blockIdx.x / SPLITS) * R + row;
+    *reinterpret_cast<uint4*>(out + (long)n * out_stride + col) = v;
+    lamport_push(l, (long long)n * N_DIM + col, v);
+  }
+#else
   for (int i = threadIdx.x; i < ROWS * NB; i += NTHREADS) {
     const int n = i / ROWS, row = rank * ROWS + i % ROWS;
     if (n >= b) continue;
-    float p[SPLITS * WK];
-#pragma unroll
-    for (int src = 0; src < SPLITS; ++src)
-#pragma unroll
-      for (int v = 0; v < WK; ++v) p[src * WK + v] = load_partial(red, (v * NB + n) * R + row, src);
-    float s = p[0];
-#pragma unroll
-    for (int j = 1; j < SPLITS * WK; ++j) s += p[j];
+    const float s = output_sum(red, n, row);
     const long o = (long)n * out_stride + (blockIdx.x / SPLITS) * R + row;
 #if W_FP32
     out[o] = s;
@@ -239,6 +283,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
     out[o] = float_to_bf16(s);
 #endif
   }
+#endif
 #if SPLITS > 1
   cluster_sync();  // no CTA leaves while another still reads its partials
 #endif

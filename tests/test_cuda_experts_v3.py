@@ -170,3 +170,68 @@ def test_nvfp4_v3_table_is_exact_for_every_code_and_finite_scale():
     want = e2m1(codes)[None] * sc.double()[:, None, None]
     assert torch.equal(got, want)
     assert torch.equal(torch.signbit(got), torch.signbit(want))  # signed zeros too
+
+
+def ptxas_usage(defines: dict[str, int]) -> dict[str, tuple[int, int, int]]:
+    """Per kernel of experts.cu under these defines: (registers a thread, stack frame
+    bytes, spill store + load bytes), from ptxas's report (NVRTC's --ptxas-options=-v)."""
+    import re
+
+    from cuda.bindings import nvrtc as cu_nvrtc
+
+    from sparkdecode_cuda import nvrtc
+
+    text = nvrtc.source(experts_mod.SOURCE)
+    headers = nvrtc._headers(text)
+    opts = ["--gpu-architecture=sm_90a", "-std=c++17", *experts_mod.COMPILE_OPTIONS, "--ptxas-options=-v"]
+    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    _, prog = cu_nvrtc.nvrtcCreateProgram(
+        text.encode(),
+        experts_mod.SOURCE.encode(),
+        len(headers),
+        [v.encode() for v in headers.values()],
+        list(map(str.encode, headers)),
+    )
+    try:
+        (err,) = cu_nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, size = cu_nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        cu_nvrtc.nvrtcGetProgramLog(prog, log)
+    finally:
+        cu_nvrtc.nvrtcDestroyProgram(prog)
+    report = log.decode(errors="replace")
+    assert err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS, report
+    usage = {}
+    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", report, re.S):
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", body)
+        regs = re.search(r"Used (\d+) registers", body)
+        assert frame and regs, report
+        usage[name] = (int(regs[1]), int(frame[1]), int(frame[2]) + int(frame[3]))
+    return usage
+
+
+def blocks_per_sm(registers: int, threads: int = 256) -> int:
+    """Blocks of ``threads`` an SM's 64K registers hold (a warp's registers allocated in 256s)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return 65536 // (per_warp * (threads // 32))
+
+
+@pytest.mark.parametrize("cls_name", ["CudaExpertsNvfp4MarlinV3Occ", "CudaExpertsNvfp4MarlinV3Pipe"])
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_occupancy_variants_compile_spill_free(cls_name, width, intermediate):
+    """The Marlin V3 variants (_occ registered, _pipe not) at the TP8 rank's expert-TP slice (I 512) and
+    EP (whole experts): no stack or spills, and registers that fit the blocks an SM each
+    kernel is launched on (down: 4 for _occ, 3 for _pipe; up: 2)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    cls = getattr(experts_mod, cls_name)
+    assert (cls in plugin.PROVIDERS) == (cls.pipe == 0) and cls.variant == 2 and cls.format == "nvfp4_marlin"
+    assert experts_mod.shape_unsupported(width, intermediate, cls.format, 8, 8) is None
+    usage = ptxas_usage(cls.kernel_defines(width, intermediate, 8))
+    for kernel, blocks in (("experts_up_kernel", cls.up_blocks), ("experts_down_kernel", cls.down_blocks)):
+        regs, frame, spills = usage[kernel]
+        assert frame == 0 and spills == 0, (kernel, usage)
+        assert blocks_per_sm(regs) >= blocks, (kernel, regs, blocks)
+    assert (cls.up_blocks, cls.down_blocks) == ((2, 4) if cls.pipe == 0 else (2, 3))

@@ -113,7 +113,7 @@ def test_unsupported_off_hopper(monkeypatch):
 def test_experts_kernels_compile_for_hopper(fmt, variant, width, intermediate, top_k, tmp_path, monkeypatch):
     """The routed experts at the TP8 rank's expert-TP slice (I 512) and EP (whole
     experts), and the tiny spec's shapes; the NVFP4 ones under EXPERTS_V2 too (the
-    V2 providers' define) and EXPERTS_V2 = 2 (the unregistered V3 providers')."""
+    V2 providers' define) and EXPERTS_V2 = 2 (the V3 providers')."""
     from sparkdecode_cuda import experts
 
     monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))

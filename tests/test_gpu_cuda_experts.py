@@ -119,7 +119,8 @@ SHAPES = {
 
 def provider(fmt: str):
     """A format's provider; "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
-    "-v3": its EXPERTS_V3 variant (the last two unregistered)."""
+    "-v3": its EXPERTS_V3 variant, "-v3occ" / "-v3pipe": Marlin V3 with the down kernel on
+    4 blocks an SM / with EXPERTS_PIPE (the checkpoint layout's V3 and the last unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -129,16 +130,18 @@ def provider(fmt: str):
         "nvfp4_marlin-bulk": bulk_mod.CudaExpertsNvfp4MarlinBulk,
         "nvfp4-v3": experts_mod.CudaExpertsNvfp4V3,
         "nvfp4_marlin-v3": experts_mod.CudaExpertsNvfp4MarlinV3,
+        "nvfp4_marlin-v3occ": experts_mod.CudaExpertsNvfp4MarlinV3Occ,
+        "nvfp4_marlin-v3pipe": experts_mod.CudaExpertsNvfp4MarlinV3Pipe,
     }[fmt]
 
 
 def weight_format(fmt: str) -> str:
-    return fmt.removesuffix("-v2").removesuffix("-bulk").removesuffix("-v3")
+    return fmt.split("-")[0]
 
 
 def exact(fmt: str) -> bool:
-    """Whether the kernels keep the weights unrounded (EXPERTS_V3)."""
-    return fmt.endswith("-v3")
+    """Whether the kernels keep the weights unrounded (EXPERTS_V3 and its variants)."""
+    return "-v3" in fmt
 
 
 def dequantized(experts: ExpertWeights, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +154,9 @@ def dequantized(experts: ExpertWeights, fmt: str) -> tuple[torch.Tensor, torch.T
     return w13.float().to(torch.bfloat16), w2.float().to(torch.bfloat16)
 
 
-NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [f"nvfp4_marlin{v}" for v in ("", "-v2", "-bulk", "-v3")]
+NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
+    f"nvfp4_marlin{v}" for v in ("", "-v2", "-bulk", "-v3", "-v3occ", "-v3pipe")
+]
 FORMATS = ["bf16", *NVFP4_FORMATS]
 
 

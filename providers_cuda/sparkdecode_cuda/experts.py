@@ -19,8 +19,10 @@ GEMM outputs are rounded to bf16 where the reference rounds them, SwiGLU is the 
 fp32 operations; the GEMMs' fp32 sums run in another order (tensor-core MMA over
 16 values, the K-slices of the warps added in a fixed order), so an output differs
 by fp32 rounding of the sums, a bf16 ulp where that crosses a rounding boundary.
-The unregistered V3 providers (EXPERTS_V2 = 2) follow vLLM's Marlin math instead: the
-weights e2m1 * block scale exact in bf16, the global scale on the fp32 sums.
+The V3 providers (EXPERTS_V2 = 2; the Marlin ones registered) follow vLLM's Marlin math
+instead, which is what vLLM's stock forward computes on SM90: the weights e2m1 * block
+scale exact in bf16, the global scale on the fp32 sums; their outputs are closer to the
+exact quantized model than the reference's (which rounds every weight to bf16).
 """
 
 from __future__ import annotations
@@ -106,6 +108,11 @@ class CudaExperts(_Cuda):
     format = "bf16"
     # experts.cu's EXPERTS_V2 (0: the kernels as registered); a define, so in the compile key
     variant: ClassVar[int] = 0
+    # experts.cu's EXPERTS_PIPE, and the blocks per SM the up and down kernels are built
+    # and launched for (EXPERTS_UP_BLOCKS, EXPERTS_DOWN_BLOCKS; defined where not the default)
+    pipe: ClassVar[int] = 0
+    up_blocks: ClassVar[int] = BLOCKS_PER_SM
+    down_blocks: ClassVar[int] = BLOCKS_PER_SM
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -125,14 +132,7 @@ class CudaExperts(_Cuda):
             raise ValueError(f"layer {layer}: {why}")
         self._check_layout(layer)
         self.top_k, self.width = spec.top_k, spec.P
-        defines = {
-            "P_DIM": spec.P,
-            "I_LOCAL": self.intermediate,
-            "FMT": FMT[self.format],
-            "TOP_K": spec.top_k,
-        }
-        if self.variant:
-            defines["EXPERTS_V2"] = self.variant
+        defines = self.kernel_defines(spec.P, self.intermediate, spec.top_k)
         self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.down = Kernel(SOURCE, "experts_down_kernel", ctx.device, defines, COMPILE_OPTIONS)
         slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
@@ -143,9 +143,23 @@ class CudaExperts(_Cuda):
         chunk = CHUNK[self.format]
         tiles_up = self.intermediate // (UP_COLS[self.format] * (8 // _warps_k(spec.P, chunk)))
         tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // _warps_k(self.intermediate, chunk)))
-        self.grid_up = max(1, min(slots * tiles_up, BLOCKS_PER_SM * sms))
-        self.grid_down = max(1, min(max(slots, 1) * tiles_down, BLOCKS_PER_SM * sms))
+        self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
+        self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
+
+    @classmethod
+    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
+        """experts.cu's defines for pooled width P, this rank's I-slice and top-k."""
+        defines = {"P_DIM": width, "I_LOCAL": intermediate, "FMT": FMT[cls.format], "TOP_K": top_k}
+        if cls.variant:
+            defines["EXPERTS_V2"] = cls.variant
+        if cls.pipe:
+            defines["EXPERTS_PIPE"] = cls.pipe
+        if cls.up_blocks != BLOCKS_PER_SM:
+            defines["EXPERTS_UP_BLOCKS"] = cls.up_blocks
+        if cls.down_blocks != BLOCKS_PER_SM:
+            defines["EXPERTS_DOWN_BLOCKS"] = cls.down_blocks
+        return defines
 
     def _check_layout(self, layer: int) -> None:
         e = self.experts
@@ -383,3 +397,28 @@ class CudaExpertsNvfp4MarlinV3(_ExactScales, CudaExpertsNvfp4MarlinV2):
             why = marlin_v3_unsupported(scale, glob)
             if why:
                 raise ValueError(f"layer {layer}: {self.name}: {which}: {why}")
+
+
+class CudaExpertsNvfp4MarlinV3Occ(CudaExpertsNvfp4MarlinV3):
+    """``cuda.experts_nvfp4_marlin_v3`` with the down kernel built for 4 blocks an SM
+    (EXPERTS_DOWN_BLOCKS = 4: 64 registers, no spills, a batch's loads still issued
+    before its MMAs) and launched on 4 an SM: twice the warps, so twice the down GEMM's
+    weight loads in flight an SM. The up kernel stays at 2 (at 3, ptxas fits 80
+    registers by issuing a batch's loads a few at a time). The same kernels' math: the
+    same bits. The fastest Marlin kernel measured (bench/NOTES.md v7)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_occ"
+    down_blocks = 4
+
+
+class CudaExpertsNvfp4MarlinV3Pipe(CudaExpertsNvfp4MarlinV3):
+    """``cuda.experts_nvfp4_marlin_v3`` with experts.cu's EXPERTS_PIPE: the Marlin loop's
+    loads as a ring in the same registers, each step's registers refilled with the next
+    batch's step after its MMAs, so loads stay in flight while a batch computes, and the
+    L2 prefetch a batch further ahead; the down kernel on 3 blocks an SM (at 4 its ring
+    spills). The same MMAs in the same order: the same bits as V3. Not registered: on the
+    H200 no faster than V3 (ptxas issues most refills late in the batch; bench/NOTES.md v7)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_pipe"
+    pipe = 1
+    down_blocks = 3

@@ -15,6 +15,7 @@ from .experts import (
     CudaExpertsNvfp4Marlin,
     CudaExpertsNvfp4MarlinV2,
     CudaExpertsNvfp4MarlinV3,
+    CudaExpertsNvfp4MarlinV3Occ,
     CudaExpertsNvfp4V2,
 )
 from .experts_bulk import CudaExpertsNvfp4MarlinBulk
@@ -33,6 +34,7 @@ PROVIDERS: tuple[type, ...] = (
     CudaExpertsNvfp4V2,
     CudaExpertsNvfp4MarlinV2,
     CudaExpertsNvfp4MarlinV3,
+    CudaExpertsNvfp4MarlinV3Occ,
     CudaExpertsNvfp4MarlinBulk,
     CudaLinear,
     CudaFinal,

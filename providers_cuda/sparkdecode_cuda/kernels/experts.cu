@@ -63,6 +63,18 @@
 // (make_lut_v3, exact in bf16 for every finite e4m3 scale) and the globals move to the
 // output. tests/test_cuda_experts_v3.py emulates both decodes for every code and byte.
 // The V3 Marlin loop also keeps its load pointers, advanced a batch at a time.
+//
+// EXPERTS_PIPE (a define, 0 when absent; V3 Marlin only): the loop's loads as a ring of
+// SB steps in the same registers, refilled a step at a time: after a step's MMAs its
+// registers take the loads of the step SB ahead, so the loads of the next SB - 1 steps
+// stay in flight while a step computes (without it a batch's loads all complete before
+// its first MMA and none is in flight during its MMAs: the loads' latency and the
+// decode add up instead of overlapping). The L2 prefetch runs a batch further ahead
+// (two batches of the next item). The same MMAs in the same order: the same bits.
+// (ptxas at 128 registers issues most of the up kernel's refills in the batch's last
+// third, after its decode has freed the registers: the overlap is partial.)
+// EXPERTS_UP_BLOCKS, EXPERTS_DOWN_BLOCKS (2 when absent): the blocks per SM each
+// kernel's registers are bounded for (__launch_bounds__); the provider's grid matches.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -76,6 +88,18 @@
 #endif
 #if EXPERTS_V3 && FMT == 0
 #error "EXPERTS_V2 = 2 (V3) is for the NVFP4 formats"
+#endif
+#ifndef EXPERTS_PIPE
+#define EXPERTS_PIPE 0
+#endif
+#if EXPERTS_PIPE && !(EXPERTS_V3 && FMT == 2)
+#error "EXPERTS_PIPE is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
+#endif
+#ifndef EXPERTS_UP_BLOCKS
+#define EXPERTS_UP_BLOCKS 2
+#endif
+#ifndef EXPERTS_DOWN_BLOCKS
+#define EXPERTS_DOWN_BLOCKS 2
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -205,6 +229,19 @@ __device__ __forceinline__ void marlin_word_v3(u32 w, u32 s2, u32 a[4]) {
   a[2] = mul_bf16x2_bcast<0>(((w & 0x00f000f0u) * 0x104u) & M, s2);
   a[3] = mul_bf16x2_bcast<1>(((h & 0x00f000f0u) * 0x104u) & M, s2);
 }
+
+// One MMA step of a 64-row Marlin block, V3: the thread's 16 bytes of words v and 8
+// scale bytes s (see the top), x's b0, b1; tiles c[0..3].
+__device__ __forceinline__ void marlin_block_v3(uint4 v, uint2 s, u32 b0, u32 b1, float c[4][4]) {
+  const u32 words[4] = {v.x, v.y, v.z, v.w};
+  const u32 scales[2] = {s.x, s.y};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 a[4];
+    marlin_word_v3(words[j], marlin_scales_v3(scales[j >> 1], j & 1), a);
+    mma_bf16(c[j], a[0], a[1], a[2], a[3], b0, b1);
+  }
+}
 #endif
 
 // The weights of one expert for one GEMM: rows of K values.
@@ -244,6 +281,34 @@ __device__ __forceinline__ void prefetch_rows(const Weights& W, const int row0[2
 #pragma unroll
   for (int off = 0; off < CB * CHUNK_K / 2; off += 128) prefetch_l2(W.w + row * (K / 2) + k / 2 + off);
   prefetch_l2(W.scale + row * (K / 16) + k / 16);
+}
+#endif
+
+#if EXPERTS_PIPE
+// A batch of the V3 Marlin ring (warp_gemm_marlin): step r's MMAs from q[r], sc[r] and
+// x at xp + 8r; with REFILL, then step SB + r's loads (words wp[b], scales sp[b] at the
+// batch's first step) into q[r], sc[r], in flight while steps r + 1.. compute.
+template <int N, int NBLK, int SB, bool REFILL>
+__device__ __forceinline__ void marlin_ring_batch(uint4 q[SB][NBLK], uint2 sc[SB][NBLK], const uint4* const wp[NBLK],
+                                                  const uint2* const sp[NBLK], const u32* xp, bool xrow,
+                                                  float c[4 * NBLK][4]) {
+#pragma unroll
+  for (int r = 0; r < SB; ++r) {
+    u32 b0 = 0u, b1 = 0u;
+    if (xrow) {
+      b0 = __ldg(xp + 8 * r);
+      b1 = __ldg(xp + 8 * r + 4);
+    }
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) marlin_block_v3(q[r][b], sc[r][b], b0, b1, c + 4 * b);
+    if (REFILL) {
+#pragma unroll
+      for (int b = 0; b < NBLK; ++b) {
+        q[r][b] = __ldg(wp[b] + (SB + r) * (N / 2));
+        sc[r][b] = __ldg(sp[b] + (SB + r) * (N / 8));
+      }
+    }
+  }
 }
 #endif
 
@@ -360,6 +425,32 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   }
   const u32* xp = reinterpret_cast<const u32*>(xr + k0 + 2 * t);
 #endif
+#if EXPERTS_PIPE
+  // The ring: step r of every batch in q[r], sc[r]; the first batch loaded here.
+  uint4 q[SB][NBLK];
+  uint2 sc[SB][NBLK];
+#pragma unroll
+  for (int r = 0; r < SB; ++r)
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) {
+      q[r][b] = __ldg(wp[b] + r * (N / 2));
+      sc[r][b] = __ldg(sp[b] + r * (N / 8));
+    }
+  // Every batch but the last refills the ring; the last only computes (no load past the slice).
+#pragma unroll 1
+  for (int batch = 0; batch + SB < STEPS; batch += SB) {
+    // into L2: the batch after the one the ring loads while this one computes
+    if (batch + 2 * SB < STEPS) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + 2 * SB);
+    marlin_ring_batch<N, NBLK, SB, true>(q, sc, wp, sp, xp, xrow, c);
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) {
+      wp[b] += SB * (N / 2);
+      sp[b] += SB * (N / 8);
+    }
+    xp += SB * 8;
+  }
+  marlin_ring_batch<N, NBLK, SB, false>(q, sc, wp, sp, xp, xrow, c);
+#else
 #pragma unroll 1
   for (int batch = 0; batch < STEPS; batch += SB) {
     uint4 q[NBLK][SB];
@@ -406,17 +497,13 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
 #if !EXPERTS_V3
         const float glob = blk0[b] < W.split ? W.global_lo : W.global_hi;
 #endif
+#if EXPERTS_V3
+        marlin_block_v3(q[b][sb], sc[b][sb], b0, b1, c + 4 * b);
+#else
         const uint4 v = q[b][sb];
         const u32 words[4] = {v.x, v.y, v.z, v.w};
         const u32 scales[2] = {sc[b][sb].x, sc[b][sb].y};
-#if EXPERTS_V3
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          u32 a[4];
-          marlin_word_v3(words[j], marlin_scales_v3(scales[j >> 1], j & 1), a);
-          mma_bf16(c[4 * b + j], a[0], a[1], a[2], a[3], b0, b1);
-        }
-#elif EXPERTS_V2
+#if EXPERTS_V2
         const float g105 = glob * 0x1p105f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -437,6 +524,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
                    dequant_pair(w, 3, 7, s1), b0, b1);
         }
 #endif
+#endif
       }
     }
 #if EXPERTS_V3
@@ -448,6 +536,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
     xp += SB * 8;
 #endif
   }
+#endif  // EXPERTS_PIPE
 }
 
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
@@ -468,8 +557,11 @@ __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT 
 template <int K, int N, int WK_, int NT>
 __device__ __forceinline__ void prefetch_gemm(const Weights& W, const int row0[NT / TPB], int k0) {
 #if FMT == 2
-  constexpr int STEPS = K / WK_ / 16;
-  prefetch_marlin<N, NT / TPB, STEPS < 4 ? STEPS : 4>(W, row0, k0 / 16);
+  constexpr int STEPS = K / WK_ / 16, SB = STEPS < 4 ? STEPS : 4;
+  prefetch_marlin<N, NT / TPB, SB>(W, row0, k0 / 16);
+#if EXPERTS_PIPE
+  if (STEPS > SB) prefetch_marlin<N, NT / TPB, SB>(W, row0, k0 / 16 + SB);  // the ring's first refill
+#endif
 #elif FMT == 1
   constexpr int NC = K / WK_ / CHUNK_K;
   prefetch_rows<K, NC < 4 ? NC : 4>(W, row0, k0);
@@ -541,7 +633,7 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
 
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
-extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_up_kernel(
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) experts_up_kernel(
     const bf16_t* __restrict__ x, int x_stride, int b,           // [b, P]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
     const unsigned char* __restrict__ w13,                         // [E_local, 2I, P] bf16 or [E_local, 2I, P/2]
@@ -593,7 +685,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_up_kernel(
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
-extern "C" __global__ void __launch_bounds__(NTHREADS, 2) experts_down_kernel(
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_kernel(
     const bf16_t* __restrict__ act, int b,                         // [slots, 8, I_LOCAL]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K]
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]

@@ -235,3 +235,71 @@ def test_marlin_v3_occupancy_variants_compile_spill_free(cls_name, width, interm
         assert frame == 0 and spills == 0, (kernel, usage)
         assert blocks_per_sm(regs) >= blocks, (kernel, regs, blocks)
     assert (cls.up_blocks, cls.down_blocks) == ((2, 4) if cls.pipe == 0 else (2, 3))
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_split_compiles_spill_free(width, intermediate):
+    """The EXPERTS_SPLIT variant (unregistered) at the TP8 rank's expert-TP slice and EP: no
+    stack or spills, registers for its up kernel's 2 blocks an SM and its down kernel's 4."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Split
+    assert cls not in plugin.PROVIDERS and (cls.up_blocks, cls.down_blocks) == (2, 4)
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines["EXPERTS_SPLIT"] == 1 and defines["EXPERTS_V2"] == 2
+    usage = ptxas_usage(defines)
+    for kernel, blocks in (("experts_up_kernel", cls.up_blocks), ("experts_down_kernel", cls.down_blocks)):
+        regs, frame, spills = usage[kernel]
+        assert frame == 0 and spills == 0, (kernel, usage)
+        assert blocks_per_sm(regs) >= blocks, (kernel, regs, blocks)
+
+
+def round_robin_parts(items: int, parts: int, grid: int) -> list[int]:
+    """The parts each block does when whole items go round robin (the kernels without EXPERTS_SPLIT)."""
+    return [len(range(b, items, grid)) * parts for b in range(grid)]
+
+
+@pytest.mark.parametrize("distinct", [55, 57])
+def test_marlin_v3_split_is_even_at_expert_tp(distinct):
+    """55 (57) distinct experts at the TP8 rank's expert-TP slice (I 512: 8 items an expert,
+    8 parts an item) on 132 SMs x 2 blocks: whole items round robin leave the busiest block
+    16 parts against a mean of 13.3 (13.8): 83% (86%); the split runs differ by at most a
+    part (95%+), and each block's run holds at most two pieces of items (its workspace's
+    two slots)."""
+    parts = experts_mod.up_parts(4096)
+    assert parts == 8
+    items, grid = distinct * 512 // 64, 2 * 132
+    runs = experts_mod.split_runs(items, parts, grid)
+    sizes = [end - start for start, end in runs]
+    mean = items * parts / grid
+    assert max(round_robin_parts(items, parts, grid)) / mean > 1.15
+    assert max(sizes) - min(sizes) <= 1 and max(sizes) / mean < 1.06
+    for start, end in runs:
+        whole = [u for u in range(start // parts, -(-end // parts)) if start <= u * parts and (u + 1) * parts <= end]
+        pieces = -(-end // parts) - start // parts - len(whole)
+        assert pieces <= 2, (start, end)
+
+
+@pytest.mark.parametrize("items,parts,grid", [(440, 8, 264), (1, 8, 264), (3, 2, 8), (5, 1, 8), (7, 8, 16)])
+def test_marlin_v3_split_runs_tile_the_parts(items, parts, grid):
+    """The runs cover every part once, in order; every block from an item's first block to
+    its last has a piece of it (the kernel waits for last - first + 1 pieces), found as
+    the kernel's Runs.block finds it."""
+    runs = experts_mod.split_runs(items, parts, grid)
+    total = items * parts
+    blocks = min(grid, total)
+    busy = [r for r in runs if r[1] > r[0]]
+    assert [s for s, _ in busy] == [0, *[e for _, e in busy[:-1]]] and busy[-1][1] == total
+    assert len(busy) == blocks and all(r == (0, 0) for r in runs[blocks:])
+
+    def block(p: int) -> int:  # experts.cu's Runs.block
+        return ((p + 1) * blocks - 1) // total
+
+    for p in range(total):
+        assert runs[block(p)][0] <= p < runs[block(p)][1]
+    for u in range(items):
+        first, last = block(u * parts), block((u + 1) * parts - 1)
+        for b in range(first, last + 1):
+            assert runs[b][0] < (u + 1) * parts and runs[b][1] > u * parts, (u, b)

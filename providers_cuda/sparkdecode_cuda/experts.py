@@ -422,3 +422,53 @@ class CudaExpertsNvfp4MarlinV3Pipe(CudaExpertsNvfp4MarlinV3):
     name = "cuda.experts_nvfp4_marlin_v3_pipe"
     pipe = 1
     down_blocks = 3
+
+
+def up_parts(width: int) -> int:
+    """experts.cu's UP_PARTS for the Marlin up GEMM over pooled width P: a warp's batches of
+    (up to) 4 steps of 16 k in a whole item."""
+    steps = width // _warps_k(width, CHUNK["nvfp4_marlin"]) // 16
+    return steps // min(steps, 4)
+
+
+def split_runs(items: int, parts: int, grid: int) -> list[tuple[int, int]]:
+    """experts.cu's EXPERTS_SPLIT cut (its Runs): each block's run [start, end) of the
+    items * parts parts, in item order; the first min(grid, items * parts) blocks get equal
+    runs, a part more or less, the rest none."""
+    total = items * parts
+    blocks = min(grid, total)
+    return [(b * total // blocks, (b + 1) * total // blocks) if b < blocks else (0, 0) for b in range(grid)]
+
+
+class CudaExpertsNvfp4MarlinV3Split(CudaExpertsNvfp4MarlinV3Occ):
+    """``cuda.experts_nvfp4_marlin_v3_occ`` with experts.cu's EXPERTS_SPLIT: the up kernel's
+    work cut evenly over its grid (split_runs) instead of whole items round robin, each
+    item's K in batch-sized parts, the pieces of an item that straddles blocks added in
+    block order (K order) by the last block to arrive: deterministic. Its workspace (two
+    pieces a block) and item counters (zero between launches: the last piece resets its
+    own) are allocated here. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_split"
+
+    @classmethod
+    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
+        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_SPLIT": 1}
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        super().__init__(ctx, layer)
+        width, fmt = ctx.spec.P, self.format
+        wm = 8 // _warps_k(width, CHUNK[fmt])
+        items = min(MAX_ROUTES, ctx.max_rows * ctx.spec.top_k, self.experts.num_local) * (
+            self.intermediate // (UP_COLS[fmt] * wm)
+        )
+        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        self.grid_up = max(1, min(items * up_parts(width), self.up_blocks * sms))
+        piece = 2 * UP_COLS[fmt] // 16 * 4 * 32  # a warp's sums: its gate and up tiles' accumulators
+        key = f"{width}_{self.intermediate}"
+        ws_shape = (self.grid_up, 2, wm, piece)
+        self.workspace = ctx.scratch(f"cuda_experts_split_ws_{key}_{self.grid_up}", ws_shape, torch.float32)
+        self.counters = ctx.scratch(f"cuda_experts_split_counters_{key}_{items}", (max(items, 1) * wm,), torch.int32)
+        self.counters.zero_()
+
+    def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
+        return [*super()._up_args(x, ids), ptr(self.workspace), ptr(self.counters)]

@@ -75,6 +75,18 @@
 // third, after its decode has freed the registers: the overlap is partial.)
 // EXPERTS_UP_BLOCKS, EXPERTS_DOWN_BLOCKS (2 when absent): the blocks per SM each
 // kernel's registers are bounded for (__launch_bounds__); the provider's grid matches.
+//
+// EXPERTS_SPLIT (a define, 0 when absent; V3 Marlin only): the up kernel's work split
+// evenly over the grid instead of whole items round robin (where 456 items on 264 blocks
+// leave most blocks 2 items and the rest 1). An item's K is UP_PARTS parts, each one
+// batch of every warp; the T = items * UP_PARTS parts in item order are cut into the
+// grid's equal runs (block b: parts [b T / grid, (b + 1) T / grid), a part more or less),
+// so a block's run covers whole items in the middle and a piece of one at either end.
+// Each warp takes an equal share of a piece's K, contiguous; a piece's sums (the warps'
+// added in warp order) go to a workspace, and the last of the item's blocks to arrive (a
+// counter per item, reset by that last one for the next launch) adds them in block order,
+// which is K order, then SwiGLU. The cut depends only on the item count and the grid:
+// the same bits every run (an item done whole by one block: V3's sums exactly).
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -97,6 +109,12 @@
 #endif
 #ifndef EXPERTS_UP_BLOCKS
 #define EXPERTS_UP_BLOCKS 2
+#endif
+#ifndef EXPERTS_SPLIT
+#define EXPERTS_SPLIT 0
+#endif
+#if EXPERTS_SPLIT && !(EXPERTS_V3 && FMT == 2)
+#error "EXPERTS_SPLIT is for the V3 Marlin kernels (EXPERTS_V2 = 2, FMT 2)"
 #endif
 #ifndef EXPERTS_DOWN_BLOCKS
 #define EXPERTS_DOWN_BLOCKS 2
@@ -400,9 +418,12 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
 // tiles c[4b + j]) of a GEMM of N rows over its K-slice [k0, k0 + K / WK_), against
 // B = x rows as warp_gemm. Per MMA step (16 k) a thread loads one 16-byte word run per
 // block and 8 scale bytes per block: the layout's own fragments (see the top).
+// `steps`: the steps of 16 k from k0, a multiple of the batch SB (EXPERTS_SPLIT's pieces;
+// otherwise the whole slice, STEPS).
 template <int K, int N, int WK_, int NBLK>
 __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
-                                                 const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4]) {
+                                                 const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4],
+                                                 int steps) {
   constexpr int STEPS = K / WK_ / 16;
   constexpr int SB = STEPS < 4 ? STEPS : 4;  // steps loaded together
   static_assert(STEPS % SB == 0, "steps per batch");
@@ -438,9 +459,9 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
     }
   // Every batch but the last refills the ring; the last only computes (no load past the slice).
 #pragma unroll 1
-  for (int batch = 0; batch + SB < STEPS; batch += SB) {
+  for (int batch = 0; batch + SB < steps; batch += SB) {
     // into L2: the batch after the one the ring loads while this one computes
-    if (batch + 2 * SB < STEPS) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + 2 * SB);
+    if (batch + 2 * SB < steps) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + 2 * SB);
     marlin_ring_batch<N, NBLK, SB, true>(q, sc, wp, sp, xp, xrow, c);
 #pragma unroll
     for (int b = 0; b < NBLK; ++b) {
@@ -452,11 +473,11 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   marlin_ring_batch<N, NBLK, SB, false>(q, sc, wp, sp, xp, xrow, c);
 #else
 #pragma unroll 1
-  for (int batch = 0; batch < STEPS; batch += SB) {
+  for (int batch = 0; batch < steps; batch += SB) {
     uint4 q[NBLK][SB];
     uint2 sc[NBLK][SB];
 #if EXPERTS_V2
-    if (batch + SB < STEPS) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + SB);
+    if (batch + SB < steps) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + SB);
 #endif
 #if EXPERTS_V3
 #pragma unroll
@@ -540,12 +561,13 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
 }
 
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
-// rows row0[b], K-slice from k0.
+// rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default).
 template <int K, int N, int WK_, int NT>
 __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT / TPB], int k0,
-                                            const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4]) {
+                                            const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4],
+                                            int steps = K / WK_ / 16) {
 #if FMT == 2
-  warp_gemm_marlin<K, N, WK_, NT / TPB>(W, row0, k0, x, xs, nx, c);
+  warp_gemm_marlin<K, N, WK_, NT / TPB>(W, row0, k0, x, xs, nx, c, steps);
 #else
   static_assert(NT == 2, "two tiles a warp");
   warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
@@ -631,6 +653,81 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
   return W;
 }
 
+// act[slot][n][i] for the warp's columns (warp wk == 0) of an item's total sums c: a
+// macro over the kernel's W, slot, i0, g, t and act, so that each of the kernel's loops
+// compiles as if written out (the loop without EXPERTS_SPLIT to the same code as before).
+#if EXPERTS_V3
+#define UP_GATE_UP(c, a, e4) \
+  const float gate = round_bf16(c[a][e4] * W.global_lo), up = round_bf16(c[TPB + a][e4] * W.global_hi);
+#else
+#define UP_GATE_UP(c, a, e4) const float gate = round_bf16(c[a][e4]), up = round_bf16(c[TPB + a][e4]);
+#endif
+#define UP_STORE(c)                                                        \
+  _Pragma("unroll") for (int a = 0; a < TPB; ++a)                          \
+  _Pragma("unroll") for (int e4 = 0; e4 < 4; ++e4) {                       \
+    const int i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);   \
+    UP_GATE_UP(c, a, e4)                                                   \
+    const float silu = gate / (1.0f + expf(-gate));                        \
+    act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);   \
+  }
+
+#if EXPERTS_SPLIT
+// EXPERTS_SPLIT (see the top): an item's K in UP_PARTS parts of a batch of every warp.
+constexpr int UP_STEPS = P_DIM / WK1 / 16;  // a warp's steps of 16 k in a whole item
+constexpr int UP_SB = UP_STEPS < 4 ? UP_STEPS : 4;
+constexpr int UP_PARTS = UP_STEPS / UP_SB;
+constexpr int PART_K = P_DIM / UP_PARTS;
+constexpr int PIECE_FLOATS = NT1 * 4 * 32;  // a warp's sums (wk == 0) of a piece
+
+// The cut of `total` parts into the runs of `blocks` = min(grid, total) blocks (a part at
+// least each, so every block between an item's first and last has a piece of it; the
+// blocks from `blocks` on have none).
+struct Runs {
+  int total, blocks;
+  // the first part of block blk's run (blk = blocks: the end)
+  __device__ __forceinline__ int start(int blk) const { return (int)((long)blk * total / blocks); }
+  // the block whose run holds part p: the last blk with start(blk) <= p
+  __device__ __forceinline__ int block(int p) const { return (int)(((long)(p + 1) * blocks - 1) / total); }
+};
+
+// Warp wk == 0's piece of item u in this block, sums c: true when c is the item's total.
+// A block's pieces go to workspace slot 0 (its run's first piece) or 1 (its last); the
+// last block of the item to arrive adds all of them in block order and resets the count.
+__device__ __forceinline__ bool combine_pieces(float c[NT1][4], int u, const Runs& runs, int wm,
+                                               float* __restrict__ ws, int* __restrict__ counters) {
+  const int lane = threadIdx.x & 31;
+  const int first = runs.block(u * UP_PARTS), last = runs.block((u + 1) * UP_PARTS - 1);
+  if (first == last) return true;  // the whole item in this block
+  auto piece = [&](int blk) {
+    const int at = runs.start(blk) >= u * UP_PARTS ? 0 : 1;
+    return ws + (((long)blk * 2 + at) * WM1 + wm) * PIECE_FLOATS + lane;
+  };
+  float* mine = piece(blockIdx.x);
+#pragma unroll
+  for (int a = 0; a < NT1; ++a)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) __stcg(mine + (a * 4 + e) * 32, c[a][e]);
+  __threadfence();
+  __syncwarp();
+  int old = 0;
+  if (lane == 0) old = atomicAdd(counters + u * WM1 + wm, 1);
+  if (__shfl_sync(0xffffffffu, old, 0) != last - first) return false;
+  __threadfence();  // every piece written before its count is read
+  for (int blk = first; blk <= last; ++blk) {
+    const float* p = piece(blk);
+#pragma unroll
+    for (int a = 0; a < NT1; ++a)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = __ldcg(p + (a * 4 + e) * 32);
+        c[a][e] = blk == first ? v : c[a][e] + v;
+      }
+  }
+  if (lane == 0) counters[u * WM1 + wm] = 0;  // every piece has arrived: zero for the next launch
+  return true;
+}
+#endif
+
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) experts_up_kernel(
@@ -639,7 +736,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const unsigned char* __restrict__ w13,                         // [E_local, 2I, P] bf16 or [E_local, 2I, P/2]
     const unsigned char* __restrict__ w13_scale,                   // NVFP4: [E_local, 2I, P/16]
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
+#if EXPERTS_SPLIT
+    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
+    float* __restrict__ ws, int* __restrict__ counters) {          // [grid, 2, WM1, PIECE_FLOATS], [items, WM1] zeroed
+#else
     bf16_t* __restrict__ act) {                                    // [slots, 8, I_LOCAL]
+#endif
   __shared__ Routes routes;
   __shared__ float red[WARPS * NT1 * 4 * 32];
   pdl_wait();  // x and ids come from the kernels before
@@ -647,6 +749,35 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if EXPERTS_SPLIT
+  const int total = routes.n_slots * TILES1 * UP_PARTS;
+  const Runs runs = {total, min((int)gridDim.x, total)};
+  const bool busy = (int)blockIdx.x < runs.blocks;  // total = 0: no block
+  const int end = busy ? runs.start(blockIdx.x + 1) : 0;
+  for (int p = busy ? runs.start(blockIdx.x) : 0; p < end;) {
+    const int u = p / UP_PARTS, parts = min(end, (u + 1) * UP_PARTS) - p;  // this block's piece of item u
+    const int slot = u / TILES1, tile = u % TILES1;
+    const int e = routes.slot_expert[slot];
+    const int i0 = (tile * WM1 + wm) * UP_COLS;
+    const Weights W = up_weights(w13, w13_scale, w13_global, e);
+    const int row0[2] = {i0, I_LOCAL + i0};  // gate rows, up rows
+    const int k0 = p % UP_PARTS * PART_K + wk * parts * UP_SB * 16;  // the warp's share, contiguous
+    p += parts;
+    if (p < end) {  // the next piece's first batch: item p / UP_PARTS from its part 0
+      const int next = p / UP_PARTS, n0 = (next % TILES1 * WM1 + wm) * UP_COLS;
+      const int nrow0[2] = {n0, I_LOCAL + n0};
+      prefetch_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(
+          up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0,
+          wk * min(end - p, UP_PARTS) * UP_SB * 16);
+    }
+    float c[NT1][4];  // gate tiles, then up tiles
+    expert_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(W, row0, k0, x, x_stride, b, c, parts * UP_SB);
+    reduce_k<WK1, NT1>(c, red, wm, wk);
+    if (wk == 0 && combine_pieces(c, u, runs, wm, ws, counters)) {
+      UP_STORE(c)
+    }
+  }
+#else
   const int items = routes.n_slots * TILES1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / TILES1, tile = item % TILES1;
@@ -666,21 +797,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     expert_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(W, row0, wk * (P_DIM / WK1), x, x_stride, b, c);
     reduce_k<WK1, NT1>(c, red, wm, wk);
     if (wk == 0) {
-#pragma unroll
-      for (int a = 0; a < TPB; ++a)
-#pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) {
-          const int i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
-#if EXPERTS_V3
-          const float gate = round_bf16(c[a][e4] * W.global_lo), up = round_bf16(c[TPB + a][e4] * W.global_hi);
-#else
-          const float gate = round_bf16(c[a][e4]), up = round_bf16(c[TPB + a][e4]);
-#endif
-          const float silu = gate / (1.0f + expf(-gate));
-          act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);
-        }
+      UP_STORE(c)
     }
   }
+#endif
 }
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for

@@ -11,6 +11,8 @@ of random Marlin tensors.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from test_cuda_experts_marlin import emulate_gemm_weights
@@ -172,9 +174,18 @@ def test_nvfp4_v3_table_is_exact_for_every_code_and_finite_scale():
     assert torch.equal(torch.signbit(got), torch.signbit(want))  # signed zeros too
 
 
-def ptxas_usage(defines: dict[str, int]) -> dict[str, tuple[int, int, int]]:
-    """Per kernel of experts.cu under these defines: (registers a thread, stack frame
-    bytes, spill store + load bytes), from ptxas's report (NVRTC's --ptxas-options=-v)."""
+class Usage(NamedTuple):
+    """A kernel's resources from ptxas's report."""
+
+    registers: int  # a thread's
+    stack: int  # stack frame bytes
+    spills: int  # spill store + load bytes
+    smem: int  # static shared memory bytes a block
+
+
+def ptxas_usage(defines: dict[str, int]) -> dict[str, Usage]:
+    """Per kernel of experts.cu under these defines: its Usage, from ptxas's report
+    (NVRTC's --ptxas-options=-v)."""
     import re
 
     from cuda.bindings import nvrtc as cu_nvrtc
@@ -205,8 +216,9 @@ def ptxas_usage(defines: dict[str, int]) -> dict[str, tuple[int, int, int]]:
     for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", report, re.S):
         frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", body)
         regs = re.search(r"Used (\d+) registers", body)
+        smem = re.search(r"(\d+) bytes smem", body)
         assert frame and regs, report
-        usage[name] = (int(regs[1]), int(frame[1]), int(frame[2]) + int(frame[3]))
+        usage[name] = Usage(int(regs[1]), int(frame[1]), int(frame[2]) + int(frame[3]), int(smem[1]) if smem else 0)
     return usage
 
 
@@ -214,6 +226,15 @@ def blocks_per_sm(registers: int, threads: int = 256) -> int:
     """Blocks of ``threads`` an SM's 64K registers hold (a warp's registers allocated in 256s)."""
     per_warp = -(-registers * 32 // 256) * 256
     return 65536 // (per_warp * (threads // 32))
+
+
+# SM90's shared memory: 228 KB an SM, at most 227 KB a block, 1 KB of each block's reserved
+SM_SHARED, BLOCK_SHARED_MAX, BLOCK_RESERVED = 228 * 1024, 227 * 1024, 1024
+
+
+def blocks_per_sm_smem(nbytes: int) -> int:
+    """Blocks an SM's shared memory holds at ``nbytes`` (static + dynamic) a block."""
+    return SM_SHARED // (nbytes + BLOCK_RESERVED) if nbytes <= BLOCK_SHARED_MAX else 0
 
 
 @pytest.mark.parametrize("cls_name", ["CudaExpertsNvfp4MarlinV3Occ", "CudaExpertsNvfp4MarlinV3Pipe"])
@@ -231,7 +252,7 @@ def test_marlin_v3_occupancy_variants_compile_spill_free(cls_name, width, interm
     assert experts_mod.shape_unsupported(width, intermediate, cls.format, 8, 8) is None
     usage = ptxas_usage(cls.kernel_defines(width, intermediate, 8))
     for kernel, blocks in (("experts_up_kernel", cls.up_blocks), ("experts_down_kernel", cls.down_blocks)):
-        regs, frame, spills = usage[kernel]
+        regs, frame, spills, _ = usage[kernel]
         assert frame == 0 and spills == 0, (kernel, usage)
         assert blocks_per_sm(regs) >= blocks, (kernel, regs, blocks)
     assert (cls.up_blocks, cls.down_blocks) == ((2, 4) if cls.pipe == 0 else (2, 3))
@@ -251,9 +272,46 @@ def test_marlin_v3_split_compiles_spill_free(width, intermediate):
     assert defines["EXPERTS_SPLIT"] == 1 and defines["EXPERTS_V2"] == 2
     usage = ptxas_usage(defines)
     for kernel, blocks in (("experts_up_kernel", cls.up_blocks), ("experts_down_kernel", cls.down_blocks)):
-        regs, frame, spills = usage[kernel]
+        regs, frame, spills, _ = usage[kernel]
         assert frame == 0 and spills == 0, (kernel, usage)
         assert blocks_per_sm(regs) >= blocks, (kernel, regs, blocks)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_ring_compiles_spill_free_and_fits(width, intermediate):
+    """The EXPERTS_RING variant (unregistered) at the TP8 rank's expert-TP slice and EP: no
+    stack or spills; the up kernel's registers and its static plus dynamic shared memory
+    (the warps' rings of 4 stages, 8 x 4 x 1408 bytes, the K reduction's 32 KB over them)
+    fit its 3 blocks an SM, the down kernel's (V3 occ's) its 4."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Ring
+    assert cls not in plugin.PROVIDERS and (cls.up_blocks, cls.down_blocks, cls.ring) == (3, 4, 4)
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines["EXPERTS_RING"] == 4 and defines["EXPERTS_V2"] == 2 and defines["EXPERTS_UP_BLOCKS"] == 3
+    assert "EXPERTS_PIPE" not in defines and "EXPERTS_SPLIT" not in defines
+    dynamic = experts_mod.ring_smem_bytes(width, cls.ring)
+    assert dynamic == 8 * 4 * (2 * (512 + 64) + 256) and dynamic >= 8 * 8 * 4 * 32 * 4
+    usage = ptxas_usage(defines)
+    for kernel, blocks, shared in (
+        ("experts_up_kernel", cls.up_blocks, dynamic),
+        ("experts_down_kernel", cls.down_blocks, 0),
+    ):
+        u = usage[kernel]
+        assert u.stack == 0 and u.spills == 0, (kernel, usage)
+        assert blocks_per_sm(u.registers) >= blocks, (kernel, u, blocks)
+        assert blocks_per_sm_smem(u.smem + shared) >= blocks, (kernel, u, shared, blocks)
+
+
+def test_marlin_v3_ring_stages_clip_to_a_warps_steps():
+    """ring_smem_bytes as experts.cu's UP_SMEM_BYTES: the stages at most a warp's steps (P 512:
+    4 warps along K, 8 steps; P 64: 1 warp, 4 steps), never below the K reduction's sums."""
+    stage = 2 * (512 + 64) + 256
+    assert experts_mod.ring_smem_bytes(512, 4) == 8 * 4 * stage
+    assert experts_mod.ring_smem_bytes(64, 8) == 8 * 4 * stage
+    assert experts_mod.ring_smem_bytes(4096, 2) == 8 * 8 * 4 * 32 * 4  # 2 stages: the sums are larger
 
 
 def round_robin_parts(items: int, parts: int, grid: int) -> list[int]:

@@ -121,7 +121,9 @@ def provider(fmt: str):
     """A format's provider; "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
     "-v3": its EXPERTS_V3 variant, "-v3occ" / "-v3pipe": Marlin V3 with the down kernel on
     4 blocks an SM / with EXPERTS_PIPE, "-v3split": -v3occ with EXPERTS_SPLIT (the up kernel's
-    work cut evenly over its grid; the checkpoint layout's V3 and the last two unregistered)."""
+    work cut evenly over its grid), "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads
+    through shared-memory rings, 3 blocks an SM; the checkpoint layout's V3 and the last three
+    unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -134,6 +136,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3occ": experts_mod.CudaExpertsNvfp4MarlinV3Occ,
         "nvfp4_marlin-v3pipe": experts_mod.CudaExpertsNvfp4MarlinV3Pipe,
         "nvfp4_marlin-v3split": experts_mod.CudaExpertsNvfp4MarlinV3Split,
+        "nvfp4_marlin-v3ring": experts_mod.CudaExpertsNvfp4MarlinV3Ring,
     }[fmt]
 
 
@@ -157,7 +160,7 @@ def dequantized(experts: ExpertWeights, fmt: str) -> tuple[torch.Tensor, torch.T
 
 
 NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
-    f"nvfp4_marlin{v}" for v in ("", "-v2", "-bulk", "-v3", "-v3occ", "-v3pipe", "-v3split")
+    f"nvfp4_marlin{v}" for v in ("", "-v2", "-bulk", "-v3", "-v3occ", "-v3pipe", "-v3split", "-v3ring")
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]
 

@@ -113,6 +113,8 @@ class CudaExperts(_Cuda):
     pipe: ClassVar[int] = 0
     up_blocks: ClassVar[int] = BLOCKS_PER_SM
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
+    # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
+    up_shared: int = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -223,7 +225,7 @@ class CudaExperts(_Cuda):
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
         self._check_run(x, ids, rows)
-        self.up.launch((self.grid_up, 1, 1), (256, 1, 1), self._up_args(x, ids))
+        self.up.launch((self.grid_up, 1, 1), (256, 1, 1), self._up_args(x, ids), shared=self.up_shared)
         self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(x.shape[0], ids, rows))
 
 
@@ -472,3 +474,61 @@ class CudaExpertsNvfp4MarlinV3Split(CudaExpertsNvfp4MarlinV3Occ):
 
     def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
         return [*super()._up_args(x, ids), ptr(self.workspace), ptr(self.counters)]
+
+
+# experts.cu's EXPERTS_RING stage (RingStage): per Marlin block of 64 rows a warp's 512 bytes
+# of codes and 64 of scales for one step of 16 k, and the warp's x words (8 bytes a lane)
+RING_BLOCK_BYTES, RING_X_BYTES = 512 + 64, 32 * 8
+
+
+def ring_smem_bytes(width: int, stages: int) -> int:
+    """experts.cu's UP_SMEM_BYTES for pooled width P: the up kernel's dynamic shared memory
+    under EXPERTS_RING = stages, the 8 warps' rings (min(stages, a warp's steps) stages of
+    its two blocks, gate and up) or the K reduction's sums laid over them, the larger."""
+    fmt = "nvfp4_marlin"
+    steps = width // _warps_k(width, CHUNK[fmt]) // 16
+    tiles = 2 * UP_COLS[fmt] // 16  # a warp's gate and up tiles (NT1)
+    ring = 8 * min(stages, steps) * (tiles // 4 * RING_BLOCK_BYTES + RING_X_BYTES)
+    red = 8 * tiles * 4 * 32 * 4
+    return max(ring, red)
+
+
+class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
+    """``cuda.experts_nvfp4_marlin_v3_occ`` with experts.cu's EXPERTS_RING: the up kernel's
+    weight, scale and x loads staged through a per-warp ring of 4 shared-memory stages of one
+    step of 16 k each (cp.async, a thread's own 16 bytes of codes: its A fragments), issued
+    3 steps ahead of the step being decoded, so loads stay in flight through every step's
+    decode and MMAs instead of a register batch's being waited for whole; with the loads
+    out of registers the up kernel fits 80 registers and runs 3 blocks an SM (its rings
+    ring_smem_bytes of dynamic shared memory a block, the K reduction's sums laid over
+    them). The same MMAs in the same order as V3: the same bits. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_ring"
+    # experts.cu's EXPERTS_RING: a warp's stages
+    ring: ClassVar[int] = 4
+    up_blocks = 3
+
+    @classmethod
+    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
+        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_RING": cls.ring}
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        super().__init__(ctx, layer)
+        for name, t in (("w13", self.experts.w13), ("w13_scale", self.scales[0])):
+            assert t is not None
+            if t.data_ptr() % 16:
+                raise ValueError(f"layer {layer}: {self.name} copies 16-byte aligned tensors ({name} is not)")
+        self.up_shared = ring_smem_bytes(ctx.spec.P, self.ring)
+        self.up.allow_shared(self.up_shared)
+        self._prefer_shared()
+
+    def _prefer_shared(self) -> None:
+        """Hint the driver to the largest shared-memory carveout for the up kernel, so that
+        its 3 blocks an SM (3 x 47 KB with the rings) are not cut by a smaller one."""
+        from cuda.bindings import driver
+
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        max_shared = int(driver.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED)
+        (err,) = driver.cuFuncSetAttribute(self.up.function, attribute, max_shared)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{self.name}: the up kernel's shared-memory carveout: {err}")

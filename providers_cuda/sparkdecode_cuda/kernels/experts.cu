@@ -87,6 +87,22 @@
 // counter per item, reset by that last one for the next launch) adds them in block order,
 // which is K order, then SwiGLU. The cut depends only on the item count and the grid:
 // the same bits every run (an item done whole by one block: V3's sums exactly).
+//
+// EXPERTS_RING (a define, 0 when absent; V3 Marlin only, not with EXPERTS_PIPE or
+// EXPERTS_SPLIT): the up kernel's loads staged in shared memory instead of registers, a
+// ring of S = EXPERTS_RING stages a warp (fewer where a warp has fewer steps), a stage
+// one step of 16 k: the thread's own 16 bytes of codes a block (its A fragments, at 16 l),
+// the warp's 64 scale bytes a block (copied by lanes 0..4 NBLK - 1, 16 bytes each; read by
+// lane group g at 8 g) and the thread's own x words b0, b1. Before step s computes, the
+// copies of step s + S - 1 (cp.async, one commit group a step) go out into the stage step
+// s - 1 left, so the loads of S - 1 steps stay in flight through every step's decode and
+// MMAs, and no register holds a load in flight. cp.async.wait_group makes a thread's own
+// copies visible to it, and __syncwarp the scale lanes' copies to the warp (and every
+// lane's reads of a stage done before it is refilled). The rings take the kernel's
+// dynamic shared memory (UP_SMEM_BYTES), which the K reduction's `red` overlays: reduce_k
+// starts with a barrier after every warp's ring is drained, and one more barrier after
+// its sums are read keeps the next item's copies out until then. The same MMAs in the
+// same order as V3: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -118,6 +134,12 @@
 #endif
 #ifndef EXPERTS_DOWN_BLOCKS
 #define EXPERTS_DOWN_BLOCKS 2
+#endif
+#ifndef EXPERTS_RING
+#define EXPERTS_RING 0
+#endif
+#if EXPERTS_RING && !(EXPERTS_RING >= 2 && EXPERTS_V3 && FMT == 2 && !EXPERTS_PIPE && !EXPERTS_SPLIT)
+#error "EXPERTS_RING (at least 2): the V3 Marlin up kernel (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_PIPE, EXPERTS_SPLIT"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -560,6 +582,140 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
 #endif  // EXPERTS_PIPE
 }
 
+#if EXPERTS_RING
+// A stage of the up kernel's ring (EXPERTS_RING, see the top): one step of 16 k of a
+// warp's NBLK blocks of 64 rows.
+template <int NBLK>
+struct RingStage {
+  static constexpr int CODES = 0;                // block b's codes: lane l's 16 bytes (its A fragments) at 512 b + 16 l
+  static constexpr int SCALES = NBLK * 512;      // block b's 64 scale bytes at 64 b: lane group g's 8 at 8 g
+  static constexpr int X = SCALES + NBLK * 64;   // lane l's b0, b1 at 8 l
+  static constexpr int BYTES = X + 32 * 8;
+};
+constexpr int UP_NBLK = NT1 / TPB;
+constexpr int RING_STEPS = P_DIM / WK1 / 16;  // a warp's steps in an item
+constexpr int RING_S = EXPERTS_RING < RING_STEPS ? EXPERTS_RING : RING_STEPS;
+static_assert(RING_S >= 2 && RING_STEPS % RING_S == 0, "EXPERTS_RING: at least 2, dividing a warp's steps");
+constexpr int RING_BYTES = WARPS * RING_S * RingStage<UP_NBLK>::BYTES;
+constexpr int RED1_BYTES = WARPS * NT1 * 4 * 32 * (int)sizeof(float);
+// The up kernel's dynamic shared memory: the rings, `red` over them.
+constexpr int UP_SMEM_BYTES = RING_BYTES > RED1_BYTES ? RING_BYTES : RED1_BYTES;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16 bytes from global memory to shared address dst, past L1 (the weights are read once).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// 4 bytes (x, read by every block: through L1).
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Shared-memory loads at a shared address (ordered after the waits, as the copies are).
+__device__ __forceinline__ uint4 ld_shared_16(u32 a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint2 ld_shared_8(u32 a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Until at most PENDING of this thread's newest commit groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+// warp_gemm_marlin's V3 loop (its MMAs in its order) with the loads staged in the warp's
+// ring of S stages (see the top): step s computes from stage s % S after the copies of
+// step s + S - 1 are issued into stage (s - 1) % S. The whole slice (K / WK_ / 16 steps).
+template <int K, int N, int WK_, int NBLK, int S>
+__device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const int blk0[NBLK], int k0,
+                                                      const bf16_t* __restrict__ x, int xs, int nx,
+                                                      float c[4 * NBLK][4], u32 ring) {
+  constexpr int STEPS = K / WK_ / 16;
+  static_assert(STEPS % S == 0 && S >= 2 && 4 * NBLK <= 32, "ring steps, a scale lane per 16 bytes");
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int a = 0; a < 4 * NBLK; ++a)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
+  const bool xrow = g < nx;
+  // The sources at the group of S steps being computed (as warp_gemm_marlin's V3 pointers):
+  // the thread's words, its 16 scale bytes (lanes 0..4 NBLK - 1: block lane / 4, bytes
+  // 16 (lane % 4)..) and its x words.
+  const uint4* wp[NBLK];
+#pragma unroll
+  for (int b = 0; b < NBLK; ++b)
+    wp[b] = reinterpret_cast<const uint4*>(W.w) + ((long)(k0 / 16) * 2 * N + 2 * blk0[b]) / 4 + lane;
+  const bool scale_lane = lane < 4 * NBLK;
+  const int sblk = scale_lane ? lane / 4 : 0;
+  int srow = blk0[0];  // blk0[sblk], selected (a runtime index would put blk0 on the stack)
+#pragma unroll
+  for (int b = 1; b < NBLK; ++b) srow = sblk == b ? blk0[b] : srow;
+  const uint4* sp = reinterpret_cast<const uint4*>(W.scale + (long)(k0 / 16) * N + srow) + t;
+  const u32* xp = reinterpret_cast<const u32*>(x + (long)g * xs + k0 + 2 * t);
+  // The thread's shared addresses in stage 0: its codes (block b at + 512 b) and, for the
+  // scale lanes, its 16 scale bytes (block lane / 4, bytes 16 (lane % 4)..) at 16 lane; its
+  // x words at 8 lane; its lane group's scale bytes (block b at + 64 b) at 8 g.
+  using Stage = RingStage<NBLK>;
+  const u32 lane16 = ring + 16 * lane, lane8 = ring + 8 * lane, group8 = ring + 8 * g;
+  // Step `at` from the group's first into stage st, as one commit group (empty past the slice).
+  auto issue = [&](int st, int at, bool load) {
+    if (load) {
+      const u32 stage = st * Stage::BYTES;
+#pragma unroll
+      for (int b = 0; b < NBLK; ++b) cp_async_16(lane16 + stage + Stage::CODES + 512 * b, wp[b] + at * (N / 2));
+      if (scale_lane) cp_async_16(lane16 + stage + Stage::SCALES, sp + at * (N / 16));
+      if (xrow) {
+        cp_async_4(lane8 + stage + Stage::X, xp + 8 * at);
+        cp_async_4(lane8 + stage + Stage::X + 4, xp + 8 * at + 4);
+      }
+    }
+    cp_async_commit();
+  };
+  __syncwarp();  // the warp's reads of its ring from the item before are done
+#pragma unroll
+  for (int r = 0; r < S - 1; ++r) issue(r, r, true);
+#pragma unroll 1
+  for (int step0 = 0; step0 < STEPS; step0 += S) {
+#pragma unroll
+    for (int r = 0; r < S; ++r) {
+      cp_async_wait<S - 2>();  // this thread's copies of step step0 + r
+      __syncwarp();            // and the scale lanes'; every lane's reads of stage r - 1 done
+      issue((r + S - 1) % S, r + S - 1, step0 + r + S - 1 < STEPS);
+      const u32 stage = r * Stage::BYTES;
+      u32 b0 = 0u, b1 = 0u;
+      if (xrow) {
+        const uint2 xv = ld_shared_8(lane8 + stage + Stage::X);
+        b0 = xv.x;
+        b1 = xv.y;
+      }
+#pragma unroll
+      for (int b = 0; b < NBLK; ++b)
+        marlin_block_v3(ld_shared_16(lane16 + stage + Stage::CODES + 512 * b),
+                        ld_shared_8(group8 + stage + Stage::SCALES + 64 * b), b0, b1, c + 4 * b);
+    }
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) wp[b] += S * (N / 2);
+    sp += S * (N / 16);
+    xp += S * 8;
+  }
+  cp_async_wait<0>();  // nothing left in flight into the ring (red overlays it)
+}
+#endif
+
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
 // rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default).
 template <int K, int N, int WK_, int NT>
@@ -743,12 +899,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     bf16_t* __restrict__ act) {                                    // [slots, 8, I_LOCAL]
 #endif
   __shared__ Routes routes;
+#if EXPERTS_RING
+  extern __shared__ uint4 up_smem[];  // UP_SMEM_BYTES: the warps' rings, red over them (see the top)
+  float* const red = reinterpret_cast<float*>(up_smem);
+  u32 smem_bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+  if (smem_bytes < UP_SMEM_BYTES) __trap();  // launched without the rings' shared memory
+#else
   __shared__ float red[WARPS * NT1 * 4 * 32];
+#endif
   pdl_wait();  // x and ids come from the kernels before
   pdl_launch_dependents();
   find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if EXPERTS_RING
+  const u32 ring = smem_u32(up_smem) + warp * RING_S * RingStage<UP_NBLK>::BYTES;  // the warp's, a shared address
+#endif
 #if EXPERTS_SPLIT
   const int total = routes.n_slots * TILES1 * UP_PARTS;
   const Runs runs = {total, min((int)gridDim.x, total)};
@@ -794,8 +961,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     }
 #endif
     float c[NT1][4];                         // gate tiles, then up tiles
+#if EXPERTS_RING
+    warp_gemm_marlin_ring<P_DIM, 2 * I_LOCAL, WK1, UP_NBLK, RING_S>(W, row0, wk * (P_DIM / WK1), x, x_stride, b, c,
+                                                                    ring);
+#else
     expert_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(W, row0, wk * (P_DIM / WK1), x, x_stride, b, c);
+#endif
     reduce_k<WK1, NT1>(c, red, wm, wk);
+#if EXPERTS_RING
+    if (WK1 > 1) __syncthreads();  // red read before the next item's copies go over it
+#endif
     if (wk == 0) {
       UP_STORE(c)
     }

@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 
 import pytest
+import torch
 
 from sparkdecode.deployment import detect
 from sparkdecode.layout import resolve
@@ -263,3 +264,128 @@ def test_tma_plans(tma, splitk):
         assert plan.smem_bytes <= tma.CTA_SMEM_BYTES
         assert plan.stages * plan.stage_bytes <= tma.RING_BYTES
         assert plan.splits == 1 or plan.tile_rows * plan.chunk * 2 >= tma.MIN_CTA_BYTES
+
+
+# The o_proj of one rank of preset muse-spark-open at TP 8, 4, 2 (N 8192) and of the
+# tiny presets (tiny at TP 2; tiny-tp8 at TP 8 and 4): the shapes cute.linear_tma_publish
+# publishes from its epilogue.
+PUBLISHED_SHAPES = [(8192, 1024), (8192, 2048), (8192, 4096), (1024, 512), (4096, 512), (4096, 1024)]
+
+
+def _keep_ptx(directory) -> str:
+    """``cute.compile`` options keeping the PTX (in ``directory``, written there)."""
+    return f"--keep-ptx --dump-dir {directory}"
+
+
+@pytest.mark.parametrize("n,k", PUBLISHED_SHAPES, ids=lambda v: str(v))
+def test_publishing_tma_compiles_for_hopper(tma, capfd, tmp_path, n, k):
+    """The published epilogue (gemv_tma.PublishingTmaGemv) takes the planner's own
+    tiling of every o_proj shape (the same sums as cute.linear_tma's) and compiles for
+    sm_90a with no register spills: the output in 16-byte stores, one fence.acq_rel.sys
+    and the pushes as st.volatile.global.v4.u32 (one per possible peer), the generation
+    read by ld.volatile."""
+    plan = tma.plan_tma(n, k, 8)
+    assert all(tma.publish_reason(p) is None for p in tma.tma_plans(n, k, 8))
+    capfd.readouterr()
+    ptx = tma.compile_tma_publishing(plan, "sm_90a", f"remarks{{ptx}} {_keep_ptx(tmp_path)}").artifacts.PTX
+    _spill_free(capfd)
+    assert ptx.count("st.volatile.global.v4.u32") == tma.MAX_TP
+    assert ptx.count("fence.acq_rel.sys") == 1 and ptx.count("ld.volatile.global.u32") == 1
+    assert "st.global.v4.b32" in ptx and "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.parametrize("max_rows", [1, 3])
+def test_publishing_tma_compiles_for_fewer_rows(tma, capfd, max_rows):
+    for n, k in PUBLISHED_SHAPES[:2]:
+        capfd.readouterr()
+        assert tma.compile_tma_publishing(tma.plan_tma(n, k, max_rows), "sm_90a", "remarks{ptx}") is not None
+        _spill_free(capfd)
+
+
+def test_registered_tma_does_not_publish(tma, tmp_path):
+    """cute.linear_tma's kernel (the flag off) has no push, fence.acq_rel.sys or
+    volatile access."""
+    for n, k in PUBLISHED_SHAPES[:2]:
+        ptx = tma.compile_tma(tma.plan_tma(n, k, 8), "sm_90a", _keep_ptx(tmp_path)).artifacts.PTX
+        assert "volatile" not in ptx and "fence.acq_rel.sys" not in ptx
+
+
+def test_publishing_linear_is_not_registered():
+    """cute.linear_tma_publish waits for its GPU test (tests/test_gpu_cute_publish.py)."""
+    from sparkdecode_cute.linear_tma import CuteLinearTma, CuteLinearTmaPublishing
+
+    assert CuteLinearTmaPublishing.name == "cute.linear_tma_publish"
+    assert CuteLinearTmaPublishing not in plugin.PROVIDERS and CuteLinearTma in plugin.PROVIDERS
+    assert all(getattr(p, "name", None) != CuteLinearTmaPublishing.name for p in plugin.PROVIDERS)
+
+
+def _mailbox(tp: int = 2, rank: int = 1, capacity: int = 8 * 1024, **changes):
+    """A stand-in for the cuda pack's LamportWorkspace (the attributes publish reads)."""
+    from types import SimpleNamespace
+
+    fields = dict(
+        peers=torch.arange(tp, dtype=torch.int64) * 2**20 + 2**30,
+        control=torch.zeros(4, dtype=torch.int32),
+        rank=rank,
+        tp=tp,
+        capacity=capacity,
+    )
+    return SimpleNamespace(**{**fields, **changes})
+
+
+@pytest.fixture
+def publishing_linear(tma, monkeypatch):
+    """cute.linear_tma_publish built on the CPU for tiny's layer shapes at TP 2 (o_proj
+    1024 x 512), the kernels compiled for sm_90a."""
+    from types import SimpleNamespace
+
+    from sparkdecode_cute import gemv_splitk
+    from sparkdecode_cute.linear_splitk import SplitKWeight
+    from sparkdecode_cute.linear_tma import CuteLinearTmaPublishing, PublishingTmaWeight, TmaWeight
+
+    # Each weight's compile for sm_90a (by default the DSL's arch, read once a process).
+    hooks = (
+        (SplitKWeight, "compile", lambda plan: gemv_splitk.compile_splitk(plan, "sm_90a")),
+        (TmaWeight, "compile", lambda plan: tma.compile_tma(plan, "sm_90a")),
+        (PublishingTmaWeight, "compile_publishing", lambda plan: tma.compile_tma_publishing(plan, "sm_90a")),
+    )
+    for cls, name, compile_ in hooks:
+        monkeypatch.setattr(cls, name, staticmethod(compile_))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    g = torch.Generator().manual_seed(0)
+    shapes = {"qkvg": (1280, 1024), "o_proj": (1024, 512), "router": (64, 1024), "pooler": (512, 1024)}
+    layer = {
+        name: torch.randn(n, k, generator=g).to(torch.float32 if name == "router" else torch.bfloat16)
+        for name, (n, k) in {**shapes, "unpooler": (1024, 512)}.items()
+    }
+    buffers: dict = {}
+    ctx = SimpleNamespace(
+        max_rows=8,
+        layer=lambda index: SimpleNamespace(**layer),
+        scratch=lambda name, shape, dtype: buffers.setdefault(name, torch.zeros(shape, dtype=dtype)),
+    )
+    return CuteLinearTmaPublishing(ctx, 0)
+
+
+def test_publish_refuses_what_it_cannot_publish(publishing_linear):
+    """``publish`` refuses the fp32 router, a slot smaller than max_rows x N, and what
+    is not a mailbox; then switches o_proj to the published kernel, its pointers after
+    the workspace and counters the mailbox's (kept if the scratch is shared again)."""
+    from sparkdecode_cute.linear_tma import PublishingTmaWeight
+
+    linear = publishing_linear
+    o_proj = linear.weights["o_proj"]
+    assert isinstance(o_proj, PublishingTmaWeight) and not isinstance(linear.weights["router"], PublishingTmaWeight)
+    plain = o_proj.kernel
+    assert not linear.publish("router", _mailbox())
+    assert not linear.publish("o_proj", _mailbox(capacity=8 * 1024 - 8))
+    assert not linear.publish("o_proj", _mailbox(peers=torch.zeros(2, dtype=torch.int32)))
+    assert not linear.publish("o_proj", _mailbox(tp=9, peers=torch.zeros(9, dtype=torch.int64)))
+    assert not linear.publish("o_proj", object())
+    assert o_proj.mailbox is None and o_proj.kernel is plain and len(o_proj.buffers) == 2
+    mailbox = _mailbox()
+    assert linear.publish("o_proj", mailbox)
+    assert o_proj.mailbox is mailbox and o_proj.kernel is not plain and len(o_proj.buffers) == 7
+    o_proj.share(*o_proj.shared)
+    assert len(o_proj.buffers) == 7
+    assert not linear.weights["qkvg"].mailbox  # only the weight asked for

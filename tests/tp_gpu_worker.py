@@ -251,40 +251,57 @@ def fused_ops(rank: int, tp: int, reference, device: torch.device) -> dict:
 def published_partial(ctx, boundary, rank: int, device: torch.device) -> bool:
     """cuda.linear's o_proj publishing its partial from the epilogue, then the fused
     boundary gathering only, against the same o_proj not publishing and the boundary
-    pushing then gathering: the partial, the stream and the output the same bits, at
-    8, 3 and 1 rows, each path twice in turn (every generation's slots reused), then
-    both in one graph replayed on new inputs."""
+    pushing then gathering (``publishing_matches``)."""
+    from sparkdecode_cuda.linear import _Weight
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    k = ctx.spec.q_size // ctx.tp
+    weight = o_proj_weight(ctx.spec.H, k, rank, device)
+    plain, publishing = _Weight("o_proj", weight, 8, sms), _Weight("o_proj", weight, 8, sms)
+    return publishing_matches(ctx, plain, publishing, boundary, rank, device, seed=200) is True
+
+
+def o_proj_weight(n: int, k: int, rank: int, device: torch.device) -> torch.Tensor:
+    """This rank's random bf16 o_proj shard [n, k]."""
+    g = torch.Generator(device=device).manual_seed(250 + rank)
+    return (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(torch.bfloat16)
+
+
+def publishing_matches(
+    ctx, plain, publishing, pushing, rank: int, device: torch.device, seed: int, edges: bool = False
+) -> bool | None:
+    """The o_proj weight ``publishing`` (a GEMM callable ``(x, out)`` with ``publish``)
+    paired with a new fused boundary that then only gathers, against ``plain`` (the same
+    weight and plan, not publishing) with ``pushing`` (a boundary that pushes then
+    gathers): the partial, the stream and the output the same bits, at 8, 3 and 1 rows,
+    each path twice in turn (every generation's slots reused), then both in one graph
+    replayed on new inputs. ``edges``: the 8-row draws carry an infinity or a NaN in x's
+    last row (a NaN partial row, pushed canonicalized). None when the pairing did not
+    take (the weight refused to publish, or ``pushing`` publishes)."""
     from types import SimpleNamespace
 
     from sparkdecode_cuda.boundary import CudaAttentionBoundary
-    from sparkdecode_cuda.linear import _Weight
 
-    spec, tp = ctx.spec, ctx.tp
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    mine = torch.Generator(device=device).manual_seed(200 + rank)
-    shared = torch.Generator(device=device).manual_seed(200)
-    k = spec.q_size // tp
-    weight = (torch.randn(spec.H, k, generator=mine, device=device) * k**-0.5).to(torch.bfloat16)
-    plain, publishing = _Weight("o_proj", weight, 8, sms), _Weight("o_proj", weight, 8, sms)
+    spec, k = ctx.spec, plain.w.shape[1]
     gathering = CudaAttentionBoundary(ctx, 0)
     gathering.pair_attention(SimpleNamespace(publish_partial=lambda mailbox: publishing.publish(mailbox)))
-    if not gathering.published or boundary.published:
-        return False
+    if not gathering.published or pushing.published:
+        return None
+    mine = torch.Generator(device=device).manual_seed(seed + rank)
+    shared = torch.Generator(device=device).manual_seed(seed)
     x = torch.empty(8, k, dtype=torch.bfloat16, device=device)
     stream0 = torch.empty(8, spec.H, device=device)
-    sides = [
-        (
-            o_proj,
-            b,
-            torch.empty(8, spec.H, dtype=torch.bfloat16, device=device),
-            torch.empty_like(stream0),
-            torch.empty(8, spec.H, dtype=torch.bfloat16, device=device),
-        )
-        for o_proj, b in ((plain, boundary), (publishing, gathering))
-    ]
 
-    def draw() -> None:
+    def side(o_proj, boundary) -> tuple:
+        partial, xf = (torch.empty(8, spec.H, dtype=torch.bfloat16, device=device) for _ in range(2))
+        return o_proj, boundary, partial, torch.empty_like(stream0), xf
+
+    sides = [side(plain, pushing), side(publishing, gathering)]
+
+    def draw(rows: int) -> None:
         x.copy_(torch.randn(x.shape, generator=mine, device=device))
+        if edges and rows == 8:
+            x[7, rank % 4] = float("inf") if rank % 2 == 0 else float("nan")
         stream0.copy_(torch.randn(stream0.shape, generator=shared, device=device))
 
     def calls(rows: int) -> None:
@@ -301,14 +318,56 @@ def published_partial(ctx, boundary, rank: int, device: torch.device) -> bool:
     ok = []
     for rows in (8, 3, 1):
         for _ in range(2):
-            draw()
+            draw(rows)
             calls(rows)
             ok.append(same(rows))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls(8)
     for _ in range(3):
-        draw()
+        draw(8)
         graph.replay()
         ok.append(same(8))
     return all(ok)
+
+
+def cute_published_partial(rank: int, tp: int, init: str, out_dir: str) -> None:
+    """cute.linear_tma_publish's o_proj publishing its partial from the epilogue, then
+    the cuda pack's fused boundary gathering only, against cute.linear_tma's o_proj
+    (the same plan) not publishing and the boundary pushing then gathering, as
+    ``published_partial`` checks cuda.linear's: the partial, the stream and the output
+    the same bits, at 8, 3 and 1 rows, each path twice in turn (every generation's
+    slots reused), then both in one graph replayed on new inputs; at a tiny width
+    (tiny up to TP 2, tiny-tp8 past it) and the real one (muse-spark-open). The 8-row
+    draws carry an infinity or a NaN in x's last row (a NaN partial row, pushed
+    canonicalized). Saves per width whether the o_proj published and whether all held."""
+    from sparkdecode.spec import ModelSpec
+    from sparkdecode_cuda.bench_collectives import context
+    from sparkdecode_cuda.boundary import CudaAttentionBoundary
+    from sparkdecode_cute.linear_tma import PublishingTmaWeight, TmaWeight
+
+    def width(preset: str, sms: int, device: torch.device) -> tuple[bool, bool, tuple[int, int, int]]:
+        spec = ModelSpec.preset(preset)
+        ctx = context(spec, 8, tp, rank, device)
+        k = spec.q_size // tp
+        weight = o_proj_weight(spec.H, k, rank, device)
+        plain, publishing = TmaWeight("o_proj", weight, 8, sms), PublishingTmaWeight("o_proj", weight, 8, sms)
+        assert plain.plan == publishing.plan, (plain.plan, publishing.plan)
+        for o_proj in (plain, publishing):
+            workspace = torch.zeros(max(1, o_proj.plan.workspace), device=device)
+            o_proj.share(workspace, torch.zeros(o_proj.plan.tiles, dtype=torch.int32, device=device))
+        matched = publishing_matches(ctx, plain, publishing, CudaAttentionBoundary(ctx, 0), rank, device, 300, True)
+        return matched is not None, matched is True, (spec.H, k, plain.plan.splits)
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
+    try:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        widths = [width(preset, sms, device) for preset in ("tiny" if tp <= 2 else "tiny-tp8", "muse-spark-open")]
+        published, published_ok, shapes = (list(column) for column in zip(*widths))
+        results = {"published": published, "published_ok": published_ok, "shapes": shapes}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -220,9 +220,10 @@ class SplitKKernel:
             grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
         )
 
-    def finish(self, smem, partial, out, workspace, counters, b, out_stride, tile, split):
+    def finish(self, smem, partial, out, workspace, counters, b, out_stride, tile, split, store=None):
         """``finish_tile`` of the CTA's tile and split: ``partial`` [WARPS, tile_rows
-        * plan.cols] into ``out``, in ``out_dtype``."""
+        * plan.cols] into ``out``, in ``out_dtype``; ``store`` in place of
+        ``store_elements`` where given."""
         p = self.plan
         finish_tile(
             smem,
@@ -240,6 +241,7 @@ class SplitKKernel:
             p.splits,
             p.tiles,
             self.out_dtype,
+            store_elements if store is None else store,
         )
 
 
@@ -364,6 +366,47 @@ class SplitKGemv(SplitKKernel):
         self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split)
 
 
+def warp_sum(partial: cute.Tensor, q) -> Float32:
+    """Tile element ``q`` of ``partial`` (fp32 [WARPS, ...]) summed over the warps in
+    index order, from 0.0."""
+    total = Float32(0.0)
+    for wi in range(WARPS):
+        total = total + partial[wi, q]
+    return total
+
+
+def split_sum(mWs: cute.Tensor, base, splits: int, q) -> Float32:
+    """Element ``base + q`` of the workspace (fp32 [splits, ...]) summed over the
+    splits in split order, from 0.0."""
+    total = Float32(0.0)
+    for s in range(splits):
+        total = total + mWs[s, base + q]
+    return total
+
+
+@cute.jit
+def store_elements(
+    mO: cute.Tensor,
+    total: cutlass.Constexpr,
+    b: Int32,
+    n0: Int32,
+    tile_rows: cutlass.Constexpr,
+    cols: cutlass.Constexpr,
+    out_dtype: cutlass.Constexpr,
+):
+    """``finish_tile``'s output stage: each thread rounds tile elements q = tidx,
+    tidx + threads, ... ((row, i) = divmod(q, cols); ``total(q)`` their fp32 sums)
+    into ``mO[i, n0 + row]`` (``cols`` rows of n) for i < b, one value a thread."""
+    tidx, _, _ = cute.arch.thread_idx()
+    threads = 32 * WARPS
+    for u in cutlass.range_constexpr((tile_rows * cols + threads - 1) // threads):
+        q = u * threads + tidx
+        row = q // cols
+        i = q - row * cols
+        if q < tile_rows * cols and i < b:
+            mO[i, n0 + row] = total(q).to(out_dtype)
+
+
 @cute.jit
 def finish_tile(
     smem: cutlass.Constexpr,
@@ -381,38 +424,30 @@ def finish_tile(
     splits: cutlass.Constexpr,
     tiles: cutlass.Constexpr,
     out_dtype: cutlass.Constexpr,
+    store: cutlass.Constexpr = store_elements,
 ):
     """The end of a CTA of the split-K GEMVs: ``partial`` (shared, fp32 [WARPS,
     tile_rows * cols], (row, i) = divmod(q, cols) of the tile) summed over the warps
     in index order into rows < b of ``out`` (``cols`` rows of n, ``out_stride``
     apart); with ``splits`` > 1 through the workspace (fp32 [splits, n * cols]),
     the tile's last CTA to arrive (its counter, back at 0 for the next launch)
-    adding the splits in split order; one rounding into ``out_dtype``."""
+    adding the splits in split order; one rounding into ``out_dtype``. ``store``
+    (``store_elements``'s signature) writes the sums: only the CTA that ends the
+    tile calls it, every thread of it."""
     tidx, _, _ = cute.arch.thread_idx()
     threads = 32 * WARPS
     n0 = tile * tile_rows
     mO = cute.make_tensor(out, cute.make_layout((cols, n), stride=(out_stride, 1)))
     rounds = (tile_rows * cols + threads - 1) // threads
     if cutlass.const_expr(splits == 1):
-        for u in cutlass.range_constexpr(rounds):
-            q = u * threads + tidx
-            row = q // cols
-            i = q - row * cols
-            if q < tile_rows * cols and i < b:
-                total = Float32(0.0)
-                for wi in cutlass.range_constexpr(WARPS):
-                    total = total + partial[wi, q]
-                mO[i, n0 + row] = total.to(out_dtype)
+        store(mO, partial_sums(partial), b, n0, tile_rows, cols, out_dtype)
     else:
         mWs = cute.make_tensor(workspace, cute.make_layout((splits, n * cols), stride=(n * cols, 1)))
         mC = cute.make_tensor(counters, cute.make_layout((tiles,)))
         for u in cutlass.range_constexpr(rounds):
             q = u * threads + tidx
             if q < tile_rows * cols:
-                total = Float32(0.0)
-                for wi in cutlass.range_constexpr(WARPS):
-                    total = total + partial[wi, q]
-                mWs[split, n0 * cols + q] = total
+                mWs[split, n0 * cols + q] = warp_sum(partial, q)
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
         last = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
@@ -423,15 +458,17 @@ def finish_tile(
             cute.arch.fence_acq_rel_gpu()
             if tidx == 0:
                 mC[tile] = Int32(0)  # for the next launch
-            for u in cutlass.range_constexpr(rounds):
-                q = u * threads + tidx
-                row = q // cols
-                i = q - row * cols
-                if q < tile_rows * cols and i < b:
-                    total = Float32(0.0)
-                    for s in cutlass.range_constexpr(splits):
-                        total = total + mWs[s, n0 * cols + q]
-                    mO[i, n0 + row] = total.to(out_dtype)
+            store(mO, workspace_sums(mWs, n0 * cols, splits), b, n0, tile_rows, cols, out_dtype)
+
+
+def partial_sums(partial: cute.Tensor):
+    """``total(q)`` for ``store``: ``warp_sum`` of ``partial``."""
+    return lambda q: warp_sum(partial, q)
+
+
+def workspace_sums(mWs: cute.Tensor, base, splits: int):
+    """``total(q)`` for ``store``: ``split_sum`` of the tile's workspace."""
+    return lambda q: split_sum(mWs, base, splits, q)
 
 
 def compile_split(gemv: SplitKKernel, arch: str | None = None, options: str = ""):

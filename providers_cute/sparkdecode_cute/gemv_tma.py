@@ -28,10 +28,24 @@ register file:
   identical from run to run.
 
 b is a runtime argument: rows past b are never stored.
+
+``PublishingTmaGemv`` (unregistered; cute.linear_tma_publish) is the same kernel
+whose epilogue also publishes its bf16 output into the cuda pack's Lamport mailbox
+for the next Lamport kernel to gather, as cuda.linear's PUBLISH (linear.cu; the
+protocol and its ordering in providers_cuda/sparkdecode_cuda/lamport.py,
+"Publishing from a producer"). Only the CTA that ends a tile (after split-K's
+last-CTA sum) publishes: its threads round the sums into a bf16 staging tile in the
+drained ring, then 64 threads each take 8 consecutive output columns of one row i of
+x, store them to ``out`` as 16 bytes and push the same bits, NaNs canonicalized as
+lamport.cuh's ``canonical_nan2``, after a ``fence.acq_rel.sys``, by
+``st.volatile.global.v4.u32`` to element ``i * N + column`` of slot (g, rank) of
+every peer, g read from the control block after ``griddepcontrol.wait`` and not
+advanced (the consumer advances it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,10 +54,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
-from .gemv import VECTOR_BYTES
+from .gemv import VECTOR_BYTES, fake_pointer
 from .gemv_splitk import (
     H200_SMS,
     WARPS,
@@ -71,6 +87,9 @@ SM_SMEM_BYTES = 228 * 1024  # shared memory of an H200 SM
 CTA_SMEM_BYTES = 227 * 1024  # the most one CTA may take
 CTA_RESERVED_BYTES = 1024  # the system's share of each CTA
 BARRIER_BYTES = 2048  # the mbarriers (padded to the ring's 1024-byte alignment) and finish_tile's flag
+SUMS_BYTES = WARPS * TILE_ROWS * MMA_N * 4  # the epilogue's fp32 sums in the drained ring
+STAGING_BYTES = MMA_N * TILE_ROWS * 2  # the published epilogue's bf16 tile, after the sums
+MAX_TP = 8  # ranks of a Lamport mailbox (lamport.py's MAX_TP)
 
 
 @dataclass(frozen=True)
@@ -160,7 +179,7 @@ class TmaGemv(SplitKKernel):
 
     def __init__(self, plan: TmaPlan):
         # The epilogue's fp32 [WARPS, 64 * 8] sums reuse the ring once it is drained.
-        if plan.stages * plan.stage_bytes < WARPS * TILE_ROWS * MMA_N * 4:
+        if plan.stages * plan.stage_bytes < SUMS_BYTES:
             raise ValueError(f"{plan}: a ring of {plan.stages * plan.stage_bytes} bytes cannot hold the tile's sums")
         self.plan = plan
 
@@ -186,16 +205,21 @@ class TmaGemv(SplitKKernel):
         stream: cuda.CUstream,
     ):
         p = self.plan
+        tma_atom, tma_w = self.tma_of(w)
+        self.kernel(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride).launch(
+            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
+        )
+
+    def tma_of(self, w: cute.Pointer):
+        """The TMA atom and tensor of W: (64, stage_k) boxes into a ring buffer."""
+        p = self.plan
         mW = cute.make_tensor(w, cute.make_layout((p.n, p.k), stride=(p.w_stride, 1)))
         ring, _ = self.layouts()
-        tma_atom, tma_w = cute.nvgpu.cpasync.make_tiled_tma_atom(
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mW,
             cute.slice_(ring, (None, None, 0)),
             (TILE_ROWS, p.stage_k),
-        )
-        self.kernel(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride).launch(
-            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
         )
 
     def produce(self, ring, state, tma_atom, tWgW, tWsW, k_tile0):
@@ -225,6 +249,24 @@ class TmaGemv(SplitKKernel):
         x_stride: Int32,
         out_stride: Int32,
     ):
+        self.stream_tile(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride, None)
+
+    @cute.jit
+    def stream_tile(
+        self,
+        tma_atom: cute.CopyAtom,
+        tma_w: cute.Tensor,
+        x: cute.Pointer,
+        out: cute.Pointer,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
+        b: Int32,
+        x_stride: Int32,
+        out_stride: Int32,
+        publisher: cutlass.Constexpr,
+    ):
+        """The kernel's body: the CTA's tile and split of K, ended by ``finish_tile``
+        (with ``publisher``'s store, a ``Publisher`` of the ring, where given)."""
         p = self.plan
         TK, KB = p.chunk, p.stage_k // MMA_K
         tidx, _, _ = cute.arch.thread_idx()
@@ -338,7 +380,8 @@ class TmaGemv(SplitKKernel):
             zeros[it * p.threads + tidx] = Float32(0.0)
         cute.arch.sync_threads()
 
-        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split)
+        store = None if publisher is None else publisher.store_at(sW.iterator)
+        self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, store)
 
 
 def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = ""):
@@ -346,3 +389,216 @@ def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = ""):
     ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for ``cute.compile``
     (e.g. ``remarks{ptx}``)."""
     return compile_split(TmaGemv(plan), arch, options)
+
+
+def publish_reason(plan: TmaPlan) -> str | None:
+    """Why ``PublishingTmaGemv`` does not take ``plan``, if so: a tile's rows in whole
+    16-byte vectors, and the sums and the bf16 staging tile in the drained ring."""
+    if plan.tile_rows % VECTOR:
+        return f"{plan}: tiles of {plan.tile_rows} rows are not whole 16-byte vectors"
+    if plan.stages * plan.stage_bytes < SUMS_BYTES + STAGING_BYTES:
+        return f"{plan}: a ring of {plan.stages * plan.stage_bytes} bytes cannot hold the sums and the staging tile"
+    return None
+
+
+@dsl_user_op
+def load_volatile(address: Int64, *, loc=None, ip=None) -> Int32:
+    """``ld.volatile.global`` of the 32 bits at ``address`` (strong, never a stale L1 line)."""
+    value = llvm.inline_asm(
+        T.i32(),
+        [Int64(address).ir_value(loc=loc, ip=ip)],
+        "ld.volatile.global.u32 $0, [$1];",
+        "=r,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int32(value)
+
+
+@dsl_user_op
+def store_volatile_v4(address: Int64, words: list, *, loc=None, ip=None) -> None:
+    """``st.volatile.global.v4.u32`` of four 32-bit ``words`` at ``address`` (16-byte
+    aligned): relaxed at system scope, each 32-bit element single-copy atomic."""
+    llvm.inline_asm(
+        None,
+        [Int64(address).ir_value(loc=loc, ip=ip), *(Int32(w).ir_value(loc=loc, ip=ip) for w in words)],
+        "st.volatile.global.v4.u32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def canonical_nan2(w: Int32) -> Int32:
+    """lamport.cuh's ``canonical_nan2`` of a bf16 pair: each NaN half becomes 0x7fff,
+    so a pushed value never equals the mailbox's sentinel 0xffff."""
+    w = cutlass.select_((w & 0x7FFF) > 0x7F80, (w & Int32(-0x10000)) | 0x7FFF, w)
+    return cutlass.select_(((w >> 16) & 0x7FFF) > 0x7F80, (w & 0xFFFF) | Int32(0x7FFF0000), w)
+
+
+@dataclass(frozen=True)
+class Publisher:
+    """The published epilogue of one launch: the mailbox (``peers``: int64 [tp] every
+    rank's buffer base address; ``control``: int32, [0] the generation; this ``rank``
+    of ``tp``; ``cap`` elements a slot), the output's width ``n`` and, once placed
+    (``store_at``), the bf16 staging tile [8, 64] in shared memory."""
+
+    peers: cute.Pointer
+    control: cute.Pointer
+    rank: Int32
+    tp: Int32
+    cap: Int64
+    n: int
+    staging: cute.Pointer | None = None
+
+    def store_at(self, ring: cute.Pointer):
+        """``finish_tile``'s ``store``, staging in the drained ring (bf16 ``ring``)
+        past the fp32 sums. The ring's pointer carries its 128-byte swizzle, a
+        bijection within each 1024-byte block that keeps 16-byte vectors whole: the
+        staging tile's element and vector accesses agree, and it stays clear of the
+        sums."""
+        return dataclasses.replace(self, staging=ring + SUMS_BYTES // 2).store
+
+    @cute.jit
+    def store(
+        self,
+        mO: cute.Tensor,
+        total: cutlass.Constexpr,
+        b: Int32,
+        n0: Int32,
+        tile_rows: cutlass.Constexpr,
+        cols: cutlass.Constexpr,
+        out_dtype: cutlass.Constexpr,
+    ):
+        """``store_elements``'s sums and roundings, published: every thread rounds its
+        elements into the staging tile [i, row]; then thread i * tile_rows / 8 + g (of
+        the first cols * tile_rows / 8) stores row i's columns n0 + 8 g .. + 7 to
+        ``mO`` as 16 bytes and pushes the same bits (``push``)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        threads = 32 * WARPS
+        sT = cute.make_tensor(self.staging, cute.make_layout((cols, tile_rows), stride=(tile_rows, 1)))
+        for u in cutlass.range_constexpr((tile_rows * cols + threads - 1) // threads):
+            q = u * threads + tidx
+            row = q // cols
+            i = q - row * cols
+            if q < tile_rows * cols and i < b:
+                sT[i, row] = total(q).to(out_dtype)
+        cute.arch.sync_threads()
+        groups = tile_rows // VECTOR
+        mV = cute.make_tensor(
+            mO.iterator, cute.make_layout((cols, self.n), stride=(cute.assume(mO.stride[0], divby=VECTOR), 1))
+        )
+        for u in cutlass.range_constexpr((groups * cols + threads - 1) // threads):
+            v = u * threads + tidx
+            i = v // groups
+            g = v - i * groups
+            if v < groups * cols and i < b:
+                vector = cute.make_rmem_tensor((VECTOR,), out_dtype)
+                vector.store(cute.local_tile(sT, (1, VECTOR), (i, g)).load())
+                cute.local_tile(mV, (1, VECTOR), (i, n0 // VECTOR + g)).store(vector.load())
+                self.push(vector, i * self.n + n0 + g * VECTOR)
+
+    @cute.jit
+    def push(self, vector: cute.Tensor, offset: Int32):
+        """lamport.cuh's ``lamport_push`` of 8 bf16 (``vector``, registers) at element
+        ``offset`` of this rank's slot of the current generation in every peer: the
+        generation read now (after the kernel's griddepcontrol.wait; not advanced),
+        NaNs canonicalized, then ``fence.acq_rel.sys`` (release: every write this rank
+        made before, earlier calls' clears included, is ordered before the data a peer
+        observes), then the volatile stores."""
+        words = cute.recast_tensor(vector, Int32)
+        canonical = [canonical_nan2(words[j]) for j in range(4)]
+        gen = load_volatile(self.control.toint())
+        slot = (gen.to(Int64) * self.tp.to(Int64) + self.rank.to(Int64)) * self.cap + offset.to(Int64)
+        mP = cute.make_tensor(self.peers, cute.make_layout((MAX_TP,)))
+        cute.arch.fence_acq_rel_sys()
+        for r in cutlass.range_constexpr(MAX_TP):
+            if r < self.tp and r != self.rank:
+                store_volatile_v4(mP[r] + slot * 2, canonical)
+
+
+class PublishingTmaGemv(TmaGemv):
+    """``TmaGemv`` whose epilogue also publishes its output (``Publisher``):
+    ``__call__(w, x, out, workspace, counters, peers, control, rank, tp, cap, b,
+    x_stride, out_stride, stream)``, ``out`` 16-byte aligned with rows a multiple of 8
+    elements apart, ``peers`` int64 [tp] and ``control`` int32 device pointers, the
+    slot of ``cap`` elements holding b x n."""
+
+    def __init__(self, plan: TmaPlan):
+        reason = publish_reason(plan)
+        if reason:
+            raise ValueError(reason)
+        super().__init__(plan)
+
+    @cute.jit
+    def __call__(
+        self,
+        w: cute.Pointer,
+        x: cute.Pointer,
+        out: cute.Pointer,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
+        peers: cute.Pointer,
+        control: cute.Pointer,
+        rank: Int32,
+        tp: Int32,
+        cap: Int64,
+        b: Int32,
+        x_stride: Int32,
+        out_stride: Int32,
+        stream: cuda.CUstream,
+    ):
+        p = self.plan
+        tma_atom, tma_w = self.tma_of(w)
+        self.kernel(
+            tma_atom, tma_w, x, out, workspace, counters, peers, control, rank, tp, cap, b, x_stride, out_stride
+        ).launch(grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom: cute.CopyAtom,
+        tma_w: cute.Tensor,
+        x: cute.Pointer,
+        out: cute.Pointer,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
+        peers: cute.Pointer,
+        control: cute.Pointer,
+        rank: Int32,
+        tp: Int32,
+        cap: Int64,
+        b: Int32,
+        x_stride: Int32,
+        out_stride: Int32,
+    ):
+        publisher = Publisher(peers, control, rank, tp, cap, self.plan.n)
+        self.stream_tile(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride, publisher)
+
+
+def compile_tma_publishing(plan: TmaPlan, arch: str | None = None, options: str = ""):
+    """``PublishingTmaGemv(plan)`` compiled on fake pointers (out 16-byte aligned) for
+    ``arch``, with further ``options``, as ``compile_tma``."""
+    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
+    return cute.compile(
+        PublishingTmaGemv(plan),
+        fake_pointer(BFloat16),
+        fake_pointer(BFloat16),
+        fake_pointer(BFloat16),
+        fake_pointer(Float32),
+        fake_pointer(Int32, 4),
+        fake_pointer(Int64, 8),
+        fake_pointer(Int32, 4),
+        Int32(0),
+        Int32(2),
+        Int64(plan.max_rows * plan.n),
+        Int32(1),
+        Int32(plan.k),
+        Int32(plan.n),
+        cute.runtime.make_fake_stream(),
+        **({"options": flags} if flags else {}),
+    )

@@ -9,6 +9,13 @@ Numerics as cute.linear's: the same products (exact in fp32) accumulated in fp32
 another order (in the tensor cores over the CTA's chunk, then the splits in split
 order), rounded once to the output dtype; results are identical from run to run.
 Checked on the H200 by tests/test_gpu_cute_linear_tma.py.
+
+cute.linear_tma_publish (``CuteLinearTmaPublishing``, not registered in plugin.py
+until checked on a GPU by tests/test_gpu_cute_publish.py) is the same provider whose
+``publish(name, mailbox)`` switches a bf16 weight to gemv_tma's
+``PublishingTmaGemv``: its epilogue also pushes the output into the cuda pack's
+Lamport mailbox (duck-typed: ``peers``, ``control``, ``rank``, ``tp``,
+``capacity``), as cuda.linear's ``publish``; the same plan, so the same bits.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from typing import Any
 
 import torch
 
-from .common import compiled
+from .common import compiled, current_stream, pointer
+from .linear import VECTOR_BYTES
 from .linear_mma import CuteLinearMma, MmaWeight
 
 
@@ -46,3 +54,109 @@ class CuteLinearTma(CuteLinearMma):
 
     name = "cute.linear_tma"
     bf16_weight = TmaWeight
+
+
+def mailbox_reason(mailbox: Any, device: torch.device) -> str | None:
+    """Why ``mailbox`` is not a Lamport mailbox the published epilogue can push into
+    on ``device``, if so (its attributes as the cuda pack's LamportWorkspace's)."""
+    from . import gemv_tma
+
+    peers, control = getattr(mailbox, "peers", None), getattr(mailbox, "control", None)
+    tp, rank = getattr(mailbox, "tp", 0), getattr(mailbox, "rank", -1)
+    if not (isinstance(peers, torch.Tensor) and isinstance(control, torch.Tensor)):
+        return "no peers and control tensors"
+    if not 1 <= tp <= gemv_tma.MAX_TP or not 0 <= rank < tp:
+        return f"rank {rank} of {tp} (1..{gemv_tma.MAX_TP} ranks)"
+    if peers.dtype != torch.int64 or peers.shape != (tp,) or control.dtype != torch.int32 or control.numel() < 1:
+        return f"peers {peers.dtype} {tuple(peers.shape)}, control {control.dtype} {tuple(control.shape)}"
+    if peers.device != device or control.device != device:
+        return f"peers and control on {peers.device} and {control.device}, the weight on {device}"
+    return None
+
+
+class PublishingTmaWeight(TmaWeight):
+    """A bf16 weight on the TMA kernel that ``publish`` switches to the published
+    epilogue (gemv_tma's ``PublishingTmaGemv``, the same plan); the kernel's pointers
+    after out are then the workspace, the counters and the mailbox's."""
+
+    provider = "cute.linear_tma_publish"
+
+    def __init__(self, name: str, w: torch.Tensor, max_rows: int, sms: int, plan: Any = None):
+        super().__init__(name, w, max_rows, sms, plan)
+        self.mailbox: Any = None  # set by publish()
+        self.mailbox_args: tuple = ()
+
+    @staticmethod
+    def compile_publishing(plan: Any) -> Any:
+        """The compiled published kernel of ``plan``, once per process."""
+        from . import gemv_tma
+
+        return compiled(("gemv_tma_publish", plan), lambda: gemv_tma.compile_tma_publishing(plan))
+
+    def share(self, workspace: torch.Tensor, counters: torch.Tensor) -> None:
+        super().share(workspace, counters)
+        self.buffers += self.mailbox_args
+
+    def publish(self, mailbox: Any) -> bool:
+        """From now on every call also publishes its output into ``mailbox`` (this
+        rank's slot of the current generation in every peer, at row * N + column) for
+        the next Lamport kernel to gather. False (nothing changes) where it cannot:
+        no plan of the published epilogue, a slot smaller than max_rows x N, or not
+        a mailbox on this weight's device."""
+        import cutlass
+        import cutlass.cute as cute
+
+        from . import gemv_tma
+
+        p = self.plan
+        if gemv_tma.publish_reason(p) or p.max_rows * p.n > getattr(mailbox, "capacity", 0):
+            return False
+        if mailbox_reason(mailbox, self.w.device):
+            return False
+        peers = cute.runtime.make_ptr(cutlass.Int64, mailbox.peers.data_ptr(), cute.AddressSpace.gmem, assumed_align=8)
+        self.kernel = self.compile_publishing(p)
+        self.mailbox = mailbox  # held: the kernel has only its tensors' addresses
+        self.mailbox_args = (
+            peers,
+            pointer(mailbox.control, 4),
+            cutlass.Int32(mailbox.rank),
+            cutlass.Int32(mailbox.tp),
+            cutlass.Int64(mailbox.capacity),
+        )
+        self.buffers = self.buffers[:2] + self.mailbox_args
+        return True
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.mailbox is None:
+            super().__call__(x, out)
+            return
+        from cutlass import Int32
+
+        self.check(x, out)
+        if out.stride(0) % self.vector:
+            raise ValueError(f"{self.provider} {self.name}: a published output takes rows of whole 16-byte vectors")
+        self.kernel(
+            self.w_ptr,
+            pointer(x, VECTOR_BYTES),
+            pointer(out, VECTOR_BYTES),
+            *self.buffers,
+            Int32(x.shape[0]),
+            Int32(x.stride(0)),
+            Int32(out.stride(0)),
+            current_stream(),
+        )
+
+
+class CuteLinearTmaPublishing(CuteLinearTma):
+    """cute.linear_tma whose bf16 weights can publish their output into a Lamport
+    mailbox from the epilogue (``publish``), for the attention boundary at TP > 1."""
+
+    name = "cute.linear_tma_publish"
+    bf16_weight = PublishingTmaWeight
+
+    def publish(self, name: str, mailbox: Any) -> bool:
+        """Weight ``name``'s output published into ``mailbox`` by its epilogue from now
+        on (``PublishingTmaWeight.publish``); whether it will be (never the fp32
+        router, which runs on the split-K CUDA-core kernel)."""
+        weight = self.weights[name]
+        return isinstance(weight, PublishingTmaWeight) and weight.publish(mailbox)

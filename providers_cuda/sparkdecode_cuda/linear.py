@@ -127,6 +127,11 @@ def plan(n: int, k: int, fp32: bool, sms: int) -> Plan:
     candidates = plans(n, k, fp32)
     if not candidates:
         raise ValueError(shape_unsupported("weight", n, k, fp32))
+    return _fastest(candidates, sms)
+
+
+def _fastest(candidates: list[Plan], sms: int) -> Plan:
+    """The model's fastest of ``candidates`` (``plan``'s order)."""
     return min(candidates, key=lambda p: (round(p.seconds(sms), 8), p.ctas < sms, p.splits, -p.rows, -p.depth))
 
 
@@ -135,9 +140,7 @@ def publishing_plan(n: int, k: int, sms: int) -> Plan | None:
     Lamport mailbox (linear.cu's PUBLISH: 16-byte vectors of a CTA's share of rows), or
     None when no tiling has such shares."""
     candidates = [p for p in plans(n, k, False) if (p.rows // p.splits) % 8 == 0]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda p: (round(p.seconds(sms), 8), p.ctas < sms, p.splits, -p.rows, -p.depth))
+    return _fastest(candidates, sms) if candidates else None
 
 
 def shape_unsupported(name: str, n: int, k: int, fp32: bool) -> str | None:

@@ -361,3 +361,40 @@ def test_marlin_v3_split_runs_tile_the_parts(items, parts, grid):
         first, last = block(u * parts), block((u + 1) * parts - 1)
         for b in range(first, last + 1):
             assert runs[b][0] < (u + 1) * parts and runs[b][1] > u * parts, (u, b)
+
+
+@pytest.mark.parametrize("cls_name", ["CudaExpertsNvfp4MarlinV3Flow", "CudaExpertsNvfp4MarlinV3FlowRing"])
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_flow_compiles_spill_free(cls_name, width, intermediate):
+    """The EXPERTS_FLOW variants (the down kernel started in the up kernel's tail; on _occ and
+    on the ring variant) at the TP8 rank's expert-TP slice and EP: no stack or spills, and
+    their blocks an SM as the variants they extend (up 2 or 3, down 4)."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    cls = getattr(experts_mod, cls_name)
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines["EXPERTS_FLOW"] == 1 and defines["EXPERTS_V2"] == 2 and "EXPERTS_SPLIT" not in defines
+    assert (cls.up_blocks, cls.down_blocks) == ((3, 4) if "EXPERTS_RING" in defines else (2, 4))
+    usage = ptxas_usage(defines)
+    ring = experts_mod.ring_smem_bytes(width, cls.ring) if "EXPERTS_RING" in defines else 0
+    for kernel, blocks, shared in (
+        ("experts_up_kernel", cls.up_blocks, ring),
+        ("experts_down_kernel", cls.down_blocks, 0),
+    ):
+        u = usage[kernel]
+        assert u.stack == 0 and u.spills == 0, (kernel, usage)
+        assert blocks_per_sm(u.registers) >= blocks, (kernel, u, blocks)
+        assert blocks_per_sm_smem(u.smem + shared) >= blocks, (kernel, u, shared, blocks)
+
+
+def test_marlin_v3_flow_refuses_the_split():
+    """EXPERTS_FLOW counts whole up items: with EXPERTS_SPLIT's pieces it does not compile."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    defines = {**experts_mod.CudaExpertsNvfp4MarlinV3Split.kernel_defines(4096, 512, 8), "EXPERTS_FLOW": 1}
+    with pytest.raises(AssertionError, match="EXPERTS_FLOW is for the V3 Marlin kernels"):
+        ptxas_usage(defines)

@@ -122,8 +122,9 @@ def provider(fmt: str):
     "-v3": its EXPERTS_V3 variant, "-v3occ" / "-v3pipe": Marlin V3 with the down kernel on
     4 blocks an SM / with EXPERTS_PIPE, "-v3split": -v3occ with EXPERTS_SPLIT (the up kernel's
     work cut evenly over its grid), "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads
-    through shared-memory rings, 3 blocks an SM; the checkpoint layout's V3 and the last three
-    unregistered)."""
+    through shared-memory rings, 3 blocks an SM), "-v3flow": -v3occ with EXPERTS_FLOW (the down
+    kernel started in the up kernel's tail), "-v3flowring": both (the checkpoint layout's V3
+    and the last five unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -137,6 +138,8 @@ def provider(fmt: str):
         "nvfp4_marlin-v3pipe": experts_mod.CudaExpertsNvfp4MarlinV3Pipe,
         "nvfp4_marlin-v3split": experts_mod.CudaExpertsNvfp4MarlinV3Split,
         "nvfp4_marlin-v3ring": experts_mod.CudaExpertsNvfp4MarlinV3Ring,
+        "nvfp4_marlin-v3flow": experts_mod.CudaExpertsNvfp4MarlinV3Flow,
+        "nvfp4_marlin-v3flowring": experts_mod.CudaExpertsNvfp4MarlinV3FlowRing,
     }[fmt]
 
 
@@ -160,7 +163,8 @@ def dequantized(experts: ExpertWeights, fmt: str) -> tuple[torch.Tensor, torch.T
 
 
 NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
-    f"nvfp4_marlin{v}" for v in ("", "-v2", "-bulk", "-v3", "-v3occ", "-v3pipe", "-v3split", "-v3ring")
+    f"nvfp4_marlin{v}"
+    for v in ("", "-v2", "-bulk", "-v3", "-v3occ", "-v3pipe", "-v3split", "-v3ring", "-v3flow", "-v3flowring")
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]
 
@@ -326,3 +330,51 @@ def test_experts_bulk_split_k_deterministic(shape):
             once = rows.clone()
             close(rows, experts, x, ids)
         assert torch.equal(rows.view(torch.int16), once.view(torch.int16))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_marlin-v3flow", "nvfp4_marlin-v3flowring"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_flow_is_occ_bit_for_bit_and_zeroes_its_counters(fmt, shape):
+    """EXPERTS_FLOW changes when the down kernel's items start, not their math: the rows are
+    V3 occ's bit for bit, eager and over 20 replays of one graph with new ids each time
+    (the down items waiting on the up items' counters under every routing), and the
+    counters are zero after every launch (the last down item of a slot zeroes them)."""
+    spec, sharding = SHAPES[shape]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=13)
+    occ = experts_mod.CudaExpertsNvfp4MarlinV3Occ.build(context(spec, experts), 0)
+    flow = provider(fmt).build(context(spec, experts), 0)
+    b, k = 8, spec.top_k
+    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
+    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
+    want = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
+    rows = torch.zeros_like(want)
+    g = torch.Generator().manual_seed(17)
+
+    def draw(i: int) -> None:
+        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
+        ids.copy_(routing(b, k, spec.E, "distinct" if i % 2 else "duplicates", g))
+
+    for i in range(4):
+        draw(i)
+        occ.run(ExpertsInput(x), topk, want)
+        flow.run(ExpertsInput(x), topk, rows)
+        torch.cuda.synchronize()
+        assert torch.equal(rows, want), i
+        assert int(flow.ready.count_nonzero()) == 0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flow.run(ExpertsInput(x), topk, rows)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flow.run(ExpertsInput(x), topk, rows)
+    for i in range(20):
+        draw(i)
+        rows.fill_(float("nan"))
+        graph.replay()
+        occ.run(ExpertsInput(x), topk, want)
+        torch.cuda.synchronize()
+        assert torch.equal(rows, want), i
+        assert int(flow.ready.count_nonzero()) == 0

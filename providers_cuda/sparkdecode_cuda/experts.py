@@ -532,3 +532,39 @@ class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
         (err,) = driver.cuFuncSetAttribute(self.up.function, attribute, max_shared)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"{self.name}: the up kernel's shared-memory carveout: {err}")
+
+
+class CudaExpertsNvfp4MarlinV3Flow(CudaExpertsNvfp4MarlinV3Occ):
+    """``cuda.experts_nvfp4_marlin_v3_occ`` with experts.cu's EXPERTS_FLOW: the down kernel's
+    blocks start on the SMs the up kernel's tail leaves free instead of after its end, each
+    down item waiting for its expert's up items only (a counter per distinct-expert slot,
+    released by each up item after its store, acquired by the down item; the last down item
+    of a slot zeroes it for the next launch). The counters ([2, MAX_ROUTES] int32, zeroed
+    here) are shared by the layers: a layer's up items count only after its kernel's
+    griddepcontrol.wait, so after the kernel before it, and the kernels before that, ended.
+    The same MMAs in the same order as V3: the same bits."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_flow"
+
+    @classmethod
+    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
+        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_FLOW": 1}
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        super().__init__(ctx, layer)
+        self.ready = ctx.scratch("cuda_experts_flow_ready", (2, MAX_ROUTES), torch.int32)
+        self.ready.zero_()
+
+    def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
+        return [*super()._up_args(x, ids), ptr(self.ready)]
+
+    def _down_args(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> list[Arg]:
+        return [*super()._down_args(b, ids, rows), ptr(self.ready)]
+
+
+class CudaExpertsNvfp4MarlinV3FlowRing(CudaExpertsNvfp4MarlinV3Flow, CudaExpertsNvfp4MarlinV3Ring):
+    """``cuda.experts_nvfp4_marlin_v3_flow`` with the ring variant's up kernel (EXPERTS_RING,
+    3 blocks an SM): the down kernel in the up kernel's tail, the up kernel's loads through
+    shared-memory rings. The same bits as V3."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_flow_ring"

@@ -103,6 +103,21 @@
 // starts with a barrier after every warp's ring is drained, and one more barrier after
 // its sums are read keeps the next item's copies out until then. The same MMAs in the
 // same order as V3: the same bits.
+// EXPERTS_FLOW (a define, 0 when absent; V3 Marlin only, not with EXPERTS_SPLIT): the down
+// kernel starts in the up kernel's tail instead of after its end. The up kernel lets its
+// dependents launch at its start (as always), so the down kernel's blocks take the SMs the
+// up kernel's blocks leave, which happens only once every up block is resident (PDL launches
+// a dependent grid after all of the primary's blocks have triggered): a down block waiting
+// can never keep an up block from running. Per distinct-expert slot a counter `ready` (zero
+// between launches): each up item, after its act columns are stored, a barrier, then one
+// red.release.gpu add; a down item's thread 0 waits with ld.acquire.gpu for all TILES1 of its
+// slot, then a barrier, and the block reads act past L1 (ld.global.cg). The down kernel does
+// not wait for the up kernel's end (nothing else of the up kernel's it reads); the kernel after
+// it still waits for the down kernel's end, which comes after every up item's store was
+// observed. A second counter per slot counts the down items past their wait; the last one
+// zeroes both for the next launch (the next launch's up items count only after its own
+// griddepcontrol.wait, so after this down kernel's end). The same MMAs in the same order as
+// V3: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -140,6 +155,28 @@
 #endif
 #if EXPERTS_RING && !(EXPERTS_RING >= 2 && EXPERTS_V3 && FMT == 2 && !EXPERTS_PIPE && !EXPERTS_SPLIT)
 #error "EXPERTS_RING (at least 2): the V3 Marlin up kernel (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_PIPE, EXPERTS_SPLIT"
+#endif
+#ifndef EXPERTS_FLOW
+#define EXPERTS_FLOW 0
+#endif
+#if EXPERTS_FLOW && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_SPLIT)
+#error "EXPERTS_FLOW is for the V3 Marlin kernels (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_SPLIT"
+#endif
+// x (the down kernel's act) loads of the V3 Marlin loop: past L1 where the up kernel may
+// still be writing act while the down kernel runs (EXPERTS_FLOW)
+#if EXPERTS_FLOW
+#define LD_X(p) __ldcg(p)
+// The up items' release of their counts and the down items' acquire of them (see the top).
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+#else
+#define LD_X(p) __ldg(p)
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -525,8 +562,8 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
       u32 b0 = 0u, b1 = 0u;
 #if EXPERTS_V3
       if (xrow) {
-        b0 = __ldg(xp + 8 * sb);
-        b1 = __ldg(xp + 8 * sb + 4);
+        b0 = LD_X(xp + 8 * sb);
+        b1 = LD_X(xp + 8 * sb + 4);
       }
 #else
       const int k = k0 + (batch + sb) * 16 + 2 * t;
@@ -895,6 +932,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #if EXPERTS_SPLIT
     bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
     float* __restrict__ ws, int* __restrict__ counters) {          // [grid, 2, WM1, PIECE_FLOATS], [items, WM1] zeroed
+#elif EXPERTS_FLOW
+    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
+    int* __restrict__ ready) {                                     // [2, MAX_ROUTES] zeroed (see the top)
 #else
     bf16_t* __restrict__ act) {                                    // [slots, 8, I_LOCAL]
 #endif
@@ -974,6 +1014,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     if (wk == 0) {
       UP_STORE(c)
     }
+#if EXPERTS_FLOW
+    __syncthreads();  // the item's act columns stored
+    if (threadIdx.x == 0) red_release_add(ready + slot, 1);
+#endif
   }
 #endif
 }
@@ -986,7 +1030,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]
     const unsigned char* __restrict__ w2_scale,                    // NVFP4: [E_local, P, I/16]
     const float* __restrict__ w2_global,                           // NVFP4: [E_local]
+#if EXPERTS_FLOW
+    bf16_t* __restrict__ rows,                                     // [b, TOP_K, P]
+    int* __restrict__ ready) {                                     // the up kernel's counters
+#else
     bf16_t* __restrict__ rows) {                                   // [b, TOP_K, P]
+#endif
   __shared__ Routes routes;
   __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
@@ -1014,11 +1063,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
 #endif
   }
+#if EXPERTS_FLOW
+  pdl_launch_dependents();  // act comes through `ready`, not through the up kernel's end
+#else
   pdl_wait();
   pdl_launch_dependents();
+#endif
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
+#if EXPERTS_FLOW
+    if (n_slots > 0) {
+      if (threadIdx.x == 0) {
+        while (ld_acquire(ready + slot) < TILES1) __nanosleep(64);
+        // the slot's last down item past its wait: zero both counters for the next launch
+        if (atomicAdd(ready + MAX_ROUTES + slot, 1) == TILES2 - 1) {
+          ready[slot] = 0;
+          ready[MAX_ROUTES + slot] = 0;
+        }
+      }
+      __syncthreads();  // the slot's act visible to the block (thread 0's acquire)
+    }
+#endif
     float c[NT2][4];
 #if EXPERTS_V3
     float out_scale = 0.f;  // the global of the item's expert

@@ -279,7 +279,7 @@ def test_marlin_v3_split_compiles_spill_free(width, intermediate):
 
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
 def test_marlin_v3_ring_compiles_spill_free_and_fits(width, intermediate):
-    """The EXPERTS_RING variant (unregistered) at the TP8 rank's expert-TP slice and EP: no
+    """The EXPERTS_RING variant (registered) at the TP8 rank's expert-TP slice and EP: no
     stack or spills; the up kernel's registers and its static plus dynamic shared memory
     (the warps' rings of 4 stages, 8 x 4 x 1408 bytes, the K reduction's 32 KB over them)
     fit its 3 blocks an SM, the down kernel's (V3 occ's) its 4."""
@@ -288,7 +288,7 @@ def test_marlin_v3_ring_compiles_spill_free_and_fits(width, intermediate):
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     cls = experts_mod.CudaExpertsNvfp4MarlinV3Ring
-    assert cls not in plugin.PROVIDERS and (cls.up_blocks, cls.down_blocks, cls.ring) == (3, 4, 4)
+    assert cls in plugin.PROVIDERS and (cls.up_blocks, cls.down_blocks, cls.ring) == (3, 4, 4)
     defines = cls.kernel_defines(width, intermediate, 8)
     assert defines["EXPERTS_RING"] == 4 and defines["EXPERTS_V2"] == 2 and defines["EXPERTS_UP_BLOCKS"] == 3
     assert "EXPERTS_PIPE" not in defines and "EXPERTS_SPLIT" not in defines

@@ -501,7 +501,10 @@ class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
     decode and MMAs instead of a register batch's being waited for whole; with the loads
     out of registers the up kernel fits 80 registers and runs 3 blocks an SM (its rings
     ring_smem_bytes of dynamic shared memory a block, the K reduction's sums laid over
-    them). The same MMAs in the same order as V3: the same bits. Not registered."""
+    them). The same MMAs in the same order as V3: the same bits. Registered: on the H200 the
+    fastest Marlin kernel on the EP stream (49% of the copy chained against _occ's 46%),
+    slower than _occ under expert TP (48% against 52%; bench/NOTES.md v8); the resolver's
+    in-place timing picks between them."""
 
     name = "cuda.experts_nvfp4_marlin_v3_ring"
     # experts.cu's EXPERTS_RING: a warp's stages

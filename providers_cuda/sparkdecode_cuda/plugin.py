@@ -16,6 +16,7 @@ from .experts import (
     CudaExpertsNvfp4MarlinV2,
     CudaExpertsNvfp4MarlinV3,
     CudaExpertsNvfp4MarlinV3Occ,
+    CudaExpertsNvfp4MarlinV3Ring,
     CudaExpertsNvfp4V2,
 )
 from .experts_bulk import CudaExpertsNvfp4MarlinBulk
@@ -35,6 +36,7 @@ PROVIDERS: tuple[type, ...] = (
     CudaExpertsNvfp4MarlinV2,
     CudaExpertsNvfp4MarlinV3,
     CudaExpertsNvfp4MarlinV3Occ,
+    CudaExpertsNvfp4MarlinV3Ring,
     CudaExpertsNvfp4MarlinBulk,
     CudaLinear,
     CudaFinal,

@@ -267,8 +267,8 @@ def test_tma_plans(tma, splitk):
 
 
 # The o_proj of one rank of preset muse-spark-open at TP 8, 4, 2 (N 8192) and of the
-# tiny presets (tiny at TP 2; tiny-tp8 at TP 8 and 4): the shapes cute.linear_tma_publish
-# publishes from its epilogue.
+# tiny presets (tiny at TP 2; tiny-tp8 at TP 8 and 4): the shapes cute.linear_tma publishes
+# from its epilogue.
 PUBLISHED_SHAPES = [(8192, 1024), (8192, 2048), (8192, 4096), (1024, 512), (4096, 512), (4096, 1024)]
 
 
@@ -310,13 +310,12 @@ def test_registered_tma_does_not_publish(tma, tmp_path):
         assert "volatile" not in ptx and "fence.acq_rel.sys" not in ptx
 
 
-def test_publishing_linear_is_not_registered():
-    """cute.linear_tma_publish waits for its GPU test (tests/test_gpu_cute_publish.py)."""
-    from sparkdecode_cute.linear_tma import CuteLinearTma, CuteLinearTmaPublishing
+def test_registered_linear_tma_publishes():
+    """The registered cute.linear_tma offers ``publish`` (checked on the H200 by
+    tests/test_gpu_cute_publish.py), so the cuda pack's attention can ask it for the o_proj."""
+    from sparkdecode_cute.linear_tma import CuteLinearTma
 
-    assert CuteLinearTmaPublishing.name == "cute.linear_tma_publish"
-    assert CuteLinearTmaPublishing not in plugin.PROVIDERS and CuteLinearTma in plugin.PROVIDERS
-    assert all(getattr(p, "name", None) != CuteLinearTmaPublishing.name for p in plugin.PROVIDERS)
+    assert CuteLinearTma in plugin.PROVIDERS and callable(getattr(CuteLinearTma, "publish", None))
 
 
 def _mailbox(tp: int = 2, rank: int = 1, capacity: int = 8 * 1024, **changes):
@@ -335,19 +334,19 @@ def _mailbox(tp: int = 2, rank: int = 1, capacity: int = 8 * 1024, **changes):
 
 @pytest.fixture
 def publishing_linear(tma, monkeypatch):
-    """cute.linear_tma_publish built on the CPU for tiny's layer shapes at TP 2 (o_proj
+    """cute.linear_tma built on the CPU for tiny's layer shapes at TP 2 (o_proj
     1024 x 512), the kernels compiled for sm_90a."""
     from types import SimpleNamespace
 
     from sparkdecode_cute import gemv_splitk
     from sparkdecode_cute.linear_splitk import SplitKWeight
-    from sparkdecode_cute.linear_tma import CuteLinearTmaPublishing, PublishingTmaWeight, TmaWeight
+    from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight
 
     # Each weight's compile for sm_90a (by default the DSL's arch, read once a process).
     hooks = (
         (SplitKWeight, "compile", lambda plan: gemv_splitk.compile_splitk(plan, "sm_90a")),
         (TmaWeight, "compile", lambda plan: tma.compile_tma(plan, "sm_90a")),
-        (PublishingTmaWeight, "compile_publishing", lambda plan: tma.compile_tma_publishing(plan, "sm_90a")),
+        (TmaWeight, "compile_publishing", lambda plan: tma.compile_tma_publishing(plan, "sm_90a")),
     )
     for cls, name, compile_ in hooks:
         monkeypatch.setattr(cls, name, staticmethod(compile_))
@@ -364,18 +363,18 @@ def publishing_linear(tma, monkeypatch):
         layer=lambda index: SimpleNamespace(**layer),
         scratch=lambda name, shape, dtype: buffers.setdefault(name, torch.zeros(shape, dtype=dtype)),
     )
-    return CuteLinearTmaPublishing(ctx, 0)
+    return CuteLinearTma(ctx, 0)
 
 
 def test_publish_refuses_what_it_cannot_publish(publishing_linear):
     """``publish`` refuses the fp32 router, a slot smaller than max_rows x N, and what
     is not a mailbox; then switches o_proj to the published kernel, its pointers after
     the workspace and counters the mailbox's (kept if the scratch is shared again)."""
-    from sparkdecode_cute.linear_tma import PublishingTmaWeight
+    from sparkdecode_cute.linear_tma import TmaWeight
 
     linear = publishing_linear
     o_proj = linear.weights["o_proj"]
-    assert isinstance(o_proj, PublishingTmaWeight) and not isinstance(linear.weights["router"], PublishingTmaWeight)
+    assert isinstance(o_proj, TmaWeight) and not isinstance(linear.weights["router"], TmaWeight)
     plain = o_proj.kernel
     assert not linear.publish("router", _mailbox())
     assert not linear.publish("o_proj", _mailbox(capacity=8 * 1024 - 8))

@@ -1,10 +1,10 @@
-"""cute.linear_tma_publish's o_proj publishing its partial into the cuda pack's Lamport
+"""cute.linear_tma's o_proj publishing its partial into the cuda pack's Lamport
 mailbox from the TMA GEMV's epilogue (gemv_tma.PublishingTmaGemv), on ONE GPU shared
 by 2, 4 and 8 processes (marker gpu; skipped without a Hopper GPU, the cuda pack or
 the CuTe DSL), the host side of the group over gloo (tp_gpu_worker.py). Each rank
 runs tp_gpu_worker.cute_published_partial: the publishing o_proj with the fused
-attention boundary only gathering against cute.linear_tma's o_proj (the same plan)
-with the boundary pushing, bit for bit (partial, stream, output) at 8, 3 and 1 rows,
+attention boundary only gathering against the same o_proj not publishing (the same
+plan) with the boundary pushing, bit for bit (partial, stream, output) at 8, 3 and 1 rows,
 eagerly and replaying one CUDA graph, at a tiny width and muse-spark-open's (TP 4
 covers the split-K plans: its o_proj is 8192 x 2048, 2 splits, and tiny-tp8's 4096 x
 1024). A rank hanging on a mailbox (a push to the wrong slot) fails under the watchdog.

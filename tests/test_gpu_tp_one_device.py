@@ -20,7 +20,8 @@ Asserted, per TP size:
   and the rule of test_gpu_cuda_pack.py: the kernels' row reductions sum in another
   order, one bf16 ulp here and there, over two layers, every expert routed);
   ``fused_publish`` 1,000 steps at TP 2, 100 at TP 4, 200 at TP 8, replaying one
-  CUDA graph;
+  CUDA graph; ``fused_publish_cute`` (the same with cute.linear_tma's o_proj publishing,
+  where the CuTe DSL is installed) 200 steps at TP 2, 50 at TP 8;
 - every rank's hidden states (and first steps' aux streams) are the same bits;
 - the TP output equals the TP-1 model within bf16 rounding (3e-2, test_tp.py's bound);
 - no hang: each TP size runs under a watchdog that kills the ranks and fails.
@@ -28,6 +29,7 @@ Asserted, per TP size:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
@@ -68,6 +70,9 @@ def variant(
     )
 
 
+# cute.linear_tma's publishing o_proj runs where its pack and the CuTe DSL are installed.
+CUTE = all(importlib.util.find_spec(m) is not None for m in ("sparkdecode_cute", "cutlass"))
+
 # The column-sharded pooler/unpooler gather over the reference transport (gloo), which
 # a CUDA graph cannot capture: those variants run eagerly.
 CASES = {
@@ -82,6 +87,7 @@ CASES = {
         variant("tiny", "ep", "fused", 6, False, shard_unpooler=True),
         variant("tiny", "tp", "fused", 6, True),
         variant("tiny", "tp", "fused_publish", 1000, True),
+        *([variant("tiny", "tp", "fused_publish_cute", 200, True)] if CUTE else []),
     ],
     4: [
         variant("tiny-tp8", "ep", "all_reduce", 4, False, shard_pooler=True, shard_unpooler=True),
@@ -91,6 +97,7 @@ CASES = {
         variant("tiny-tp8", "tp", "all_reduce", 6, True),
         variant("tiny-tp8", "ep", "fused", 6, True),
         variant("tiny-tp8", "ep", "fused_publish", 200, True),
+        *([variant("tiny-tp8", "ep", "fused_publish_cute", 50, True)] if CUTE else []),
     ],
 }
 

@@ -57,6 +57,15 @@ PINS = {
         "attention_boundary": "cuda.attention_boundary",
         "moe": "cuda.moe",
     },
+    # The same with cute.linear_tma (the fastest dense GEMM) publishing the o_proj partial.
+    "fused_publish_cute": {
+        **REFERENCE,
+        "all_reduce": "cuda.all_reduce",
+        "attention": "cuda.attention",
+        "linear": "cute.linear_tma",
+        "attention_boundary": "cuda.attention_boundary",
+        "moe": "cuda.moe",
+    },
 }
 
 
@@ -71,7 +80,7 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     chosen = {kind: executor.layout.choices[kind].chosen.name for kind in pins}
     assert chosen == pins, chosen
     published = [getattr(layer.attention_boundary, "published", False) for layer in executor.layers]
-    assert all(published) if variant["pins"] == "fused_publish" else not any(published), published
+    assert all(published) if variant["pins"].startswith("fused_publish") else not any(published), published
     harness = DecodeHarness(
         ReferenceModel(shard, max_context, group), executor, PROMPT, seed=variant["seed"], graph=variant["graph"]
     )
@@ -332,9 +341,9 @@ def publishing_matches(
 
 
 def cute_published_partial(rank: int, tp: int, init: str, out_dir: str) -> None:
-    """cute.linear_tma_publish's o_proj publishing its partial from the epilogue, then
-    the cuda pack's fused boundary gathering only, against cute.linear_tma's o_proj
-    (the same plan) not publishing and the boundary pushing then gathering, as
+    """cute.linear_tma's o_proj publishing its partial from the epilogue, then the cuda
+    pack's fused boundary gathering only, against the same o_proj (the same plan) not
+    publishing and the boundary pushing then gathering, as
     ``published_partial`` checks cuda.linear's: the partial, the stream and the output
     the same bits, at 8, 3 and 1 rows, each path twice in turn (every generation's
     slots reused), then both in one graph replayed on new inputs; at a tiny width
@@ -344,14 +353,14 @@ def cute_published_partial(rank: int, tp: int, init: str, out_dir: str) -> None:
     from sparkdecode.spec import ModelSpec
     from sparkdecode_cuda.bench_collectives import context
     from sparkdecode_cuda.boundary import CudaAttentionBoundary
-    from sparkdecode_cute.linear_tma import PublishingTmaWeight, TmaWeight
+    from sparkdecode_cute.linear_tma import TmaWeight
 
     def width(preset: str, sms: int, device: torch.device) -> tuple[bool, bool, tuple[int, int, int]]:
         spec = ModelSpec.preset(preset)
         ctx = context(spec, 8, tp, rank, device)
         k = spec.q_size // tp
         weight = o_proj_weight(spec.H, k, rank, device)
-        plain, publishing = TmaWeight("o_proj", weight, 8, sms), PublishingTmaWeight("o_proj", weight, 8, sms)
+        plain, publishing = TmaWeight("o_proj", weight, 8, sms), TmaWeight("o_proj", weight, 8, sms)
         assert plain.plan == publishing.plan, (plain.plan, publishing.plan)
         for o_proj in (plain, publishing):
             workspace = torch.zeros(max(1, o_proj.plan.workspace), device=device)

@@ -29,7 +29,7 @@ register file:
 
 b is a runtime argument: rows past b are never stored.
 
-``PublishingTmaGemv`` (unregistered; cute.linear_tma_publish) is the same kernel
+``PublishingTmaGemv`` (cute.linear_tma's ``publish``) is the same kernel
 whose epilogue also publishes its bf16 output into the cuda pack's Lamport mailbox
 for the next Lamport kernel to gather, as cuda.linear's PUBLISH (linear.cu; the
 protocol and its ordering in providers_cuda/sparkdecode_cuda/lamport.py,

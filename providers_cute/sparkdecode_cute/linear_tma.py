@@ -10,12 +10,13 @@ another order (in the tensor cores over the CTA's chunk, then the splits in spli
 order), rounded once to the output dtype; results are identical from run to run.
 Checked on the H200 by tests/test_gpu_cute_linear_tma.py.
 
-cute.linear_tma_publish (``CuteLinearTmaPublishing``, not registered in plugin.py
-until checked on a GPU by tests/test_gpu_cute_publish.py) is the same provider whose
-``publish(name, mailbox)`` switches a bf16 weight to gemv_tma's
+At TP > 1 its ``publish(name, mailbox)`` switches a bf16 weight to gemv_tma's
 ``PublishingTmaGemv``: its epilogue also pushes the output into the cuda pack's
 Lamport mailbox (duck-typed: ``peers``, ``control``, ``rank``, ``tp``,
-``capacity``), as cuda.linear's ``publish``; the same plan, so the same bits.
+``capacity``), as cuda.linear's ``publish``; the same plan, so the same bits
+(tests/test_gpu_cute_publish.py on the H200: TP 2, 4 and 8 on one GPU, bit for bit
+against the pushing boundary). The cuda pack's attention asks it for the o_proj
+when the layer's attention boundary gathers (``pair_attention``).
 """
 
 from __future__ import annotations
@@ -27,33 +28,6 @@ import torch
 from .common import compiled, current_stream, pointer
 from .linear import VECTOR_BYTES
 from .linear_mma import CuteLinearMma, MmaWeight
-
-
-class TmaWeight(MmaWeight):
-    """One bf16 weight's compiled TMA kernel, its pointer and the shared workspace."""
-
-    provider = "cute.linear_tma"
-    kind = "TMA"
-
-    @staticmethod
-    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
-        from . import gemv_tma
-
-        return gemv_tma.plan_tma(w.shape[0], w.shape[1], max_rows, w.stride(0), sms)
-
-    @staticmethod
-    def compile(plan: Any) -> Any:
-        from . import gemv_tma
-
-        return compiled(("gemv_tma", plan), lambda: gemv_tma.compile_tma(plan))
-
-
-class CuteLinearTma(CuteLinearMma):
-    """Sub-op ``linear``: the bf16 weights on the TMA + WGMMA GEMV, the fp32 router on
-    the split-K CUDA-core GEMV; workspace and counters shared as cute.linear_splitk's."""
-
-    name = "cute.linear_tma"
-    bf16_weight = TmaWeight
 
 
 def mailbox_reason(mailbox: Any, device: torch.device) -> str | None:
@@ -74,12 +48,26 @@ def mailbox_reason(mailbox: Any, device: torch.device) -> str | None:
     return None
 
 
-class PublishingTmaWeight(TmaWeight):
-    """A bf16 weight on the TMA kernel that ``publish`` switches to the published
-    epilogue (gemv_tma's ``PublishingTmaGemv``, the same plan); the kernel's pointers
-    after out are then the workspace, the counters and the mailbox's."""
+class TmaWeight(MmaWeight):
+    """One bf16 weight's compiled TMA kernel, its pointer and the shared workspace;
+    ``publish`` switches it to the published epilogue (gemv_tma's ``PublishingTmaGemv``,
+    the same plan), whose pointers after out are the workspace, the counters and the
+    mailbox's."""
 
-    provider = "cute.linear_tma_publish"
+    provider = "cute.linear_tma"
+    kind = "TMA"
+
+    @staticmethod
+    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
+        from . import gemv_tma
+
+        return gemv_tma.plan_tma(w.shape[0], w.shape[1], max_rows, w.stride(0), sms)
+
+    @staticmethod
+    def compile(plan: Any) -> Any:
+        from . import gemv_tma
+
+        return compiled(("gemv_tma", plan), lambda: gemv_tma.compile_tma(plan))
 
     def __init__(self, name: str, w: torch.Tensor, max_rows: int, sms: int, plan: Any = None):
         super().__init__(name, w, max_rows, sms, plan)
@@ -147,16 +135,18 @@ class PublishingTmaWeight(TmaWeight):
         )
 
 
-class CuteLinearTmaPublishing(CuteLinearTma):
-    """cute.linear_tma whose bf16 weights can publish their output into a Lamport
-    mailbox from the epilogue (``publish``), for the attention boundary at TP > 1."""
+class CuteLinearTma(CuteLinearMma):
+    """Sub-op ``linear``: the bf16 weights on the TMA + WGMMA GEMV, the fp32 router on
+    the split-K CUDA-core GEMV; workspace and counters shared as cute.linear_splitk's.
+    A bf16 weight can publish its output into a Lamport mailbox from the epilogue
+    (``publish``), for the attention boundary at TP > 1."""
 
-    name = "cute.linear_tma_publish"
-    bf16_weight = PublishingTmaWeight
+    name = "cute.linear_tma"
+    bf16_weight = TmaWeight
 
     def publish(self, name: str, mailbox: Any) -> bool:
         """Weight ``name``'s output published into ``mailbox`` by its epilogue from now
-        on (``PublishingTmaWeight.publish``); whether it will be (never the fp32
-        router, which runs on the split-K CUDA-core kernel)."""
+        on (``TmaWeight.publish``); whether it will be (never the fp32 router, which
+        runs on the split-K CUDA-core kernel)."""
         weight = self.weights[name]
-        return isinstance(weight, PublishingTmaWeight) and weight.publish(mailbox)
+        return isinstance(weight, TmaWeight) and weight.publish(mailbox)

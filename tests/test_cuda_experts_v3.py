@@ -398,3 +398,22 @@ def test_marlin_v3_flow_refuses_the_split():
     defines = {**experts_mod.CudaExpertsNvfp4MarlinV3Split.kernel_defines(4096, 512, 8), "EXPERTS_FLOW": 1}
     with pytest.raises(AssertionError, match="EXPERTS_FLOW is for the V3 Marlin kernels"):
         ptxas_usage(defines)
+
+
+@pytest.mark.parametrize("wk", [1, 2])
+def test_marlin_v3_down_wk_compiles_spill_free_and_refuses_what_it_cannot_tile(wk):
+    """EXPERTS_DOWN_WK (the down kernel's warps along K, unregistered variants) at the TP8
+    rank's expert-TP slice: no stack or spills at 4 blocks an SM; a width its 64 x 8 / wk rows
+    an item do not divide is refused by name before any compile."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3DownK1 if wk == 1 else experts_mod.CudaExpertsNvfp4MarlinV3DownK2
+    defines = cls.kernel_defines(4096, 512, 8)
+    assert defines["EXPERTS_DOWN_WK"] == wk and cls.down_blocks == 4
+    u = ptxas_usage(defines)["experts_down_kernel"]
+    assert u.stack == 0 and u.spills == 0 and blocks_per_sm(u.registers) >= 4, u
+    assert experts_mod.down_wk_unsupported(4096, 512, wk) is None
+    assert "moe_hidden_size 128" in experts_mod.down_wk_unsupported(128, 512, wk)
+    assert "moe_intermediate_size 32" in experts_mod.down_wk_unsupported(4096, 32, wk)

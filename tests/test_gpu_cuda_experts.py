@@ -123,8 +123,9 @@ def provider(fmt: str):
     4 blocks an SM / with EXPERTS_PIPE, "-v3split": -v3occ with EXPERTS_SPLIT (the up kernel's
     work cut evenly over its grid), "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads
     through shared-memory rings, 3 blocks an SM), "-v3flow": -v3occ with EXPERTS_FLOW (the down
-    kernel started in the up kernel's tail), "-v3flowring": both (the checkpoint layout's V3
-    and the last five unregistered)."""
+    kernel started in the up kernel's tail), "-v3flowring": both, "-v3k1" / "-v3k2": -v3occ
+    with the down kernel's warps 1 / 2 along K (EXPERTS_DOWN_WK) (the checkpoint layout's V3,
+    _pipe, _split and the last four unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -140,6 +141,8 @@ def provider(fmt: str):
         "nvfp4_marlin-v3ring": experts_mod.CudaExpertsNvfp4MarlinV3Ring,
         "nvfp4_marlin-v3flow": experts_mod.CudaExpertsNvfp4MarlinV3Flow,
         "nvfp4_marlin-v3flowring": experts_mod.CudaExpertsNvfp4MarlinV3FlowRing,
+        "nvfp4_marlin-v3k1": experts_mod.CudaExpertsNvfp4MarlinV3DownK1,
+        "nvfp4_marlin-v3k2": experts_mod.CudaExpertsNvfp4MarlinV3DownK2,
     }[fmt]
 
 
@@ -164,7 +167,20 @@ def dequantized(experts: ExpertWeights, fmt: str) -> tuple[torch.Tensor, torch.T
 
 NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
     f"nvfp4_marlin{v}"
-    for v in ("", "-v2", "-bulk", "-v3", "-v3occ", "-v3pipe", "-v3split", "-v3ring", "-v3flow", "-v3flowring")
+    for v in (
+        "",
+        "-v2",
+        "-bulk",
+        "-v3",
+        "-v3occ",
+        "-v3pipe",
+        "-v3split",
+        "-v3ring",
+        "-v3flow",
+        "-v3flowring",
+        "-v3k1",
+        "-v3k2",
+    )
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]
 

@@ -115,6 +115,8 @@ class CudaExperts(_Cuda):
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
     # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
     up_shared: int = 0
+    # experts.cu's EXPERTS_DOWN_WK: the down kernel's warps along K (0: _warps_k's choice)
+    down_wk: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -144,7 +146,7 @@ class CudaExperts(_Cuda):
         sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         chunk = CHUNK[self.format]
         tiles_up = self.intermediate // (UP_COLS[self.format] * (8 // _warps_k(spec.P, chunk)))
-        tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // _warps_k(self.intermediate, chunk)))
+        tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // (self.down_wk or _warps_k(self.intermediate, chunk))))
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
@@ -161,6 +163,8 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_UP_BLOCKS"] = cls.up_blocks
         if cls.down_blocks != BLOCKS_PER_SM:
             defines["EXPERTS_DOWN_BLOCKS"] = cls.down_blocks
+        if cls.down_wk:
+            defines["EXPERTS_DOWN_WK"] = cls.down_wk
         return defines
 
     def _check_layout(self, layer: int) -> None:
@@ -571,3 +575,52 @@ class CudaExpertsNvfp4MarlinV3FlowRing(CudaExpertsNvfp4MarlinV3Flow, CudaExperts
     shared-memory rings. The same bits as V3."""
 
     name = "cuda.experts_nvfp4_marlin_v3_flow_ring"
+
+
+def down_wk_unsupported(width: int, intermediate: int, wk: int) -> str | None:
+    """Why the Marlin down kernel with ``wk`` warps along K cannot take pooled width P and
+    this rank's I-slice, or None (experts.cu's static asserts under EXPERTS_DOWN_WK)."""
+    rows = DOWN_ROWS["nvfp4_marlin"] * (8 // wk)
+    if intermediate % (CHUNK["nvfp4_marlin"] * wk):
+        return f"this rank's moe_intermediate_size {intermediate}: not a multiple of {CHUNK['nvfp4_marlin'] * wk}"
+    if width % rows:
+        return f"moe_hidden_size {width}: not a multiple of {rows}"
+    return None
+
+
+class _DownWk:
+    """The down kernel's warps along K set by ``down_wk`` (experts.cu's EXPERTS_DOWN_WK)."""
+
+    down_wk: ClassVar[int]
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        d, s = deployment, deployment.spec
+        intermediate = s.I // d.tp if d.expert_parallel == "tp" else s.I
+        return super().unsupported(deployment) or down_wk_unsupported(s.P, intermediate, cls.down_wk)  # type: ignore[misc]
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        e = ctx.layer(layer).experts
+        why = down_wk_unsupported(ctx.spec.P, _intermediate(e.w2, e.format), self.down_wk)
+        if why:
+            raise ValueError(f"layer {layer}: {self.name}: {why}")  # type: ignore[attr-defined]
+        super().__init__(ctx, layer)  # type: ignore[call-arg]
+
+
+class CudaExpertsNvfp4MarlinV3DownK1(_DownWk, CudaExpertsNvfp4MarlinV3Occ):
+    """``cuda.experts_nvfp4_marlin_v3_occ`` with the down kernel's 8 warps each on its own
+    rows over the whole K-slice (EXPERTS_DOWN_WK = 1: no cross-warp reduction, no barrier an
+    item; 512 output rows an item). The same MMAs over K in order: V3's sums without the
+    warps' split, so not V3's bits (fp32 summation order). Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_down_k1"
+    down_wk = 1
+
+
+class CudaExpertsNvfp4MarlinV3DownK2(_DownWk, CudaExpertsNvfp4MarlinV3Occ):
+    """``cuda.experts_nvfp4_marlin_v3_occ`` with the down kernel's warps 2 along K
+    (EXPERTS_DOWN_WK = 2: half the cross-warp reductions of the default 4; 256 output rows
+    an item). Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_down_k2"
+    down_wk = 2

@@ -200,7 +200,14 @@ __host__ __device__ constexpr int warps_k(int k) {
   return k >= 16 * CHUNK_K ? 8 : (k >= 8 * CHUNK_K ? 4 : (k >= 4 * CHUNK_K ? 2 : 1));
 }
 constexpr int WK1 = warps_k(P_DIM), WM1 = WARPS / WK1;
+// EXPERTS_DOWN_WK (a define; warps_k when absent): the down kernel's warps along K, fewer
+// for longer K-slices a warp and fewer cross-warp reductions (barriers) an item.
+#ifdef EXPERTS_DOWN_WK
+constexpr int WK2 = EXPERTS_DOWN_WK, WM2 = WARPS / WK2;
+static_assert(WK2 == 1 || WK2 == 2 || WK2 == 4 || WK2 == 8, "EXPERTS_DOWN_WK: 1, 2, 4 or 8");
+#else
 constexpr int WK2 = warps_k(I_LOCAL), WM2 = WARPS / WK2;
+#endif
 // Up: an item is UP_COLS * WM1 intermediate columns (gate and up rows); down:
 // DOWN_ROWS * WM2 output rows.
 constexpr int TILES1 = I_LOCAL / (UP_COLS * WM1);

@@ -417,3 +417,16 @@ def test_marlin_v3_down_wk_compiles_spill_free_and_refuses_what_it_cannot_tile(w
     assert experts_mod.down_wk_unsupported(4096, 512, wk) is None
     assert "moe_hidden_size 128" in experts_mod.down_wk_unsupported(128, 512, wk)
     assert "moe_intermediate_size 32" in experts_mod.down_wk_unsupported(4096, 32, wk)
+
+
+def test_marlin_v3_slice_builds_the_down_k1_or_the_occ_kernel():
+    """The Slice variant (unregistered) compiles exactly `_down_k1`'s kernels at the TP8 rank's
+    expert-TP slice (I 512) and `_occ`'s for whole experts (EP, I 4096) and where the width
+    does not tile 512 rows an item: no kernel of its own to check on the GPU."""
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Slice
+    k1, occ = experts_mod.CudaExpertsNvfp4MarlinV3DownK1, experts_mod.CudaExpertsNvfp4MarlinV3Occ
+    assert cls.kernel_defines(4096, 512, 8) == k1.kernel_defines(4096, 512, 8)
+    assert cls.kernel_defines(4096, 4096, 8) == occ.kernel_defines(4096, 4096, 8)
+    assert cls.kernel_defines(256, 512, 8) == occ.kernel_defines(256, 512, 8)
+    assert (cls.down_warps_k(4096, 512), cls.down_warps_k(4096, 4096), cls.down_warps_k(256, 512)) == (1, 8, 4)
+    assert occ.down_warps_k(4096, 512) == 4 and k1.down_warps_k(4096, 4096) == 1

@@ -124,8 +124,9 @@ def provider(fmt: str):
     work cut evenly over its grid), "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads
     through shared-memory rings, 3 blocks an SM), "-v3flow": -v3occ with EXPERTS_FLOW (the down
     kernel started in the up kernel's tail), "-v3flowring": both, "-v3k1" / "-v3k2": -v3occ
-    with the down kernel's warps 1 / 2 along K (EXPERTS_DOWN_WK) (the checkpoint layout's V3,
-    _pipe, _split and the last four unregistered)."""
+    with the down kernel's warps 1 / 2 along K (EXPERTS_DOWN_WK), "-v3slice": -v3k1's down
+    kernel at expert TP's slice, -v3occ's elsewhere (the checkpoint layout's V3, _pipe, _split
+    and the last five unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -143,6 +144,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3flowring": experts_mod.CudaExpertsNvfp4MarlinV3FlowRing,
         "nvfp4_marlin-v3k1": experts_mod.CudaExpertsNvfp4MarlinV3DownK1,
         "nvfp4_marlin-v3k2": experts_mod.CudaExpertsNvfp4MarlinV3DownK2,
+        "nvfp4_marlin-v3slice": experts_mod.CudaExpertsNvfp4MarlinV3Slice,
     }[fmt]
 
 
@@ -180,6 +182,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3flowring",
         "-v3k1",
         "-v3k2",
+        "-v3slice",
     )
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]

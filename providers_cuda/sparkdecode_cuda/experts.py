@@ -146,7 +146,7 @@ class CudaExperts(_Cuda):
         sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         chunk = CHUNK[self.format]
         tiles_up = self.intermediate // (UP_COLS[self.format] * (8 // _warps_k(spec.P, chunk)))
-        tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // (self.down_wk or _warps_k(self.intermediate, chunk))))
+        tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // self.down_warps_k(spec.P, self.intermediate)))
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
@@ -163,9 +163,16 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_UP_BLOCKS"] = cls.up_blocks
         if cls.down_blocks != BLOCKS_PER_SM:
             defines["EXPERTS_DOWN_BLOCKS"] = cls.down_blocks
-        if cls.down_wk:
-            defines["EXPERTS_DOWN_WK"] = cls.down_wk
+        wk = cls.down_warps_k(width, intermediate)
+        if cls.down_wk or wk != _warps_k(intermediate, CHUNK[cls.format]):
+            defines["EXPERTS_DOWN_WK"] = wk
         return defines
+
+    @classmethod
+    def down_warps_k(cls, width: int, intermediate: int) -> int:
+        """The down kernel's warps along K for pooled width P and this rank's I-slice
+        (experts.cu's WK2)."""
+        return cls.down_wk or _warps_k(intermediate, CHUNK[cls.format])
 
     def _check_layout(self, layer: int) -> None:
         e = self.experts
@@ -624,3 +631,24 @@ class CudaExpertsNvfp4MarlinV3DownK2(_DownWk, CudaExpertsNvfp4MarlinV3Occ):
 
     name = "cuda.experts_nvfp4_marlin_v3_down_k2"
     down_wk = 2
+
+
+# The largest I-slice the Slice variant's down kernel takes on one warp along K (expert TP at
+# TP 8: I / 8 = 512; whole experts under EP keep the default, where one warp along K leaves
+# most blocks without an item).
+SLICE_WK1 = 512
+
+
+class CudaExpertsNvfp4MarlinV3Slice(CudaExpertsNvfp4MarlinV3Occ):
+    """``cuda.experts_nvfp4_marlin_v3_occ`` whose down kernel takes one warp along K
+    (EXPERTS_DOWN_WK = 1, ``_down_k1``'s kernel) where this rank's I-slice is at most
+    ``SLICE_WK1`` and the width tiles, and ``_occ``'s elsewhere: its cubins are those two
+    variants' (tests/test_cuda_experts_v3.py). Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_slice"
+
+    @classmethod
+    def down_warps_k(cls, width: int, intermediate: int) -> int:
+        if intermediate <= SLICE_WK1 and down_wk_unsupported(width, intermediate, 1) is None:
+            return 1
+        return super().down_warps_k(width, intermediate)

@@ -237,6 +237,21 @@ def blocks_per_sm_smem(nbytes: int) -> int:
     return SM_SHARED // (nbytes + BLOCK_RESERVED) if nbytes <= BLOCK_SHARED_MAX else 0
 
 
+def assert_kernels_fit(defines: dict[str, int], cls: type, up_shared: int = 0) -> None:
+    """Both kernels under ``defines``: no stack or spills, and the registers and shared
+    memory (static, plus ``up_shared`` dynamic for the up kernel) of the blocks an SM ``cls``
+    launches each on."""
+    usage = ptxas_usage(defines)
+    for kernel, blocks, shared in (
+        ("experts_up_kernel", cls.up_blocks, up_shared),
+        ("experts_down_kernel", cls.down_blocks, 0),
+    ):
+        u = usage[kernel]
+        assert u.stack == 0 and u.spills == 0, (kernel, usage)
+        assert blocks_per_sm(u.registers) >= blocks, (kernel, u, blocks)
+        assert blocks_per_sm_smem(u.smem + shared) >= blocks, (kernel, u, shared, blocks)
+
+
 @pytest.mark.parametrize("cls_name", ["CudaExpertsNvfp4MarlinV3Occ", "CudaExpertsNvfp4MarlinV3Pipe"])
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
 def test_marlin_v3_occupancy_variants_compile_spill_free(cls_name, width, intermediate):
@@ -294,15 +309,7 @@ def test_marlin_v3_ring_compiles_spill_free_and_fits(width, intermediate):
     assert "EXPERTS_PIPE" not in defines and "EXPERTS_SPLIT" not in defines
     dynamic = experts_mod.ring_smem_bytes(width, cls.ring)
     assert dynamic == 8 * 4 * (2 * (512 + 64) + 256) and dynamic >= 8 * 8 * 4 * 32 * 4
-    usage = ptxas_usage(defines)
-    for kernel, blocks, shared in (
-        ("experts_up_kernel", cls.up_blocks, dynamic),
-        ("experts_down_kernel", cls.down_blocks, 0),
-    ):
-        u = usage[kernel]
-        assert u.stack == 0 and u.spills == 0, (kernel, usage)
-        assert blocks_per_sm(u.registers) >= blocks, (kernel, u, blocks)
-        assert blocks_per_sm_smem(u.smem + shared) >= blocks, (kernel, u, shared, blocks)
+    assert_kernels_fit(defines, cls, dynamic)
 
 
 def test_marlin_v3_ring_stages_clip_to_a_warps_steps():
@@ -377,16 +384,7 @@ def test_marlin_v3_flow_compiles_spill_free(cls_name, width, intermediate):
     defines = cls.kernel_defines(width, intermediate, 8)
     assert defines["EXPERTS_FLOW"] == 1 and defines["EXPERTS_V2"] == 2 and "EXPERTS_SPLIT" not in defines
     assert (cls.up_blocks, cls.down_blocks) == ((3, 4) if "EXPERTS_RING" in defines else (2, 4))
-    usage = ptxas_usage(defines)
-    ring = experts_mod.ring_smem_bytes(width, cls.ring) if "EXPERTS_RING" in defines else 0
-    for kernel, blocks, shared in (
-        ("experts_up_kernel", cls.up_blocks, ring),
-        ("experts_down_kernel", cls.down_blocks, 0),
-    ):
-        u = usage[kernel]
-        assert u.stack == 0 and u.spills == 0, (kernel, usage)
-        assert blocks_per_sm(u.registers) >= blocks, (kernel, u, blocks)
-        assert blocks_per_sm_smem(u.smem + shared) >= blocks, (kernel, u, shared, blocks)
+    assert_kernels_fit(defines, cls, experts_mod.ring_smem_bytes(width, cls.ring) if "EXPERTS_RING" in defines else 0)
 
 
 def test_marlin_v3_flow_refuses_the_split():

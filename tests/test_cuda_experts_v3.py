@@ -428,3 +428,27 @@ def test_marlin_v3_slice_builds_the_down_k1_or_the_occ_kernel():
     assert cls.kernel_defines(256, 512, 8) == occ.kernel_defines(256, 512, 8)
     assert (cls.down_warps_k(4096, 512), cls.down_warps_k(4096, 4096), cls.down_warps_k(256, 512)) == (1, 8, 4)
     assert occ.down_warps_k(4096, 512) == 4 and k1.down_warps_k(4096, 4096) == 1
+
+
+@pytest.mark.parametrize("blocks", [3, 4])
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 512)])
+def test_marlin_v3_half_compiles_spill_free(width, intermediate, blocks):
+    """EXPERTS_HALF (unregistered): with a warp on the gate or the up rows only, the up kernel
+    fits 3 (_half) or 4 (_half4) blocks an SM in registers and shared memory with no stack or
+    spills (the down kernel as _occ's, 4 blocks); it refuses a width with one warp along K."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half if blocks == 3 else experts_mod.CudaExpertsNvfp4MarlinV3Half4
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines["EXPERTS_HALF"] == 1 and defines["EXPERTS_UP_BLOCKS"] == blocks and cls.down_blocks == 4
+    assert_kernels_fit(defines, cls)
+    import dataclasses
+
+    from sparkdecode.protocols import Deployment
+    from sparkdecode.spec import ModelSpec
+
+    tiny = ModelSpec.preset("tiny")
+    narrow = dataclasses.replace(tiny, moe_hidden_size=128)
+    assert "moe_hidden_size 128" in cls.unsupported(Deployment(narrow, tp=1, device="cuda"))

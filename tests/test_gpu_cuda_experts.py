@@ -125,8 +125,9 @@ def provider(fmt: str):
     through shared-memory rings, 3 blocks an SM), "-v3flow": -v3occ with EXPERTS_FLOW (the down
     kernel started in the up kernel's tail), "-v3flowring": both, "-v3k1" / "-v3k2": -v3occ
     with the down kernel's warps 1 / 2 along K (EXPERTS_DOWN_WK), "-v3slice": -v3k1's down
-    kernel at expert TP's slice, -v3occ's elsewhere (the checkpoint layout's V3, _pipe, _split
-    and the last five unregistered)."""
+    kernel at expert TP's slice, -v3occ's elsewhere, "-v3half": -v3occ with EXPERTS_HALF (each
+    up warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM
+    (the checkpoint layout's V3, _pipe, _split and the last seven unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -145,6 +146,8 @@ def provider(fmt: str):
         "nvfp4_marlin-v3k1": experts_mod.CudaExpertsNvfp4MarlinV3DownK1,
         "nvfp4_marlin-v3k2": experts_mod.CudaExpertsNvfp4MarlinV3DownK2,
         "nvfp4_marlin-v3slice": experts_mod.CudaExpertsNvfp4MarlinV3Slice,
+        "nvfp4_marlin-v3half": experts_mod.CudaExpertsNvfp4MarlinV3Half,
+        "nvfp4_marlin-v3half4": experts_mod.CudaExpertsNvfp4MarlinV3Half4,
     }[fmt]
 
 
@@ -183,6 +186,8 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3k1",
         "-v3k2",
         "-v3slice",
+        "-v3half",
+        "-v3half4",
     )
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]

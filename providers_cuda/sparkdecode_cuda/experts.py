@@ -652,3 +652,35 @@ class CudaExpertsNvfp4MarlinV3Slice(CudaExpertsNvfp4MarlinV3Occ):
         if intermediate <= SLICE_WK1 and down_wk_unsupported(width, intermediate, 1) is None:
             return 1
         return super().down_warps_k(width, intermediate)
+
+
+class CudaExpertsNvfp4MarlinV3Half(CudaExpertsNvfp4MarlinV3Occ):
+    """``cuda.experts_nvfp4_marlin_v3_occ`` with experts.cu's EXPERTS_HALF: each up warp takes
+    the gate rows or the up rows of its item, not both (half the accumulators and loads a
+    thread), so the up kernel runs 3 blocks an SM with its loads still in registers (the
+    measured stall is memory latency at 4 warps a scheduler, bench/NOTES.md v8); the halves
+    meet in shared memory for SwiGLU. Not V3's bits (other K-slices), as close to the exact
+    weights. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half"
+    up_blocks = 3
+
+    @classmethod
+    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
+        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_HALF": 1}
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        width = deployment.spec.P
+        if _warps_k(width, CHUNK[cls.format]) < 2:
+            return f"moe_hidden_size {width}: {cls.name} splits K over at least 2 warps a half (P >= 256)"
+        return super().unsupported(deployment)
+
+
+class CudaExpertsNvfp4MarlinV3Half4(CudaExpertsNvfp4MarlinV3Half):
+    """``cuda.experts_nvfp4_marlin_v3_half`` with the up kernel on 4 blocks an SM (64
+    registers, no spills): at expert TP's 440-odd items one round of the 528 blocks, where 3
+    an SM leave a second round of 44. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4"
+    up_blocks = 4

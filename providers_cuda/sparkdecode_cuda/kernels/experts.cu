@@ -103,6 +103,15 @@
 // starts with a barrier after every warp's ring is drained, and one more barrier after
 // its sums are read keeps the next item's copies out until then. The same MMAs in the
 // same order as V3: the same bits.
+// EXPERTS_HALF (a define, 0 when absent; V3 Marlin only, none of PIPE, SPLIT, RING, FLOW):
+// each warp of the up kernel takes either the gate rows or the up rows of its item (one
+// 64-row block, not both), so it holds half the accumulators and half a batch's loads and
+// the kernel fits 3 blocks an SM (EXPERTS_UP_BLOCKS = 3): half the warps along K per half
+// (WK1 / 2), each over twice the K. The halves' K-slices are added in warp order as before
+// (reduce_k, per half), then the up half's sums go through shared memory to the gate
+// half's first warp, which does SwiGLU. The same products summed in other K-slices: not
+// V3's bits (the fp32 order), as close to the exact weights.
+//
 // EXPERTS_FLOW (a define, 0 when absent; V3 Marlin only, not with EXPERTS_SPLIT): the down
 // kernel starts in the up kernel's tail instead of after its end. The up kernel lets its
 // dependents launch at its start (as always), so the down kernel's blocks take the SMs the
@@ -158,6 +167,12 @@
 #endif
 #ifndef EXPERTS_FLOW
 #define EXPERTS_FLOW 0
+#endif
+#ifndef EXPERTS_HALF
+#define EXPERTS_HALF 0
+#endif
+#if EXPERTS_HALF && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_PIPE && !EXPERTS_SPLIT && !EXPERTS_RING && !EXPERTS_FLOW)
+#error "EXPERTS_HALF is for the V3 Marlin up kernel (EXPERTS_V2 = 2, FMT 2), none of PIPE, SPLIT, RING, FLOW"
 #endif
 #if EXPERTS_FLOW && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_SPLIT)
 #error "EXPERTS_FLOW is for the V3 Marlin kernels (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_SPLIT"
@@ -988,6 +1003,48 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     expert_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(W, row0, k0, x, x_stride, b, c, parts * UP_SB);
     reduce_k<WK1, NT1>(c, red, wm, wk);
     if (wk == 0 && combine_pieces(c, u, runs, wm, ws, counters)) {
+      UP_STORE(c)
+    }
+  }
+#elif EXPERTS_HALF
+  // warp = (half, hm, hk): half 0 the gate rows, 1 the up rows of the item (see the top)
+  constexpr int WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;
+  static_assert(WK1 >= 2, "EXPERTS_HALF: at least two warps along K");
+  const int half = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
+  __shared__ float xch[WM1 * HALF_FLOATS];  // the up half's sums, for the gate half
+  const int items = routes.n_slots * TILES1;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int slot = item / TILES1, tile = item % TILES1;
+    const int e = routes.slot_expert[slot];
+    const int i0 = (tile * WM1 + hm) * UP_COLS;
+    const Weights W = up_weights(w13, w13_scale, w13_global, e);
+    const int row0[1] = {half ? I_LOCAL + i0 : i0};
+    if (item + (int)gridDim.x < items) {  // the next item's first batch
+      const int next = item + gridDim.x, n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
+      const int nrow0[1] = {half ? I_LOCAL + n0 : n0};
+      prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
+          up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
+    }
+    float h[TPB][4];  // this half's tiles
+    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
+    reduce_k<WKH, TPB>(h, red, half * WM1 + hm, hk);
+    __syncthreads();  // xch read for the item before
+    if (hk == 0 && half == 1) {
+#pragma unroll
+      for (int a = 0; a < TPB; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
+    }
+    __syncthreads();
+    if (hk == 0 && half == 0) {
+      float c[NT1][4];  // gate tiles, then up tiles
+#pragma unroll
+      for (int a = 0; a < TPB; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          c[a][e4] = h[a][e4];
+          c[TPB + a][e4] = xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane];
+        }
       UP_STORE(c)
     }
   }

@@ -412,9 +412,10 @@ def test_marlin_v3_down_wk_compiles_spill_free_and_refuses_what_it_cannot_tile(w
     assert defines["EXPERTS_DOWN_WK"] == wk and cls.down_blocks == 4
     u = ptxas_usage(defines)["experts_down_kernel"]
     assert u.stack == 0 and u.spills == 0 and blocks_per_sm(u.registers) >= 4, u
-    assert experts_mod.down_wk_unsupported(4096, 512, wk) is None
-    assert "moe_hidden_size 128" in experts_mod.down_wk_unsupported(128, 512, wk)
-    assert "moe_intermediate_size 32" in experts_mod.down_wk_unsupported(4096, 32, wk)
+    fmt = cls.format
+    assert experts_mod.shape_unsupported(4096, 512, fmt, 8, 8, down_wk=wk) is None
+    assert "moe_hidden_size 128" in experts_mod.shape_unsupported(128, 512, fmt, 8, 8, down_wk=wk)
+    assert "moe_intermediate_size 32" in experts_mod.shape_unsupported(4096, 32, fmt, 8, 8, down_wk=wk)
 
 
 def test_marlin_v3_slice_builds_the_down_k1_or_the_occ_kernel():

@@ -75,10 +75,17 @@ def routes_unsupported(top_k: int, max_rows: int, num_local: int) -> str | None:
 
 
 def shape_unsupported(
-    width: int, intermediate: int, fmt: str, top_k: int, max_rows: int, num_local: int = MAX_LOCAL
+    width: int,
+    intermediate: int,
+    fmt: str,
+    top_k: int,
+    max_rows: int,
+    num_local: int = MAX_LOCAL,
+    down_wk: int | None = None,
 ) -> str | None:
     """Why the kernels cannot take this pooled width P, this rank's I-slice and its
-    count of experts, or None."""
+    count of experts, or None; ``down_wk``: the down kernel's warps along K where not
+    _warps_k's (experts.cu's EXPERTS_DOWN_WK)."""
     chunk = CHUNK[fmt]
     reason = routes_unsupported(top_k, max_rows, num_local)
     if reason:
@@ -86,8 +93,11 @@ def shape_unsupported(
     for what, k in (("moe_hidden_size", width), ("this rank's moe_intermediate_size", intermediate)):
         if k % chunk:
             return f"{what} {k}: the {fmt} experts kernels take multiples of {chunk}"
+    wk2 = down_wk or _warps_k(intermediate, chunk)
+    if intermediate % (chunk * wk2):
+        return f"this rank's moe_intermediate_size {intermediate}: not a multiple of {chunk * wk2}"
     up = UP_COLS[fmt] * (8 // _warps_k(width, chunk))
-    down = DOWN_ROWS[fmt] * (8 // _warps_k(intermediate, chunk))
+    down = DOWN_ROWS[fmt] * (8 // wk2)
     if intermediate % up:
         return f"this rank's moe_intermediate_size {intermediate}: not a multiple of {up}"
     if width % down:
@@ -123,7 +133,10 @@ class CudaExperts(_Cuda):
         d, s = deployment, deployment.spec
         tp = d.expert_parallel == "tp"
         intermediate, num_local = (s.I // d.tp, s.E) if tp else (s.I, s.E // d.tp)
-        return cuda_unsupported(d) or shape_unsupported(s.P, intermediate, cls.format, s.top_k, d.max_rows, num_local)
+        wk2 = cls.down_warps_k(s.P, intermediate)
+        return cuda_unsupported(d) or shape_unsupported(
+            s.P, intermediate, cls.format, s.top_k, d.max_rows, num_local, wk2
+        )
 
     def __init__(self, ctx: BuildContext, layer: int):
         spec = ctx.spec
@@ -131,9 +144,10 @@ class CudaExperts(_Cuda):
         if e.format != self.format:
             raise ValueError(f"layer {layer}: {self.name} serves {self.format} experts, not {e.format}")
         self.intermediate = _intermediate(e.w2, e.format)
-        why = shape_unsupported(spec.P, self.intermediate, self.format, spec.top_k, ctx.max_rows, e.num_local)
+        wk2 = self.down_warps_k(spec.P, self.intermediate)
+        why = shape_unsupported(spec.P, self.intermediate, self.format, spec.top_k, ctx.max_rows, e.num_local, wk2)
         if why:
-            raise ValueError(f"layer {layer}: {why}")
+            raise ValueError(f"layer {layer}: {self.name}: {why}")
         self._check_layout(layer)
         self.top_k, self.width = spec.top_k, spec.P
         defines = self.kernel_defines(spec.P, self.intermediate, spec.top_k)
@@ -584,37 +598,7 @@ class CudaExpertsNvfp4MarlinV3FlowRing(CudaExpertsNvfp4MarlinV3Flow, CudaExperts
     name = "cuda.experts_nvfp4_marlin_v3_flow_ring"
 
 
-def down_wk_unsupported(width: int, intermediate: int, wk: int) -> str | None:
-    """Why the Marlin down kernel with ``wk`` warps along K cannot take pooled width P and
-    this rank's I-slice, or None (experts.cu's static asserts under EXPERTS_DOWN_WK)."""
-    rows = DOWN_ROWS["nvfp4_marlin"] * (8 // wk)
-    if intermediate % (CHUNK["nvfp4_marlin"] * wk):
-        return f"this rank's moe_intermediate_size {intermediate}: not a multiple of {CHUNK['nvfp4_marlin'] * wk}"
-    if width % rows:
-        return f"moe_hidden_size {width}: not a multiple of {rows}"
-    return None
-
-
-class _DownWk:
-    """The down kernel's warps along K set by ``down_wk`` (experts.cu's EXPERTS_DOWN_WK)."""
-
-    down_wk: ClassVar[int]
-
-    @classmethod
-    def unsupported(cls, deployment: Deployment) -> str | None:
-        d, s = deployment, deployment.spec
-        intermediate = s.I // d.tp if d.expert_parallel == "tp" else s.I
-        return super().unsupported(deployment) or down_wk_unsupported(s.P, intermediate, cls.down_wk)  # type: ignore[misc]
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        e = ctx.layer(layer).experts
-        why = down_wk_unsupported(ctx.spec.P, _intermediate(e.w2, e.format), self.down_wk)
-        if why:
-            raise ValueError(f"layer {layer}: {self.name}: {why}")  # type: ignore[attr-defined]
-        super().__init__(ctx, layer)  # type: ignore[call-arg]
-
-
-class CudaExpertsNvfp4MarlinV3DownK1(_DownWk, CudaExpertsNvfp4MarlinV3Occ):
+class CudaExpertsNvfp4MarlinV3DownK1(CudaExpertsNvfp4MarlinV3Occ):
     """``cuda.experts_nvfp4_marlin_v3_occ`` with the down kernel's 8 warps each on its own
     rows over the whole K-slice (EXPERTS_DOWN_WK = 1: no cross-warp reduction, no barrier an
     item; 512 output rows an item). The same MMAs over K in order: V3's sums without the
@@ -624,7 +608,7 @@ class CudaExpertsNvfp4MarlinV3DownK1(_DownWk, CudaExpertsNvfp4MarlinV3Occ):
     down_wk = 1
 
 
-class CudaExpertsNvfp4MarlinV3DownK2(_DownWk, CudaExpertsNvfp4MarlinV3Occ):
+class CudaExpertsNvfp4MarlinV3DownK2(CudaExpertsNvfp4MarlinV3Occ):
     """``cuda.experts_nvfp4_marlin_v3_occ`` with the down kernel's warps 2 along K
     (EXPERTS_DOWN_WK = 2: half the cross-warp reductions of the default 4; 256 output rows
     an item). Not registered."""
@@ -649,7 +633,8 @@ class CudaExpertsNvfp4MarlinV3Slice(CudaExpertsNvfp4MarlinV3Occ):
 
     @classmethod
     def down_warps_k(cls, width: int, intermediate: int) -> int:
-        if intermediate <= SLICE_WK1 and down_wk_unsupported(width, intermediate, 1) is None:
+        fits = shape_unsupported(width, intermediate, cls.format, 1, 1, down_wk=1) is None
+        if intermediate <= SLICE_WK1 and fits:
             return 1
         return super().down_warps_k(width, intermediate)
 

@@ -453,3 +453,20 @@ def test_marlin_v3_half_compiles_spill_free(width, intermediate, blocks):
     tiny = ModelSpec.preset("tiny")
     narrow = dataclasses.replace(tiny, moe_hidden_size=128)
     assert "moe_hidden_size 128" in cls.unsupported(Deployment(narrow, tp=1, device="cuda"))
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_ring_slice_is_the_ring_with_the_slice_down_kernel(width, intermediate):
+    """The ring variant's up kernel (its ring define, 3 blocks an SM, its dynamic shared
+    memory) with _slice's choice of the down kernel's warps along K; spill-free and fitting."""
+    from sparkdecode_cuda import nvrtc
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3RingSlice
+    ring, slice_ = experts_mod.CudaExpertsNvfp4MarlinV3Ring, experts_mod.CudaExpertsNvfp4MarlinV3Slice
+    defines = cls.kernel_defines(width, intermediate, 8)
+    want = {**ring.kernel_defines(width, intermediate, 8), **slice_.kernel_defines(width, intermediate, 8)}
+    assert defines == want and (cls.up_blocks, cls.down_blocks, cls.ring) == (3, 4, 4)
+    assert cls.down_warps_k(width, intermediate) == slice_.down_warps_k(width, intermediate)
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls, experts_mod.ring_smem_bytes(width, cls.ring))

@@ -127,7 +127,8 @@ def provider(fmt: str):
     with the down kernel's warps 1 / 2 along K (EXPERTS_DOWN_WK), "-v3slice": -v3k1's down
     kernel at expert TP's slice, -v3occ's elsewhere, "-v3half": -v3occ with EXPERTS_HALF (each
     up warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM
-    (the checkpoint layout's V3, _pipe, _split and the last seven unregistered)."""
+    "-v3ringslice": -v3ring with -v3slice's down kernel (the checkpoint layout's V3, _pipe,
+    _split and the last eight unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -148,6 +149,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3slice": experts_mod.CudaExpertsNvfp4MarlinV3Slice,
         "nvfp4_marlin-v3half": experts_mod.CudaExpertsNvfp4MarlinV3Half,
         "nvfp4_marlin-v3half4": experts_mod.CudaExpertsNvfp4MarlinV3Half4,
+        "nvfp4_marlin-v3ringslice": experts_mod.CudaExpertsNvfp4MarlinV3RingSlice,
     }[fmt]
 
 
@@ -188,6 +190,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3slice",
         "-v3half",
         "-v3half4",
+        "-v3ringslice",
     )
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]

@@ -669,3 +669,11 @@ class CudaExpertsNvfp4MarlinV3Half4(CudaExpertsNvfp4MarlinV3Half):
 
     name = "cuda.experts_nvfp4_marlin_v3_half4"
     up_blocks = 4
+
+
+class CudaExpertsNvfp4MarlinV3RingSlice(CudaExpertsNvfp4MarlinV3Slice, CudaExpertsNvfp4MarlinV3Ring):
+    """``cuda.experts_nvfp4_marlin_v3_ring`` (its up kernel's shared-memory rings, 3 blocks an
+    SM; the kernel the step's in-place timing chose) with ``_slice``'s down kernel (one warp
+    along K at expert TP's slice, ``_occ``'s elsewhere). Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_ring_slice"

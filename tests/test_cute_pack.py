@@ -228,16 +228,19 @@ def tma():
     return pytest.importorskip("sparkdecode_cute.gemv_tma", reason="nvidia-cutlass-dsl is not installed")
 
 
+@pytest.mark.parametrize("coresident", [False, True], ids=["plan", "coresident"])
 @pytest.mark.parametrize("deployment,name", BF16_SHAPES, ids=lambda v: str(v))
-def test_tma_compiles_for_hopper(tma, capfd, deployment, name):
-    """Every bf16 shape tiles exactly, its shared memory fits a CTA, and it compiles
+def test_tma_compiles_for_hopper(tma, capfd, deployment, name, coresident):
+    """Every bf16 shape tiles exactly, its shared memory fits a CTA (coresident: half an
+    SM's, cute.linear_tma_coresident's plans, two CTAs an SM at least), and it compiles
     for sm_90a (TMA into the ring, wgmma.m64n8k16) with no register spills."""
     n, k, _ = (TP1 if deployment == "tp1" else TP8)[name]
-    plan = tma.plan_tma(n, k, 8)
+    limit = tma.CORESIDENT_SMEM_BYTES if coresident else tma.CTA_SMEM_BYTES
+    plan = tma.plan_tma(n, k, 8, max_smem=limit)
     assert isinstance(plan, tma.TmaPlan), plan
     assert plan.tiles * plan.tile_rows == n and plan.splits * plan.chunk == k
     assert plan.k_tiles * plan.stage_k == plan.chunk and 2 <= plan.stages <= plan.k_tiles
-    assert plan.smem_bytes <= tma.CTA_SMEM_BYTES and plan.resident >= 1
+    assert plan.smem_bytes <= limit and plan.resident >= (2 if coresident else 1)
     capfd.readouterr()
     assert tma.compile_tma(plan, "sm_90a", "remarks{ptx}") is not None
     _spill_free(capfd)
@@ -388,3 +391,21 @@ def test_publish_refuses_what_it_cannot_publish(publishing_linear):
     o_proj.share(*o_proj.shared)
     assert len(o_proj.buffers) == 7
     assert not linear.weights["qkvg"].mailbox  # only the weight asked for
+
+
+def test_coresident_linear_plans_within_half_an_sm(tma):
+    """cute.linear_tma_coresident (unregistered) plans each TP8-rank weight within half an
+    SM's shared memory, where the registered planner takes 1 CTA an SM for the o_proj,
+    pooler and unpooler; a shape whose smallest ring does not fit there is refused by name."""
+    from sparkdecode_cute.linear_tma import CoresidentTmaWeight, CuteLinearTmaCoresident
+
+    assert (
+        CuteLinearTmaCoresident not in plugin.PROVIDERS and CuteLinearTmaCoresident.bf16_weight is CoresidentTmaWeight
+    )
+    for name in ("o_proj", "pooler", "unpooler"):
+        n, k, _ = TP8[name]
+        assert tma.plan_tma(n, k, 8).resident == 1
+        w = torch.empty(n, k, dtype=torch.bfloat16)
+        plan = CoresidentTmaWeight.make_plan(w, False, 8, 132)
+        assert plan.smem_bytes <= tma.CORESIDENT_SMEM_BYTES and plan.resident >= 2, (name, plan)
+    assert "do not fit 4096 bytes" in tma.plan_tma(8192, 1024, 8, max_smem=4096)

@@ -4,7 +4,8 @@ reference within linear_check's bounds (the same numerics as cute.linear: exact
 products summed in fp32 in another order, rounded once), first at the smallest
 launches (one tile of 64 rows, one row of x: ``-k smallest`` under
 compute-sanitizer is short), then eager and in a replayed graph at TP1 and
-TP8-rank shapes; the split-K counters back at 0; every tiling of the planner's
+TP8-rank shapes (cute.linear_tma_coresident's tilings, within half an SM's shared
+memory, too); the split-K counters back at 0; every tiling of the planner's
 first few within the bounds; and the weight streams of torch.mm, cute.linear_mma
 and cute.linear_tma, and of each tiling, printed (run with -s; nothing asserted
 about speed).
@@ -32,7 +33,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from sparkdecode.bench import streams  # noqa: E402
 from sparkdecode_cute.linear_mma import CuteLinearMma  # noqa: E402
-from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight  # noqa: E402
+from sparkdecode_cute.linear_tma import CuteLinearTma, CuteLinearTmaCoresident, TmaWeight  # noqa: E402
 
 TILINGS = 6  # the planner's first tilings measured per weight
 
@@ -60,10 +61,13 @@ def test_tma_smallest_equals_reference(case):
     assert not op.shared[1].any(), "tile counter not back at 0"
 
 
+@pytest.mark.parametrize("cls", [CuteLinearTma, CuteLinearTmaCoresident], ids=["plan", "coresident"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_tma_equals_reference(shape, rows):
-    equals_reference(CuteLinearTma, shape, rows)
+def test_tma_equals_reference(shape, rows, cls):
+    """cute.linear_tma, and cute.linear_tma_coresident (its tilings within half an SM's
+    shared memory; unregistered)."""
+    equals_reference(cls, shape, rows)
 
 
 @pytest.mark.parametrize("shape", ["tp1", "tp8-rank"])

@@ -134,18 +134,38 @@ class TmaPlan(SplitGrid):
         return MMA_N
 
 
-def plan_tma(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> TmaPlan | str:
+# A CTA's shared memory at most this, so that any two such CTAs (of consecutive kernels)
+# fit one SM together: the next kernel's CTAs become resident, and issue their first
+# loads before their PDL wait, while the previous kernel's drain (CoresidentTmaWeight).
+CORESIDENT_SMEM_BYTES = SM_SMEM_BYTES // 2 - CTA_RESERVED_BYTES
+
+
+def plan_tma(
+    n: int,
+    k: int,
+    max_rows: int,
+    w_stride: int | None = None,
+    sms: int = H200_SMS,
+    max_smem: int = CTA_SMEM_BYTES,
+) -> TmaPlan | str:
     """The tiling for bf16 W [n, k] (rows ``w_stride`` apart, default k) on ``sms``
     SMs (the first of ``tma_plans``), or why the kernel does not take the shape."""
-    return first_plan(tma_plans(n, k, max_rows, w_stride, sms))
+    return first_plan(tma_plans(n, k, max_rows, w_stride, sms, max_smem))
 
 
-def tma_plans(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> list[TmaPlan] | str:
+def tma_plans(
+    n: int,
+    k: int,
+    max_rows: int,
+    w_stride: int | None = None,
+    sms: int = H200_SMS,
+    max_smem: int = CTA_SMEM_BYTES,
+) -> list[TmaPlan] | str:
     """Every tiling of W [n, k] whose shared memory (ring and x's chunk) fits a CTA
-    and whose CTAs stream at least ``MIN_CTA_BYTES`` of weight (unless unsplit),
-    best first: those balanced over the SMs (mean / most CTAs per SM at least
-    ``MIN_BALANCE``), then the fewest waves (``resident`` CTAs per SM), the best
-    balance, the most weight in flight per SM, the fewest splits, the larger
+    (at most ``max_smem``) and whose CTAs stream at least ``MIN_CTA_BYTES`` of weight
+    (unless unsplit), best first: those balanced over the SMs (mean / most CTAs per SM
+    at least ``MIN_BALANCE``), then the fewest waves (``resident`` CTAs per SM), the
+    best balance, the most weight in flight per SM, the fewest splits, the larger
     buffers; or why the kernel does not take the shape."""
     w_stride = k if w_stride is None else w_stride
     reason = tiling_reason(n, k, VECTOR, max_rows, w_stride, STAGE_KS[0], TILE_ROWS)
@@ -159,13 +179,13 @@ def tma_plans(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: i
             k_tiles = k // splits // stage_k
             for stages in range(2, min(MAX_STAGES, k_tiles) + 1):
                 plan = TmaPlan(n, k, w_stride, max_rows, splits, stage_k, stages)
-                if stages * plan.stage_bytes > RING_BYTES or plan.smem_bytes > CTA_SMEM_BYTES:
+                if stages * plan.stage_bytes > RING_BYTES or plan.smem_bytes > min(max_smem, CTA_SMEM_BYTES):
                     continue
                 in_flight = min(math.ceil(plan.ctas / sms), plan.resident) * stages * plan.stage_bytes
                 key = (*wave_key(plan.ctas, sms, plan.resident), -in_flight, splits, -stage_k)
                 ranked.append((key, plan))
     if not ranked:
-        return f"K {k}: x's chunk of {MMA_N} rows and a ring of 2 buffers do not fit a CTA's shared memory"
+        return f"K {k}: x's chunk of {MMA_N} rows and a ring of 2 buffers do not fit {min(max_smem, CTA_SMEM_BYTES)} bytes of shared memory"
     return best_first(ranked)
 
 

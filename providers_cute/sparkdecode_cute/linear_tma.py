@@ -150,3 +150,29 @@ class CuteLinearTma(CuteLinearMma):
         runs on the split-K CUDA-core kernel)."""
         weight = self.weights[name]
         return isinstance(weight, TmaWeight) and weight.publish(mailbox)
+
+
+class CoresidentTmaWeight(TmaWeight):
+    """A bf16 weight on the TMA kernel with the best tiling whose CTA takes at most half an
+    SM's shared memory (gemv_tma's ``CORESIDENT_SMEM_BYTES``): in a chain of GEMMs the next
+    kernel's CTAs fit beside the previous kernel's last ones, so its producer's first loads
+    (issued before the PDL wait) overlap their drain instead of waiting for the SM to empty,
+    where the default planner's 1-CTA-an-SM tilings (up to 194 KB) cannot."""
+
+    provider = "cute.linear_tma_coresident"
+
+    @staticmethod
+    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
+        from . import gemv_tma
+
+        return gemv_tma.plan_tma(
+            w.shape[0], w.shape[1], max_rows, w.stride(0), sms, max_smem=gemv_tma.CORESIDENT_SMEM_BYTES
+        )
+
+
+class CuteLinearTmaCoresident(CuteLinearTma):
+    """cute.linear_tma planned for co-resident CTAs of consecutive kernels
+    (``CoresidentTmaWeight``). Not registered: waiting for its chained streams on the H200."""
+
+    name = "cute.linear_tma_coresident"
+    bf16_weight = CoresidentTmaWeight

@@ -1007,36 +1007,36 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     }
   }
 #elif EXPERTS_HALF
-  // warp = (half, hm, hk): half 0 the gate rows, 1 the up rows of the item (see the top)
+  // warp = (side, hm, hk): side 0 the gate rows, 1 the up rows of the item (see the top)
   constexpr int WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;
   static_assert(WK1 >= 2, "EXPERTS_HALF: at least two warps along K");
-  const int half = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
-  __shared__ float xch[WM1 * HALF_FLOATS];  // the up half's sums, for the gate half
+  const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
+  __shared__ float xch[WM1 * HALF_FLOATS];  // the up side's sums, for the gate side
   const int items = routes.n_slots * TILES1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / TILES1, tile = item % TILES1;
     const int e = routes.slot_expert[slot];
     const int i0 = (tile * WM1 + hm) * UP_COLS;
     const Weights W = up_weights(w13, w13_scale, w13_global, e);
-    const int row0[1] = {half ? I_LOCAL + i0 : i0};
+    const int row0[1] = {side ? I_LOCAL + i0 : i0};
     if (item + (int)gridDim.x < items) {  // the next item's first batch
       const int next = item + gridDim.x, n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
-      const int nrow0[1] = {half ? I_LOCAL + n0 : n0};
+      const int nrow0[1] = {side ? I_LOCAL + n0 : n0};
       prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
           up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
     }
-    float h[TPB][4];  // this half's tiles
+    float h[TPB][4];  // this side's tiles
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
-    reduce_k<WKH, TPB>(h, red, half * WM1 + hm, hk);
+    reduce_k<WKH, TPB>(h, red, side * WM1 + hm, hk);
     __syncthreads();  // xch read for the item before
-    if (hk == 0 && half == 1) {
+    if (hk == 0 && side == 1) {
 #pragma unroll
       for (int a = 0; a < TPB; ++a)
 #pragma unroll
         for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
     }
     __syncthreads();
-    if (hk == 0 && half == 0) {
+    if (hk == 0 && side == 0) {
       float c[NT1][4];  // gate tiles, then up tiles
 #pragma unroll
       for (int a = 0; a < TPB; ++a)

@@ -15,8 +15,11 @@ from .experts import (
     CudaExpertsNvfp4Marlin,
     CudaExpertsNvfp4MarlinV2,
     CudaExpertsNvfp4MarlinV3,
+    CudaExpertsNvfp4MarlinV3Half,
+    CudaExpertsNvfp4MarlinV3Half4,
     CudaExpertsNvfp4MarlinV3Occ,
     CudaExpertsNvfp4MarlinV3Ring,
+    CudaExpertsNvfp4MarlinV3Slice,
     CudaExpertsNvfp4V2,
 )
 from .experts_bulk import CudaExpertsNvfp4MarlinBulk
@@ -37,6 +40,9 @@ PROVIDERS: tuple[type, ...] = (
     CudaExpertsNvfp4MarlinV3,
     CudaExpertsNvfp4MarlinV3Occ,
     CudaExpertsNvfp4MarlinV3Ring,
+    CudaExpertsNvfp4MarlinV3Slice,
+    CudaExpertsNvfp4MarlinV3Half,
+    CudaExpertsNvfp4MarlinV3Half4,
     CudaExpertsNvfp4MarlinBulk,
     CudaLinear,
     CudaFinal,

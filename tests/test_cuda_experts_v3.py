@@ -470,3 +470,20 @@ def test_marlin_v3_ring_slice_is_the_ring_with_the_slice_down_kernel(width, inte
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls, experts_mod.ring_smem_bytes(width, cls.ring))
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_half4_slice_is_half4_with_the_slice_down_kernel(width, intermediate):
+    """_half4's up kernel (EXPERTS_HALF, 4 blocks an SM) with _slice's choice of the down
+    kernel's warps along K; spill-free and fitting."""
+    from sparkdecode_cuda import nvrtc
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4Slice
+    half4, slice_ = experts_mod.CudaExpertsNvfp4MarlinV3Half4, experts_mod.CudaExpertsNvfp4MarlinV3Slice
+    defines = cls.kernel_defines(width, intermediate, 8)
+    want = {**half4.kernel_defines(width, intermediate, 8), **slice_.kernel_defines(width, intermediate, 8)}
+    assert defines == want and (cls.up_blocks, cls.down_blocks) == (4, 4) and defines["EXPERTS_HALF"] == 1
+    assert cls.down_warps_k(width, intermediate) == slice_.down_warps_k(width, intermediate)
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)

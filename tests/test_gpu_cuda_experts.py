@@ -127,8 +127,9 @@ def provider(fmt: str):
     with the down kernel's warps 1 / 2 along K (EXPERTS_DOWN_WK), "-v3slice": -v3k1's down
     kernel at expert TP's slice, -v3occ's elsewhere, "-v3half": -v3occ with EXPERTS_HALF (each
     up warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM
-    "-v3ringslice": -v3ring with -v3slice's down kernel (the checkpoint layout's V3, _pipe,
-    _split and the last eight unregistered)."""
+    "-v3ringslice": -v3ring with -v3slice's down kernel, "-v3half4slice": -v3half4 with
+    -v3slice's down kernel (the checkpoint layout's V3, _pipe, _split, _ring_slice,
+    _half4_slice, _flow, _flow_ring, _down_k1 and _down_k2 unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -150,6 +151,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half": experts_mod.CudaExpertsNvfp4MarlinV3Half,
         "nvfp4_marlin-v3half4": experts_mod.CudaExpertsNvfp4MarlinV3Half4,
         "nvfp4_marlin-v3ringslice": experts_mod.CudaExpertsNvfp4MarlinV3RingSlice,
+        "nvfp4_marlin-v3half4slice": experts_mod.CudaExpertsNvfp4MarlinV3Half4Slice,
     }[fmt]
 
 
@@ -191,6 +193,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half",
         "-v3half4",
         "-v3ringslice",
+        "-v3half4slice",
     )
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]

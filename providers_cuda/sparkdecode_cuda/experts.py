@@ -627,7 +627,8 @@ class CudaExpertsNvfp4MarlinV3Slice(CudaExpertsNvfp4MarlinV3Occ):
     """``cuda.experts_nvfp4_marlin_v3_occ`` whose down kernel takes one warp along K
     (EXPERTS_DOWN_WK = 1, ``_down_k1``'s kernel) where this rank's I-slice is at most
     ``SLICE_WK1`` and the width tiles, and ``_occ``'s elsewhere: its cubins are those two
-    variants' (tests/test_cuda_experts_v3.py). Not registered."""
+    variants' (tests/test_cuda_experts_v3.py). Registered: 54% of the copy chained at expert
+    TP (bench/NOTES.md v9)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_slice"
 
@@ -645,7 +646,8 @@ class CudaExpertsNvfp4MarlinV3Half(CudaExpertsNvfp4MarlinV3Occ):
     thread), so the up kernel runs 3 blocks an SM with its loads still in registers (the
     measured stall is memory latency at 4 warps a scheduler, bench/NOTES.md v8); the halves
     meet in shared memory for SwiGLU. Not V3's bits (other K-slices), as close to the exact
-    weights. Not registered."""
+    weights. Registered: the fastest under EP (52% of the copy chained) and in the 62-layer
+    step's in-place timing (bench/NOTES.md v9)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half"
     up_blocks = 3
@@ -665,7 +667,8 @@ class CudaExpertsNvfp4MarlinV3Half(CudaExpertsNvfp4MarlinV3Occ):
 class CudaExpertsNvfp4MarlinV3Half4(CudaExpertsNvfp4MarlinV3Half):
     """``cuda.experts_nvfp4_marlin_v3_half`` with the up kernel on 4 blocks an SM (64
     registers, no spills): at expert TP's 440-odd items one round of the 528 blocks, where 3
-    an SM leave a second round of 44. Not registered."""
+    an SM leave a second round of 44. Registered: the fastest at expert TP (55% of the copy
+    chained, bench/NOTES.md v9)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4"
     up_blocks = 4
@@ -674,6 +677,16 @@ class CudaExpertsNvfp4MarlinV3Half4(CudaExpertsNvfp4MarlinV3Half):
 class CudaExpertsNvfp4MarlinV3RingSlice(CudaExpertsNvfp4MarlinV3Slice, CudaExpertsNvfp4MarlinV3Ring):
     """``cuda.experts_nvfp4_marlin_v3_ring`` (its up kernel's shared-memory rings, 3 blocks an
     SM; the kernel the step's in-place timing chose) with ``_slice``'s down kernel (one warp
-    along K at expert TP's slice, ``_occ``'s elsewhere). Not registered."""
+    along K at expert TP's slice, ``_occ``'s elsewhere). Not registered: no faster than
+    ``_ring`` or ``_slice`` on either stream (bench/NOTES.md v9)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_ring_slice"
+
+
+class CudaExpertsNvfp4MarlinV3Half4Slice(CudaExpertsNvfp4MarlinV3Slice, CudaExpertsNvfp4MarlinV3Half4):
+    """``cuda.experts_nvfp4_marlin_v3_half4``'s up kernel (each warp on the gate or the up
+    rows, 4 blocks an SM) with ``_slice``'s down kernel (one warp along K at expert TP's
+    slice, ``_occ``'s elsewhere): the two kernels that measured fastest at expert TP. Not
+    registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_slice"

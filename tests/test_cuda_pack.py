@@ -18,27 +18,72 @@ if nvrtc.nvrtc_unavailable() is not None:
 from sparkdecode_cuda import all_reduce, attention, boundary, lamport, moe  # noqa: E402
 
 
-@pytest.mark.parametrize("hidden", [1024, 4096, 8192])
-def test_boundary_kernel_compiles_for_hopper(hidden, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
-    cubin = nvrtc.compile_cubin(
-        boundary.SOURCE, "sm_90a", {"H": hidden, "THREADS": hidden // boundary.ITEMS}, boundary.COMPILE_OPTIONS
+def spill_free(source: str, defines: dict, options: tuple[str, ...]) -> str:
+    """ptxas's report of every kernel of a source, after asserting none spills."""
+    from cuda.bindings import nvrtc as N
+
+    text = nvrtc.source(source)
+    headers = nvrtc._headers(text)
+    opts = ["--gpu-architecture=sm_90a", "-std=c++17", *options, "--ptxas-options=-v"]
+    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    _, prog = N.nvrtcCreateProgram(
+        text.encode(),
+        source.encode(),
+        len(headers),
+        [v.encode() for v in headers.values()],
+        [k.encode() for k in headers],
     )
+    (err,) = N.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+    _, size = N.nvrtcGetProgramLogSize(prog)
+    log = b" " * size
+    N.nvrtcGetProgramLog(prog, log)
+    report = log.decode()
+    assert err == N.nvrtcResult.NVRTC_SUCCESS, report
+    spills = [line for line in report.splitlines() if "spill" in line and "0 bytes spill stores" not in line]
+    assert not spills, spills
+    return report
+
+
+@pytest.mark.parametrize("hidden", [1024, 2048, 4096, 8192])
+def test_boundary_kernel_compiles_for_hopper(hidden, tmp_path, monkeypatch):
+    """boundary_kernel as the provider builds it (a row over a cluster of up to 8 blocks of
+    at least 128 threads), cached, spill-free."""
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    defines = boundary.kernel_defines(hidden)
+    cluster = {1024: 1, 2048: 2, 4096: 4, 8192: 8}[hidden]
+    assert boundary.row_cluster(hidden) == cluster and defines.get("CLUSTER", 1) == cluster
+    assert defines["THREADS"] * cluster * boundary.ITEMS == hidden
+    cubin = nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", defines, boundary.COMPILE_OPTIONS)
     assert cubin[:4] == b"\x7fELF"
     assert list(tmp_path.glob("cubin/boundary-*.cubin"))  # cached
-    assert (
-        nvrtc.compile_cubin(
-            boundary.SOURCE, "sm_90a", {"H": hidden, "THREADS": hidden // boundary.ITEMS}, boundary.COMPILE_OPTIONS
-        )
-        == cubin
-    )
+    assert nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", defines, boundary.COMPILE_OPTIONS) == cubin
+    assert "boundary_kernel" in spill_free(boundary.SOURCE, defines, boundary.COMPILE_OPTIONS)
 
 
-@pytest.mark.parametrize("width,experts", [(512, 16), (2048, 16), (4096, 256)])
-def test_moe_kernels_compile_for_hopper(width, experts, tmp_path, monkeypatch):
+def test_boundary_rows_must_be_aligned():
+    """The row kernels move 16 bytes at a time: a misaligned or strided tensor is refused
+    with its name, before any launch."""
+    torch = pytest.importorskip("torch")
+    rows = torch.zeros(8, 1032, dtype=torch.bfloat16)
+    boundary.check_aligned("x", rows[:, :1024], strided=True)
+    with pytest.raises(ValueError, match="x has strides"):
+        boundary.check_aligned("x", rows.view(-1)[4 : 4 + 8 * 1024].view(8, 1024), strided=True)
+    with pytest.raises(ValueError, match="stream has strides"):
+        boundary.check_aligned("stream", torch.zeros(8, 1032)[:, :1024])
+    boundary.check_aligned("aux", None)
+
+
+@pytest.mark.parametrize("width,experts,top_k", [(512, 16, 2), (2048, 16, 12), (4096, 256, 8)])
+def test_moe_kernels_compile_for_hopper(width, experts, top_k, tmp_path, monkeypatch):
+    """moe.cu as MoEKernels builds it: the tail's routes up to 8 at a time, spill-free."""
     monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
-    defines = {"WIDTH": width, "THREADS": width // boundary.ITEMS, "EXPERTS": experts}
+    spec = dataclasses.replace(
+        ModelSpec.preset("tiny"), moe_hidden_size=width, num_local_experts=experts, num_experts_per_tok=top_k
+    )
+    defines = moe.kernel_defines(spec)
+    assert defines["TOP_K"] == top_k and defines["TAIL_GROUP"] == min(8, top_k)
     assert nvrtc.compile_cubin(moe.SOURCE, "sm_90a", defines, moe.COMPILE_OPTIONS)[:4] == b"\x7fELF"
+    assert "tail_kernel" in spill_free(moe.SOURCE, defines, moe.COMPILE_OPTIONS)
 
 
 def test_attention_kernels_compile_for_hopper(tmp_path, monkeypatch):
@@ -56,7 +101,7 @@ def test_lamport_kernels_compile_for_hopper(tmp_path, monkeypatch):
         cubin = nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", defines, boundary.COMPILE_OPTIONS)
         assert b"attention_boundary_all_reduce_kernel" in cubin
     for width in (512, 4096):
-        defines = {"WIDTH": width, "THREADS": width // boundary.ITEMS, "EXPERTS": 256}
+        defines = {"WIDTH": width, "THREADS": width // boundary.ITEMS, "EXPERTS": 256, "TOP_K": 8}
         assert b"tail_all_reduce_kernel" in nvrtc.compile_cubin(moe.SOURCE, "sm_90a", defines, moe.COMPILE_OPTIONS)
 
 

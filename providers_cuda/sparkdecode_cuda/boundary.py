@@ -24,10 +24,13 @@ from .lamport import lamport_unsupported, workspace
 from .launch import Kernel, f32, i32, ptr
 from .nvrtc import nvrtc_unavailable
 
-# Each thread holds ITEMS consecutive values of a row (16 bytes of bf16), one block
-# per row: H / ITEMS threads. Chosen so every width from the tiny spec (H 1024) to
-# the real one (H 8192, 1024 threads) fits one block; not yet tuned by a bench.
+# Each thread holds ITEMS consecutive values of a row (16 bytes of bf16). The plain
+# boundary kernel spreads a row over a cluster of up to MAX_CLUSTER blocks of at least
+# MIN_THREADS threads (H 8192: 8 blocks of 128), so a row's bytes stream through several
+# SMs; the fused all-reduce kernel keeps one block a row (H / ITEMS threads).
 ITEMS = 8
+MAX_CLUSTER = 8
+MIN_THREADS = 128
 SOURCE = "boundary.cu"
 # Modes of boundary_kernel (see the source).
 FRONT_EMBED, FRONT_NORMED, INPUT_SCALE_POST, WEIGHTLESS_POST = 0, 1, 2, 3
@@ -52,15 +55,43 @@ def _width_unsupported(width: int) -> str | None:
     return None
 
 
+def row_cluster(width: int) -> int:
+    """The blocks of boundary_kernel's cluster a row: the most (a power of two, at most
+    MAX_CLUSTER) that leave each at least MIN_THREADS threads and whole warps."""
+    cluster = MAX_CLUSTER
+    while cluster > 1 and (width % (ITEMS * 32 * cluster) or width // (ITEMS * cluster) < MIN_THREADS):
+        cluster //= 2
+    return cluster
+
+
+def kernel_defines(width: int) -> dict[str, int]:
+    """boundary_kernel's defines for hidden size ``width`` (its row cluster included)."""
+    cluster = row_cluster(width)
+    defines = {"H": width, "THREADS": width // ITEMS // cluster}
+    if cluster > 1:
+        defines["CLUSTER"] = cluster
+    return defines
+
+
+def check_aligned(name: str, t: torch.Tensor | None, strided: bool = False) -> None:
+    """The kernel loads and stores 8 values (16 or 32 bytes) at a time: every tensor
+    16-byte aligned and contiguous, or (``strided``: x) rows of contiguous values at a
+    16-byte-multiple stride."""
+    if t is None:
+        return
+    rows_ok = t.stride(-1) == 1 and t.stride(0) * t.element_size() % 16 == 0 if strided else t.is_contiguous()
+    if t.data_ptr() % 16 or not rows_ok:
+        raise ValueError(f"this pack's row kernels take 16-byte-aligned rows; {name} has strides {t.stride()}")
+
+
 class _BoundaryKernel:
-    """boundary_kernel compiled for this width."""
+    """boundary_kernel compiled for this width (a row: ``cluster`` blocks of ``threads``)."""
 
     def __init__(self, ctx: BuildContext):
         self.width = ctx.spec.H
+        self.cluster = row_cluster(self.width)
         self.threads = self.width // ITEMS
-        self.kernel = Kernel(
-            SOURCE, "boundary_kernel", ctx.device, {"H": self.width, "THREADS": self.threads}, COMPILE_OPTIONS
-        )
+        self.kernel = Kernel(SOURCE, "boundary_kernel", ctx.device, kernel_defines(self.width), COMPILE_OPTIONS)
 
     def __call__(
         self,
@@ -78,9 +109,20 @@ class _BoundaryKernel:
         next_center: float,
     ) -> None:
         b = x.shape[0]
+        check_aligned("x", x, strided=True)
+        for name, t in (
+            ("stream", stream),
+            ("out", out),
+            ("aux", aux),
+            ("post_weight", post_weight),
+            ("alpha", alpha),
+            ("beta", beta),
+            ("next_weight", next_weight),
+        ):
+            check_aligned(name, t)
         self.kernel.launch(
-            (b, 1, 1),
-            (self.threads, 1, 1),
+            (b * self.cluster, 1, 1),
+            (self.threads // self.cluster, 1, 1),
             [
                 ptr(x),
                 i32(x.stride(0)),

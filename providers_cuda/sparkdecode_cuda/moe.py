@@ -46,14 +46,27 @@ import torch
 
 from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk, Step
 from sparkdecode.reference.providers import experts_kind
+from sparkdecode.spec import ModelSpec
 
 from .all_reduce import CudaAllReduce
-from .boundary import ITEMS, _Cuda
+from .boundary import ITEMS, _Cuda, check_aligned
 from .lamport import LamportWorkspace, workspace
 from .launch import Kernel, f32, i32, ptr
 
 SOURCE = "moe.cu"
 COMPILE_OPTIONS = ("--fmad=false",)
+
+
+def kernel_defines(spec: ModelSpec) -> dict[str, int]:
+    """moe.cu's defines for a spec (the tail's routes loaded and reduced up to 8 at a
+    time: TAIL_GROUP)."""
+    return {
+        "WIDTH": spec.P,
+        "THREADS": spec.P // ITEMS,
+        "EXPERTS": spec.E,
+        "TOP_K": spec.top_k,
+        "TAIL_GROUP": min(8, spec.top_k),
+    }
 
 
 class MoEKernels:
@@ -62,7 +75,7 @@ class MoEKernels:
     def __init__(self, ctx: BuildContext):
         spec = ctx.spec
         self.width, self.threads, self.top_k = spec.P, spec.P // ITEMS, spec.top_k
-        defines = {"WIDTH": spec.P, "THREADS": self.threads, "EXPERTS": spec.E}
+        defines = kernel_defines(spec)
         self.routing = Kernel(SOURCE, "routing_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.norm = Kernel(SOURCE, "rmsnorm_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail = Kernel(SOURCE, "tail_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -86,6 +99,9 @@ class MoEKernels:
         )
 
     def pre_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+        check_aligned("x", x, strided=True)
+        check_aligned("weight", weight)
+        check_aligned("out", out)
         self.norm.launch(
             (x.shape[0], 1, 1),
             (self.threads, 1, 1),
@@ -95,10 +111,12 @@ class MoEKernels:
     def finish(
         self, rows: torch.Tensor, weights: torch.Tensor, norm: torch.Tensor, eps: float, out: torch.Tensor
     ) -> None:
+        for name, t in (("rows", rows), ("norm", norm), ("out", out)):
+            check_aligned(name, t)
         self.tail.launch(
             (rows.shape[0], 1, 1),
             (self.threads, 1, 1),
-            [ptr(rows), ptr(weights), ptr(norm), f32(eps), i32(self.top_k), ptr(out)],
+            [ptr(rows), ptr(weights), ptr(norm), f32(eps), ptr(out)],
         )
 
     def finish_all_reduce(
@@ -113,10 +131,12 @@ class MoEKernels:
     ) -> None:
         """The tail with its TP reduction: the route rows (in place, expert TP) or the
         output (EP) all-reduced over the Lamport mailbox."""
+        for name, t in (("rows", rows), ("norm", norm), ("out", out)):
+            check_aligned(name, t)
         self.tail_all_reduce.launch(
             (rows.shape[0], 1, 1),
             (self.threads, 1, 1),
-            [ptr(rows), ptr(weights), ptr(norm), f32(eps), i32(self.top_k), ptr(out), i32(reduce_rows), *ws.args()],
+            [ptr(rows), ptr(weights), ptr(norm), f32(eps), ptr(out), i32(reduce_rows), *ws.args()],
         )
 
 

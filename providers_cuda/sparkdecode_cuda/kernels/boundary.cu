@@ -10,8 +10,14 @@
 // MODE 1: the front from bf16 normed embeddings (s = fp32(x));
 // MODE 2: input boundary / final boundary: branch = rms(x * (1 + w_post), eps_post);
 // MODE 3: attention boundary: branch = rms(x, eps_post) (weightless post_attn_norm).
-// Compile-time: H (width), THREADS (block size); each thread holds H / THREADS
-// consecutive values in registers.
+// Compile-time: H (width), THREADS (block size), CLUSTER (blocks a row, 1 when absent):
+// a row is CLUSTER blocks of one thread-block cluster, each thread holding 8 consecutive
+// values of the row in registers (16-byte loads and stores), so a row's bytes stream
+// through CLUSTER SMs. A row's sums of squares: each block's (block_sum) written to its
+// shared memory, then read by every block of the cluster in rank order (distributed
+// shared memory), so all of them hold the same total. Every read of the previous
+// kernel's output (x, the stream) is issued right after the PDL wait, before either
+// reduction.
 //
 // attention_boundary_all_reduce_kernel (TP > 1): MODE 3 on the one-shot all-reduce
 // of every rank's bf16 o_proj partial (lamport.cuh), rounded to bf16 once as the
@@ -26,79 +32,129 @@
 #ifndef THREADS
 #define THREADS 256
 #endif
-#define ITEMS (H / THREADS)
+#ifndef CLUSTER
+#define CLUSTER 1
+#endif
+#define ITEMS (H / (THREADS * CLUSTER))
+static_assert(ITEMS == 8 && H % (8 * THREADS * CLUSTER) == 0, "8 values a thread");
+static_assert(CLUSTER >= 1 && CLUSTER <= 8, "a portable cluster: at most 8 blocks");
 
-// From the post-norm's input (v: x * post weight, sq: its sum of squares) to the
-// stream, aux and the next pre-norm of one row.
-__device__ __forceinline__ void boundary_row(float (&v)[ITEMS], float sq, int mode, int row, int base,
-                                             float* __restrict__ stream, bf16_t* __restrict__ out,
-                                             float* __restrict__ aux, const float (&a)[ITEMS],
-                                             const float (&bt)[ITEMS], const float (&wn)[ITEMS],
-                                             float eps_post, float eps_next, float* scratch) {
-  float* sr = stream + (long)row * H;
+// The sum over the row of every thread's v (`slot`: this call's float of `red`, each call
+// its own, so no block overwrites a slot another block may still read).
+__device__ __forceinline__ float row_sum(float v, float* scratch, float* red, int slot) {
+  const float part = block_sum<THREADS>(v, scratch);
+#if CLUSTER > 1
+  if (threadIdx.x == 0) red[slot] = part;
+  cluster_barrier();
+  float total = 0.f;
+#pragma unroll
+  for (int r = 0; r < CLUSTER; ++r) total += cluster_load_f32(red + slot, r);
+  return total;
+#else
+  return part;
+#endif
+}
+
+// From the post-norm's input (v: x * post weight, sq: its sum of squares) and the row's
+// stream values s to the stream, aux and the next pre-norm of one row.
+__device__ __forceinline__ void boundary_row(float (&v)[ITEMS], float sq, const float (&s)[ITEMS], int mode,
+                                             int row, int base, float* __restrict__ stream,
+                                             bf16_t* __restrict__ out, float* __restrict__ aux,
+                                             const float (&a)[ITEMS], const float (&bt)[ITEMS],
+                                             const float (&wn)[ITEMS], float eps_post, float eps_next,
+                                             float* scratch, float* red) {
+  const long long at = (long long)row * H + base;
   if (mode != 1) {
-    const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)H + eps_post);
+    const float inv = rsqrtf(row_sum(sq, scratch, red, 0) / (float)H + eps_post);
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) v[i] *= inv;
   }
   if (mode >= 2) {
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) v[i] = a[i] * sr[base + i] + bt[i] * v[i];
+    for (int i = 0; i < ITEMS; ++i) v[i] = a[i] * s[i] + bt[i] * v[i];
   }
   sq = 0.f;
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    sr[base + i] = v[i];
-    sq += v[i] * v[i];
-  }
-  if (aux != nullptr) {
-    float* ar = aux + (long)row * H;
+  for (int i = 0; i < ITEMS; ++i) sq += v[i] * v[i];
+  store_f32x8(stream + at, v);
+  if (aux != nullptr) store_f32x8(aux + at, v);
+  const float inv = rsqrtf(row_sum(sq, scratch, red, 1) / (float)H + eps_next);
+  float o[ITEMS];
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) ar[base + i] = v[i];
-  }
-  const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)H + eps_next);
-  bf16_t* orow = out + (long)row * H;
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) orow[base + i] = float_to_bf16(v[i] * inv * wn[i]);
+  for (int i = 0; i < ITEMS; ++i) o[i] = v[i] * inv * wn[i];
+  store_bf16x8(out + at, o);
+#if CLUSTER > 1
+  cluster_barrier();  // no block leaves while another still reads its partial sums
+#endif
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) boundary_kernel(
-    const bf16_t* __restrict__ x, int x_stride,        // [b, H] branch (or embeddings)
-    float* __restrict__ stream,                        // [b, H] fp32, in place
-    bf16_t* __restrict__ out,                          // [b, H]
-    float* __restrict__ aux,                           // [b, H] or null
-    const bf16_t* __restrict__ post_weight,            // [H] (MODE 2) or null
-    const float* __restrict__ alpha,                   // [H] (MODE 2, 3)
-    const float* __restrict__ beta,                    // [H]
-    const bf16_t* __restrict__ next_weight,            // [H]
-    float eps_post, float eps_next, float next_center, int mode) {
+// The weights of a thread's 8 values (they do not depend on the kernel before).
+__device__ __forceinline__ void boundary_weights(int base, int mode, const bf16_t* __restrict__ post_weight,
+                                                 const float* __restrict__ alpha, const float* __restrict__ beta,
+                                                 const bf16_t* __restrict__ next_weight, float next_center,
+                                                 float (&wn)[ITEMS], float (&wp)[ITEMS], float (&a)[ITEMS],
+                                                 float (&bt)[ITEMS]) {
+  load_bf16x8(next_weight + base, wn);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) wn[i] += next_center;
+  if (mode == 2) {
+    load_bf16x8(post_weight + base, wp);
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) wp[i] += 1.0f;
+  } else {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) wp[i] = 1.0f;
+  }
+  if (mode >= 2) {
+    load_f32x8(alpha + base, a);
+    load_f32x8(beta + base, bt);
+  } else {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) a[i] = bt[i] = 0.f;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+#if CLUSTER > 1
+    __cluster_dims__(CLUSTER, 1, 1)
+#endif
+    boundary_kernel(const bf16_t* __restrict__ x, int x_stride,  // [b, H] branch (or embeddings)
+                    float* __restrict__ stream,                  // [b, H] fp32, in place
+                    bf16_t* __restrict__ out,                    // [b, H]
+                    float* __restrict__ aux,                     // [b, H] or null
+                    const bf16_t* __restrict__ post_weight,      // [H] (MODE 2) or null
+                    const float* __restrict__ alpha,             // [H] (MODE 2, 3)
+                    const float* __restrict__ beta,              // [H]
+                    const bf16_t* __restrict__ next_weight,      // [H]
+                    float eps_post, float eps_next, float next_center, int mode) {
   __shared__ float scratch[32];
-  const int row = blockIdx.x;
-  const int base = threadIdx.x * ITEMS;
+  __shared__ float red[2];
+  const int row = blockIdx.x / CLUSTER;
+  const int base = (blockIdx.x % CLUSTER) * (H / CLUSTER) + threadIdx.x * ITEMS;
   // Weights do not depend on the previous kernel: read them before the PDL wait.
   float wn[ITEMS], wp[ITEMS], a[ITEMS], bt[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    wn[i] = bf16_to_float(next_weight[base + i]) + next_center;
-    wp[i] = (mode == 2) ? bf16_to_float(post_weight[base + i]) + 1.0f : 1.0f;
-    a[i] = (mode >= 2) ? alpha[base + i] : 0.f;
-    bt[i] = (mode >= 2) ? beta[base + i] : 0.f;
-  }
+  boundary_weights(base, mode, post_weight, alpha, beta, next_weight, next_center, wn, wp, a, bt);
   pdl_launch_dependents();
   pdl_wait();
 
-  float v[ITEMS];
-  const bf16_t* xr = x + (long)row * x_stride;
+  float v[ITEMS], s[ITEMS];
+  load_bf16x8(x + (long)row * x_stride + base, v);
+  if (mode >= 2) {
+    load_f32x8(stream + (long long)row * H + base, s);
+  } else {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) s[i] = 0.f;
+  }
   float sq = 0.f;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    v[i] = bf16_to_float(xr[base + i]) * wp[i];
+    v[i] *= wp[i];
     sq += v[i] * v[i];
   }
-  boundary_row(v, sq, mode, row, base, stream, out, aux, a, bt, wn, eps_post, eps_next, scratch);
+  boundary_row(v, sq, s, mode, row, base, stream, out, aux, a, bt, wn, eps_post, eps_next, scratch, red);
 }
 
-#if ITEMS == 8
+#if CLUSTER == 1
 extern "C" __global__ void __launch_bounds__(THREADS) attention_boundary_all_reduce_kernel(
     const bf16_t* __restrict__ partial, int partial_stride,  // [b, H] this rank's o_proj partial
     float* __restrict__ stream,                               // [b, H] fp32, in place
@@ -107,17 +163,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_boundary_all_red
     const bf16_t* __restrict__ next_weight, float eps_post, float eps_next,
     int published, const u64* __restrict__ peers, int* __restrict__ control, int rank, int tp, long long cap) {
   __shared__ float scratch[32];
+  __shared__ float red[2];
   const int row = blockIdx.x;
   const int base = threadIdx.x * ITEMS;
-  float wn[ITEMS], a[ITEMS], bt[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    wn[i] = bf16_to_float(next_weight[base + i]) + 1.0f;
-    a[i] = alpha[base + i];
-    bt[i] = beta[base + i];
-  }
+  float wn[ITEMS], wp[ITEMS], a[ITEMS], bt[ITEMS];
+  boundary_weights(base, 3, nullptr, alpha, beta, next_weight, 1.0f, wn, wp, a, bt);
   pdl_launch_dependents();
   pdl_wait();
+  float s[ITEMS];
+  load_f32x8(stream + (long long)row * H + base, s);
   const Lamport l = lamport_begin(peers, control, rank, tp, cap);
   const long long offset = (long long)row * H + base;
   const uint4 local = *(const uint4*)(partial + (long)row * partial_stride + base);
@@ -131,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_boundary_all_red
     v[i] = bf16_to_float(float_to_bf16(acc[i]));  // the reduced partial, rounded once to bf16
     sq += v[i] * v[i];
   }
-  boundary_row(v, sq, 3, row, base, stream, out, nullptr, a, bt, wn, eps_post, eps_next, scratch);
+  boundary_row(v, sq, s, 3, row, base, stream, out, nullptr, a, bt, wn, eps_post, eps_next, scratch, red);
   lamport_end(l);
 }
 #endif

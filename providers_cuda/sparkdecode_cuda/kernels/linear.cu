@@ -89,7 +89,7 @@ __device__ __forceinline__ void split3(float v0, float v1, u32& hi, u32& mid, u3
 
 __device__ __forceinline__ void cluster_sync() {
 #if SPLITS > 1
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  cluster_barrier();
 #else
   __syncthreads();
 #endif
@@ -98,11 +98,7 @@ __device__ __forceinline__ void cluster_sync() {
 // red[i] of the cluster's CTA `rank` (this CTA's own when SPLITS == 1).
 __device__ __forceinline__ float load_partial(const float* red, int i, int rank) {
 #if SPLITS > 1
-  u32 local = (u32)__cvta_generic_to_shared(red + i), remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
+  return cluster_load_f32(red + i, rank);
 #else
   return red[i];
 #endif
@@ -110,9 +106,7 @@ __device__ __forceinline__ float load_partial(const float* red, int i, int rank)
 
 __device__ __forceinline__ int cluster_rank() {
 #if SPLITS > 1
-  u32 r;
-  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return (int)r;
+  return cluster_ctarank();
 #else
   return 0;
 #endif

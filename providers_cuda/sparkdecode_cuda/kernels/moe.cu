@@ -86,48 +86,82 @@ extern "C" __global__ void __launch_bounds__(32) routing_kernel(
   }
 }
 
-// bf16 out = bf16(rms(x, eps) * (w + center)), one block per row of WIDTH.
+// bf16 out = bf16(rms(x, eps) * (w + center)), one block per row of WIDTH (16-byte
+// loads and stores of a thread's 8 values).
 extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
     const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ weight, float eps, float center,
     bf16_t* __restrict__ out) {
+  static_assert(ITEMS == 8, "8 values a thread");
   __shared__ float scratch[32];
   const int row = blockIdx.x, base = threadIdx.x * ITEMS;
   float w[ITEMS];
+  load_bf16x8(weight + base, w);
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) w[i] = bf16_to_float(weight[base + i]) + center;
+  for (int i = 0; i < ITEMS; ++i) w[i] += center;
   pdl_launch_dependents();
   pdl_wait();
-  const bf16_t* xr = x + (long)row * x_stride;
   float v[ITEMS], sq = 0.f;
+  load_bf16x8(x + (long)row * x_stride + base, v);
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    v[i] = bf16_to_float(xr[base + i]);
-    sq += v[i] * v[i];
-  }
+  for (int i = 0; i < ITEMS; ++i) sq += v[i] * v[i];
   const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)WIDTH + eps);
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) out[(long)row * WIDTH + base + i] = float_to_bf16(v[i] * inv * w[i]);
+  for (int i = 0; i < ITEMS; ++i) v[i] = v[i] * inv * w[i];
+  store_bf16x8(out + (long)row * WIDTH + base, v);
 }
 
 // The tail, one block per row: m = bf16(sum_j w[j] * rms(y_j * (1 + n), eps)), the
-// per-route norms and the sum in fp32, slots summed in order 0..k-1.
+// per-route norms and the sum in fp32, slots summed in order 0..k-1. The routes go
+// TAIL_GROUP at a time: their rows loaded together (16 bytes a thread each) and their
+// sums of squares reduced together (block_sums: each one block_sum's bits).
+#ifndef TAIL_GROUP
+#define TAIL_GROUP 8
+#endif
+#ifndef TOP_K
+#define TOP_K 8
+#endif
 __device__ __forceinline__ void tail_row(const bf16_t* __restrict__ rows, const float* __restrict__ weights,
-                                         const float (&n)[ITEMS], float eps, int top_k, int row, int base,
+                                         const float (&n)[ITEMS], float eps, int row, int base,
                                          float* scratch, float (&total)[ITEMS]) {
-  for (int j = 0; j < top_k; ++j) {
-    const bf16_t* y = rows + ((long)row * top_k + j) * WIDTH;
-    float v[ITEMS], sq = 0.f;
+  static_assert(ITEMS == 8, "8 values a thread");
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      v[i] = bf16_to_float(y[base + i]) * n[i];
-      sq += v[i] * v[i];
+  for (int j0 = 0; j0 < TOP_K; j0 += TAIL_GROUP) {
+    // The group's rows stay packed (4 registers a route) between the two passes.
+    uint4 y[TAIL_GROUP];
+    float sq[TAIL_GROUP], wj[TAIL_GROUP];
+#pragma unroll
+    for (int g = 0; g < TAIL_GROUP; ++g) {
+      sq[g] = 0.f;
+      wj[g] = 0.f;
+      y[g] = make_uint4(0u, 0u, 0u, 0u);
+      if (j0 + g < TOP_K) {
+        y[g] = *(const uint4*)(rows + ((long)row * TOP_K + j0 + g) * WIDTH + base);
+        wj[g] = weights[row * TOP_K + j0 + g];
+      }
     }
-    const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)WIDTH + eps);
-    const float wj = weights[row * top_k + j];
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const float c = v[i] * inv * wj;
-      total[i] = j == 0 ? c : total[i] + c;
+    for (int g = 0; g < TAIL_GROUP; ++g) {
+      float v[ITEMS];
+      unpack_bf16x8(y[g], v);
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        v[i] *= n[i];
+        sq[g] += v[i] * v[i];
+      }
+    }
+    block_sums<THREADS, TAIL_GROUP>(sq, scratch);
+#pragma unroll
+    for (int g = 0; g < TAIL_GROUP; ++g) {
+      if (j0 + g < TOP_K) {
+        const float inv = rsqrtf(sq[g] / (float)WIDTH + eps);
+        float v[ITEMS];
+        unpack_bf16x8(y[g], v);
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+          const float c = v[i] * n[i] * inv * wj[g];
+          total[i] = j0 + g == 0 ? c : total[i] + c;
+        }
+      }
     }
   }
 }
@@ -136,27 +170,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) tail_kernel(
     const bf16_t* __restrict__ rows,      // [b, k, WIDTH] route rows
     const float* __restrict__ weights,    // [b, k]
     const bf16_t* __restrict__ norm,      // [WIDTH] post_expert_norm (delta around 1)
-    float eps, int top_k,
+    float eps,
     bf16_t* __restrict__ out) {           // [b, WIDTH]
-  __shared__ float scratch[32];
+  __shared__ float scratch[TAIL_GROUP * 32];
   const int row = blockIdx.x, base = threadIdx.x * ITEMS;
   float n[ITEMS], total[ITEMS];
+  load_bf16x8(norm + base, n);
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) n[i] = bf16_to_float(norm[base + i]) + 1.0f;
+  for (int i = 0; i < ITEMS; ++i) n[i] += 1.0f;
   pdl_launch_dependents();
   pdl_wait();
-  tail_row(rows, weights, n, eps, top_k, row, base, scratch, total);
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) out[(long)row * WIDTH + base + i] = float_to_bf16(total[i]);
-}
-
-__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
-  uint4 w;
-  w.x = (u32)float_to_bf16(f[0]) | ((u32)float_to_bf16(f[1]) << 16);
-  w.y = (u32)float_to_bf16(f[2]) | ((u32)float_to_bf16(f[3]) << 16);
-  w.z = (u32)float_to_bf16(f[4]) | ((u32)float_to_bf16(f[5]) << 16);
-  w.w = (u32)float_to_bf16(f[6]) | ((u32)float_to_bf16(f[7]) << 16);
-  return w;
+  tail_row(rows, weights, n, eps, row, base, scratch, total);
+  store_bf16x8(out + (long)row * WIDTH + base, total);
 }
 
 #if ITEMS == 8
@@ -165,30 +190,31 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
 // tail; otherwise (EP) the tail, then its bf16 output all-reduced.
 extern "C" __global__ void __launch_bounds__(THREADS) tail_all_reduce_kernel(
     bf16_t* __restrict__ rows, const float* __restrict__ weights, const bf16_t* __restrict__ norm, float eps,
-    int top_k, bf16_t* __restrict__ out, int reduce_rows, const u64* __restrict__ peers, int* __restrict__ control,
+    bf16_t* __restrict__ out, int reduce_rows, const u64* __restrict__ peers, int* __restrict__ control,
     int rank, int tp, long long cap) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[TAIL_GROUP * 32];
   const int row = blockIdx.x, base = threadIdx.x * ITEMS;
   float n[ITEMS], total[ITEMS];
+  load_bf16x8(norm + base, n);
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) n[i] = bf16_to_float(norm[base + i]) + 1.0f;
+  for (int i = 0; i < ITEMS; ++i) n[i] += 1.0f;
   pdl_launch_dependents();
   pdl_wait();
   const Lamport l = lamport_begin(peers, control, rank, tp, cap);
   if (reduce_rows) {
     // Push every route first, then gather: a rank never waits holding a block unsent.
-    for (int j = 0; j < top_k; ++j) {
-      const long long offset = ((long long)row * top_k + j) * WIDTH + base;
+    for (int j = 0; j < TOP_K; ++j) {
+      const long long offset = ((long long)row * TOP_K + j) * WIDTH + base;
       lamport_push(l, offset, *(const uint4*)(rows + offset));
     }
-    for (int j = 0; j < top_k; ++j) {
-      const long long offset = ((long long)row * top_k + j) * WIDTH + base;
+    for (int j = 0; j < TOP_K; ++j) {
+      const long long offset = ((long long)row * TOP_K + j) * WIDTH + base;
       float acc[8];
       lamport_sum(l, offset, *(const uint4*)(rows + offset), acc);
       *(uint4*)(rows + offset) = pack_bf16x8(acc);
     }
   }
-  tail_row(rows, weights, n, eps, top_k, row, base, scratch, total);
+  tail_row(rows, weights, n, eps, row, base, scratch, total);
   bf16_t* orow = out + (long)row * WIDTH + base;
   if (reduce_rows) {
 #pragma unroll

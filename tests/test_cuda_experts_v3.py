@@ -11,10 +11,9 @@ of random Marlin tensors.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import pytest
 import torch
+from ptxas_check import Usage, kernel_usage
 from test_cuda_experts_marlin import emulate_gemm_weights
 from test_cuda_experts_nvfp4_lut import MASK, bf16x2, decode_word, prmt
 
@@ -174,52 +173,9 @@ def test_nvfp4_v3_table_is_exact_for_every_code_and_finite_scale():
     assert torch.equal(torch.signbit(got), torch.signbit(want))  # signed zeros too
 
 
-class Usage(NamedTuple):
-    """A kernel's resources from ptxas's report."""
-
-    registers: int  # a thread's
-    stack: int  # stack frame bytes
-    spills: int  # spill store + load bytes
-    smem: int  # static shared memory bytes a block
-
-
 def ptxas_usage(defines: dict[str, int]) -> dict[str, Usage]:
-    """Per kernel of experts.cu under these defines: its Usage, from ptxas's report
-    (NVRTC's --ptxas-options=-v)."""
-    import re
-
-    from cuda.bindings import nvrtc as cu_nvrtc
-
-    from sparkdecode_cuda import nvrtc
-
-    text = nvrtc.source(experts_mod.SOURCE)
-    headers = nvrtc._headers(text)
-    opts = ["--gpu-architecture=sm_90a", "-std=c++17", *experts_mod.COMPILE_OPTIONS, "--ptxas-options=-v"]
-    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    _, prog = cu_nvrtc.nvrtcCreateProgram(
-        text.encode(),
-        experts_mod.SOURCE.encode(),
-        len(headers),
-        [v.encode() for v in headers.values()],
-        list(map(str.encode, headers)),
-    )
-    try:
-        (err,) = cu_nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        _, size = cu_nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        cu_nvrtc.nvrtcGetProgramLog(prog, log)
-    finally:
-        cu_nvrtc.nvrtcDestroyProgram(prog)
-    report = log.decode(errors="replace")
-    assert err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS, report
-    usage = {}
-    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", report, re.S):
-        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", body)
-        regs = re.search(r"Used (\d+) registers", body)
-        smem = re.search(r"(\d+) bytes smem", body)
-        assert frame and regs, report
-        usage[name] = Usage(int(regs[1]), int(frame[1]), int(frame[2]) + int(frame[3]), int(smem[1]) if smem else 0)
-    return usage
+    """Per kernel of experts.cu under these defines: its Usage (ptxas_check)."""
+    return kernel_usage(experts_mod.SOURCE, defines, experts_mod.COMPILE_OPTIONS)
 
 
 def blocks_per_sm(registers: int, threads: int = 256) -> int:

@@ -15,33 +15,9 @@ nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
 if nvrtc.nvrtc_unavailable() is not None:
     pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}", allow_module_level=True)
 
+from ptxas_check import assert_spill_free  # noqa: E402
+
 from sparkdecode_cuda import all_reduce, attention, boundary, lamport, moe  # noqa: E402
-
-
-def spill_free(source: str, defines: dict, options: tuple[str, ...]) -> str:
-    """ptxas's report of every kernel of a source, after asserting none spills."""
-    from cuda.bindings import nvrtc as N
-
-    text = nvrtc.source(source)
-    headers = nvrtc._headers(text)
-    opts = ["--gpu-architecture=sm_90a", "-std=c++17", *options, "--ptxas-options=-v"]
-    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    _, prog = N.nvrtcCreateProgram(
-        text.encode(),
-        source.encode(),
-        len(headers),
-        [v.encode() for v in headers.values()],
-        [k.encode() for k in headers],
-    )
-    (err,) = N.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-    _, size = N.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
-    N.nvrtcGetProgramLog(prog, log)
-    report = log.decode()
-    assert err == N.nvrtcResult.NVRTC_SUCCESS, report
-    spills = [line for line in report.splitlines() if "spill" in line and "0 bytes spill stores" not in line]
-    assert not spills, spills
-    return report
 
 
 @pytest.mark.parametrize("hidden", [1024, 2048, 4096, 8192])
@@ -57,7 +33,7 @@ def test_boundary_kernel_compiles_for_hopper(hidden, tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF"
     assert list(tmp_path.glob("cubin/boundary-*.cubin"))  # cached
     assert nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", defines, boundary.COMPILE_OPTIONS) == cubin
-    assert "boundary_kernel" in spill_free(boundary.SOURCE, defines, boundary.COMPILE_OPTIONS)
+    assert "boundary_kernel" in assert_spill_free(boundary.SOURCE, defines, boundary.COMPILE_OPTIONS)
 
 
 def test_boundary_rows_must_be_aligned():
@@ -83,7 +59,7 @@ def test_moe_kernels_compile_for_hopper(width, experts, top_k, tmp_path, monkeyp
     defines = moe.kernel_defines(spec)
     assert defines["TOP_K"] == top_k and defines["TAIL_GROUP"] == min(8, top_k)
     assert nvrtc.compile_cubin(moe.SOURCE, "sm_90a", defines, moe.COMPILE_OPTIONS)[:4] == b"\x7fELF"
-    assert "tail_kernel" in spill_free(moe.SOURCE, defines, moe.COMPILE_OPTIONS)
+    assert "tail_kernel" in assert_spill_free(moe.SOURCE, defines, moe.COMPILE_OPTIONS)
 
 
 def test_attention_kernels_compile_for_hopper(tmp_path, monkeypatch):

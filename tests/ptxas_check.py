@@ -1,0 +1,60 @@
+"""ptxas's report of a kernel source compiled by NVRTC (--ptxas-options=-v): each
+kernel's registers, stack, spills and static shared memory, for the CPU tests that
+check a kernel fits the blocks an SM it is launched on."""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+
+class Usage(NamedTuple):
+    """A kernel's resources from ptxas's report."""
+
+    registers: int  # a thread's
+    stack: int  # stack frame bytes
+    spills: int  # spill store + load bytes
+    smem: int  # static shared memory bytes a block
+
+
+def kernel_usage(source: str, defines: dict[str, int], options: tuple[str, ...]) -> dict[str, Usage]:
+    """Per kernel of the pack's ``source`` (kernels/) under ``defines`` for sm_90a."""
+    from cuda.bindings import nvrtc as cu_nvrtc
+
+    from sparkdecode_cuda import nvrtc
+
+    text = nvrtc.source(source)
+    headers = nvrtc._headers(text)
+    opts = ["--gpu-architecture=sm_90a", "-std=c++17", *options, "--ptxas-options=-v"]
+    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    _, prog = cu_nvrtc.nvrtcCreateProgram(
+        text.encode(),
+        source.encode(),
+        len(headers),
+        [v.encode() for v in headers.values()],
+        list(map(str.encode, headers)),
+    )
+    try:
+        (err,) = cu_nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, size = cu_nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        cu_nvrtc.nvrtcGetProgramLog(prog, log)
+    finally:
+        cu_nvrtc.nvrtcDestroyProgram(prog)
+    report = log.decode(errors="replace")
+    assert err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS, report
+    usage = {}
+    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", report, re.S):
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", body)
+        regs = re.search(r"Used (\d+) registers", body)
+        smem = re.search(r"(\d+) bytes smem", body)
+        assert frame and regs, report
+        usage[name] = Usage(int(regs[1]), int(frame[1]), int(frame[2]) + int(frame[3]), int(smem[1]) if smem else 0)
+    return usage
+
+
+def assert_spill_free(source: str, defines: dict[str, int], options: tuple[str, ...]) -> dict[str, Usage]:
+    """Every kernel of ``source`` under ``defines`` without spills; their Usage."""
+    usage = kernel_usage(source, defines, options)
+    assert all(u.spills == 0 for u in usage.values()), usage
+    return usage

@@ -1,0 +1,141 @@
+"""cuda.attention_core on the CPU: its kernels compile spill-free for the shapes it
+takes, it says which deployments it does not take, and the split-KV algorithm of
+kernels/attention_core.cu, emulated step for step in torch (the key range, the tiles
+of 64 aligned positions, each split's run of tiles, the per-row masks, the online
+softmax in exp2, the probabilities as two bf16 terms, the combine in split order),
+equals the reference core. The kernel itself (its MMA fragments) is checked against
+the reference on the GPU (tests/test_gpu_cuda_attention_core.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from sparkdecode.deployment import detect
+from sparkdecode.reference import functional as fn
+from sparkdecode.spec import ModelSpec
+
+core_mod = pytest.importorskip("sparkdecode_cuda.attention_core")
+TILE, MROWS = core_mod.TILE, core_mod.MROWS
+
+
+def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group):
+    """attention_split_kernel then attention_combine_kernel, in torch (fp32)."""
+    hkv, d = k.shape[2], k.shape[3]
+    page_size = k.shape[1]
+    scale_log2 = scale * math.log2(math.e)
+    first, hi = seq_len - rows, seq_len - 1
+    lo = max(first - window + 1, 0) if window else 0
+    base0 = lo & ~(TILE - 1)
+    tiles = (hi - base0) // TILE + 1
+    r = torch.arange(MROWS)
+    tok, head = r // group, r % group
+    ok = tok < rows
+    pos = first + tok
+    row_lo = pos - window + 1 if window else torch.zeros_like(pos)
+    out = torch.zeros(rows, hkv * group, d)
+    neg = torch.tensor(float("-inf"))
+    for h in range(hkv):
+        qh = torch.zeros(MROWS, d)
+        qh[ok] = q[tok[ok], h * group + head[ok]].float()
+        parts = []
+        for s in range(splits):
+            m, l, o = torch.full((MROWS,), float("-inf")), torch.zeros(MROWS), torch.zeros(MROWS, d)
+            for tile in range(s * tiles // splits, (s + 1) * tiles // splits):
+                kp = base0 + tile * TILE + torch.arange(TILE)
+                seen = (kp >= lo) & (kp <= hi)
+                kt, vt = torch.zeros(TILE, d), torch.zeros(TILE, d)
+                page, off = table[kp[seen] // page_size].long(), kp[seen] % page_size
+                kt[seen], vt[seen] = k[page, off, h].float(), v[page, off, h].float()
+                visible = ok[:, None] & (kp[None, :] <= pos[:, None]) & (kp[None, :] >= row_lo[:, None])
+                x = torch.where(visible, (qh @ kt.T) * scale_log2, neg)
+                n = torch.maximum(m, x.max(dim=1).values)
+                empty = n == float("-inf")
+                a = torch.where(empty, 1.0, torch.exp2(m - n))
+                p = torch.where(empty[:, None], 0.0, torch.exp2(x - n[:, None]))
+                l, o, m = l * a + p.sum(dim=1), o * a[:, None], n
+                p_hi = p.to(torch.bfloat16).float()
+                p_lo = (p - p_hi).to(torch.bfloat16).float()
+                o = o + p_hi @ vt + p_lo @ vt
+            parts.append((m, l, o))
+        mmax = torch.stack([m for m, _, _ in parts]).max(dim=0).values
+        acc, total = torch.zeros(MROWS, d), torch.zeros(MROWS)
+        for m, l, o in parts:
+            w = torch.where(m == float("-inf"), 0.0, torch.exp2(m - mmax))
+            total, acc = total + w * l, acc + w[:, None] * o
+        res = acc / total[:, None]
+        out[tok[ok], h * group + head[ok]] = res[ok]
+    return out.to(torch.bfloat16)
+
+
+def paged_cache(pages: int, page_size: int, hkv: int, d: int, g: torch.Generator):
+    k = torch.randn(pages, page_size, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(pages, page_size, hkv, d, generator=g).to(torch.bfloat16)
+    table = torch.randperm(pages, generator=g).to(torch.int32)  # pages in no order
+    return k, v, table
+
+
+@pytest.mark.parametrize("window", [None, 64, 200])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_split_kv_algorithm_equals_the_reference(window, rows):
+    """Contexts at tile and window edges, fewer tiles than splits and more; every split
+    count the provider picks (16 .. 128) and one that leaves most splits empty."""
+    g = torch.Generator().manual_seed(rows * 7 + (window or 0))
+    hkv, group, d, page_size, max_context = 2, 8, 64, 16, 1024
+    k, v, table = paged_cache(max_context // page_size, page_size, hkv, d, g)
+    scale = 64**-0.5
+    worst = 0.0
+    for seq_len in (8, 9, 63, 64, 65, 70, 128, 129, 200, 201, 263, 500, 1000, 1024):
+        if seq_len < rows:
+            continue
+        q = torch.randn(rows, hkv * group, d, generator=g).to(torch.bfloat16)
+        positions = torch.arange(seq_len - rows, seq_len)
+        ref = fn.paged_attention(q, positions, k, v, table, window, scale, max_context)
+        for splits in (16, core_mod.splits_for(max_context), 3):
+            got = emulate(q, k, v, table, seq_len, rows, window, scale, splits, group)
+            err = ((got.float() - ref.float()).flatten(1).norm(dim=1) / ref.float().flatten(1).norm(dim=1)).max()
+            worst = max(worst, err.item())
+            assert err < 4e-3, (seq_len, splits, err)  # the output's bf16 rounding, a few ulps at most
+    print(f"\nlargest row error {worst:.2e}")
+
+
+def test_kernel_constants_match():
+    """The provider's launch shapes are the kernel's defines."""
+    from sparkdecode_cuda import nvrtc
+
+    text = nvrtc.source(core_mod.SOURCE)
+    for name, value in (("MROWS", MROWS), ("TILE", TILE), ("COMBINE_ROWS", core_mod.COMBINE_ROWS), ("WARPS", 4)):
+        assert f"#define {name} {value}\n" in text, name
+    assert [core_mod.splits_for(c) for c in (64, 1024, 4096, 32768, 131072)] == [16, 16, 33, 128, 128]
+
+
+@pytest.mark.parametrize("max_context", [4096, 32768])
+def test_kernels_compile_spill_free(max_context):
+    nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    from ptxas_check import assert_spill_free
+
+    usage = assert_spill_free(core_mod.SOURCE, core_mod.kernel_defines(8, max_context), core_mod.COMPILE_OPTIONS)
+    assert set(usage) == {"attention_split_kernel", "attention_combine_kernel"}
+    assert usage["attention_split_kernel"].registers <= 255 and usage["attention_split_kernel"].smem <= 48 * 1024
+
+
+def test_unsupported_names_the_shape():
+    """Off Hopper, another head_dim, more query rows a KV head than one tile of 64: a
+    sentence naming it; the TP8 rank's and TP1's Muse Spark shapes at 8 rows: taken."""
+    nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
+    cls = core_mod.CudaAttentionCore
+    spec = ModelSpec.preset("muse-spark-open")
+    cpu = detect(spec, device="cpu", max_rows=8)
+    assert cls.unsupported(cpu) == "needs a CUDA GPU"
+    hopper = dataclasses.replace(cpu, device="cuda", capability=(9, 0))
+    if nvrtc.nvrtc_unavailable() is None:
+        assert cls.unsupported(hopper) is None
+        assert cls.unsupported(dataclasses.replace(hopper, tp=8)) is None
+        wide = dataclasses.replace(spec, head_dim=128, num_attention_heads=64, num_key_value_heads=8)
+        assert "head_dim 128" in cls.unsupported(dataclasses.replace(hopper, spec=wide))
+        assert "16 rows x 8 query heads" in cls.unsupported(dataclasses.replace(hopper, max_rows=16))

@@ -195,3 +195,24 @@ def test_experts_provider_by_import_path(monkeypatch, capsys, tmp_path):
     assert "not module:Class" in capsys.readouterr().err
     assert main(["bench", "streams-tp1", "--experts-provider", path, "--part", "linear"]) == 2
     assert "streams-tp8-rank only" in capsys.readouterr().err
+
+
+def test_linear_streams_time_the_chain_as_the_step_runs_it():
+    """Both chains on the CPU (the step's: the router through its own op, in line where
+    there is no side stream), each over the same bytes, and the report prints both."""
+    from sparkdecode.reference.providers import ReferenceLinear
+
+    shapes = {"qkvg": (96, 64), "o_proj": (64, 32), "router": (16, 64), "pooler": (32, 64), "unpooler": (64, 32)}
+    record = streams.linear_streams(Timer(torch.device("cpu")), [ReferenceLinear], shapes, 1)
+    row = record["reference.linear"]
+    assert set(row) == {*LINEAR_WEIGHTS, "chain", "chain_step"}
+    total = streams.CHAIN_LAYERS * sum(streams.weight_bytes(shapes, w) for w in LINEAR_WEIGHTS)
+    for key in ("chain", "chain_step"):
+        seconds, bw = row[key]
+        assert seconds > 0 and bw == pytest.approx(total / seconds)
+    streams.SHAPES["test-shapes"] = shapes
+    try:
+        text = streams.report("test-shapes", 1e12, record)
+    finally:
+        del streams.SHAPES["test-shapes"]
+    assert "\nchain " in text and "\nchain_step " in text

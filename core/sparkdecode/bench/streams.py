@@ -10,8 +10,11 @@ not registered, ``--experts-provider module:Class`` an experts one):
   unpooler at the config's shard) alone in a CUDA graph, L2 flushed before every
   replay; weight bytes / median time;
 - chained: the five GEMMs of ``CHAIN_LAYERS`` layers of distinct weights (far
-  larger than L2) back to back in one graph, as they run in the step (with PDL
-  where the provider launches with it); total weight bytes / median time;
+  larger than L2) back to back in one graph (with PDL where the provider launches
+  with it); total weight bytes / median time;
+- chained as in the step (``chain_step``): the same, with the router on a side stream
+  beside the pooler as cuda.moe runs it (forked after the o_proj, joined before the
+  unpooler; on a CPU, in line), through its own op built with its own scratch;
 - the copy bandwidth: the step bench's (``floor.copy_bandwidth``, a 1 GiB eager
   device-to-device copy), (read + written bytes) / median time.
 
@@ -107,6 +110,17 @@ def linear_context(
     )
 
 
+def own_scratch(ctx: SimpleNamespace, device: torch.device) -> SimpleNamespace:
+    """``ctx``'s layer with scratch of its own (the side stream's op: cuda.moe builds the
+    router's from such a context, so no workspace is shared across the streams)."""
+    buffers: dict[str, torch.Tensor] = {}
+    return SimpleNamespace(
+        layer=ctx.layer,
+        max_rows=ctx.max_rows,
+        scratch=lambda name, shape, dtype: scratch_buffer(buffers, device, name, shape, dtype),
+    )
+
+
 def _io(shapes: dict[str, tuple[int, int]], device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per weight: an x of ROWS bf16 rows and its output."""
     out = {}
@@ -125,14 +139,16 @@ def weight_bytes(shapes: dict[str, tuple[int, int]], name: str) -> int:
 def linear_streams(
     timer: Timer, providers: list[type], shapes: dict[str, tuple[int, int]], replays: int
 ) -> dict[str, Any]:
-    """Isolated and chained figures of every provider: {provider: {weight or
-    "chain": (seconds, bytes / s)}}."""
+    """Isolated and chained figures of every provider: {provider: {weight, "chain" or
+    "chain_step": (seconds, bytes / s)}}."""
     device = timer.device
     io = _io(shapes, device)
     contexts = [linear_context(shapes, device, seed=i) for i in range(CHAIN_LAYERS)]
+    side = torch.cuda.Stream(device) if timer.graph else None
     record: dict[str, Any] = {}
     for cls in providers:
         ops = [cls.build(ctx, 0) for ctx in contexts]
+        router_ops = [cls.build(own_scratch(ctx, device), 0) for ctx in contexts]
         row: dict[str, tuple[float, float]] = {}
         for name in LINEAR_WEIGHTS:
             x, out = io[name]
@@ -145,9 +161,26 @@ def linear_streams(
                 for name in LINEAR_WEIGHTS:
                     op.run(name, *io[name])
 
-        seconds = timer.time(timer.capture(chain), replays).median_s
+        def step_chain(ops=ops, router_ops=router_ops) -> None:
+            for op, router in zip(ops, router_ops, strict=True):
+                op.run("qkvg", *io["qkvg"])
+                op.run("o_proj", *io["o_proj"])
+                if side is None:
+                    router.run("router", *io["router"])
+                else:
+                    current = torch.cuda.current_stream(device)
+                    side.wait_stream(current)
+                    with torch.cuda.stream(side):
+                        router.run("router", *io["router"])
+                op.run("pooler", *io["pooler"])
+                if side is not None:
+                    current.wait_stream(side)
+                op.run("unpooler", *io["unpooler"])
+
         total = CHAIN_LAYERS * sum(weight_bytes(shapes, name) for name in LINEAR_WEIGHTS)
-        row["chain"] = (seconds, total / seconds)
+        for key, fn in (("chain", chain), ("chain_step", step_chain)):
+            seconds = timer.time(timer.capture(fn), replays).median_s
+            row[key] = (seconds, total / seconds)
         record[cls.name] = row
     return record
 
@@ -536,8 +569,9 @@ def report(config: str, copy: float, record: dict[str, Any]) -> str:
     names = list(record)
     lines = [f"{config}: {ROWS} rows; copy bandwidth {copy / 1e12:.2f} TB/s (read + written)"]
     lines.append(f"{'weight':<10} {'N x K':>12} {'MB':>8}  " + "  ".join(f"{n:>30}" for n in names))
-    for name in (*LINEAR_WEIGHTS, "chain"):
-        if name == "chain":
+    chained = [c for c in ("chain", "chain_step") if all(c in record[p] for p in names)]
+    for name in (*LINEAR_WEIGHTS, *chained):
+        if name in chained:
             label, mb = f"{CHAIN_LAYERS} layers", CHAIN_LAYERS * sum(weight_bytes(shapes, w) for w in LINEAR_WEIGHTS)
         else:
             n, k = shapes[name]

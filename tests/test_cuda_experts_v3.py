@@ -443,3 +443,30 @@ def test_marlin_v3_half4_slice_is_half4_with_the_slice_down_kernel(width, interm
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize("blocks", [3, 4])
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_route_mask_variants_add_only_their_define(blocks, width, intermediate):
+    """_half_mask / _half4_mask: their parent's defines plus EXPERTS_ROUTE_MASK, spill-free
+    and fitting; every other class leaves the define out (their cubins as before)."""
+    from sparkdecode_cuda import nvrtc
+
+    cls, parent = (
+        (experts_mod.CudaExpertsNvfp4MarlinV3HalfMask, experts_mod.CudaExpertsNvfp4MarlinV3Half)
+        if blocks == 3
+        else (experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask, experts_mod.CudaExpertsNvfp4MarlinV3Half4)
+    )
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_ROUTE_MASK": 1}
+    others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
+    for other in others:
+        if other not in (
+            cls,
+            experts_mod.CudaExpertsNvfp4MarlinV3HalfMask,
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask,
+        ):
+            assert other.route_mask == 0, other.name
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)

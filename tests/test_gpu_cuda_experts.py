@@ -128,8 +128,9 @@ def provider(fmt: str):
     kernel at expert TP's slice, -v3occ's elsewhere, "-v3half": -v3occ with EXPERTS_HALF (each
     up warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM
     "-v3ringslice": -v3ring with -v3slice's down kernel, "-v3half4slice": -v3half4 with
-    -v3slice's down kernel (the checkpoint layout's V3, _pipe, _split, _ring_slice,
-    _half4_slice, _flow, _flow_ring, _down_k1 and _down_k2 unregistered)."""
+    -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
+    EXPERTS_ROUTE_MASK (the checkpoint layout's V3, _pipe, _split, _ring_slice,
+    _half4_slice, _flow, _flow_ring, _down_k1, _down_k2 and the two _mask unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -152,6 +153,8 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4": experts_mod.CudaExpertsNvfp4MarlinV3Half4,
         "nvfp4_marlin-v3ringslice": experts_mod.CudaExpertsNvfp4MarlinV3RingSlice,
         "nvfp4_marlin-v3half4slice": experts_mod.CudaExpertsNvfp4MarlinV3Half4Slice,
+        "nvfp4_marlin-v3halfmask": experts_mod.CudaExpertsNvfp4MarlinV3HalfMask,
+        "nvfp4_marlin-v3half4mask": experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask,
     }[fmt]
 
 
@@ -194,6 +197,8 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4",
         "-v3ringslice",
         "-v3half4slice",
+        "-v3halfmask",
+        "-v3half4mask",
     )
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]
@@ -408,3 +413,32 @@ def test_flow_is_occ_bit_for_bit_and_zeroes_its_counters(fmt, shape):
         torch.cuda.synchronize()
         assert torch.equal(rows, want), i
         assert int(flow.ready.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_marlin-v3halfmask", "nvfp4_marlin-v3half4mask"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
+    """EXPERTS_ROUTE_MASK changes how the down kernel finds a value's routes, not the
+    values: the rows equal the variant without it bit for bit (the EP shapes cover the
+    zeros for routes to experts not held), for distinct experts, experts shared across
+    rows, and a row routing twice to one expert."""
+    spec, sharding = SHAPES[shape]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=19)
+    masked = provider(fmt).build(context(spec, experts), 0)
+    scan = provider(fmt.removesuffix("mask")).build(context(spec, experts), 0)
+    g = torch.Generator().manual_seed(23)
+    k = spec.top_k
+    for b in (1, 3, 8):
+        for kind in ("distinct", "duplicates", "twice"):
+            x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
+            if kind == "twice":  # each row's routes over k / 2 experts, each of them twice
+                ids = routing(b, k // 2, spec.E, "distinct", g).repeat(1, 2)
+            else:
+                ids = routing(b, k, spec.E, kind, g)
+            topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
+            want = torch.full((b, k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
+            rows = torch.full_like(want, float("nan"))
+            scan.run(ExpertsInput(x), topk, want)
+            masked.run(ExpertsInput(x), topk, rows)
+            torch.cuda.synchronize()
+            assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)

@@ -127,8 +127,22 @@
 // zeroes both for the next launch (the next launch's up items count only after its own
 // griddepcontrol.wait, so after this down kernel's end). The same MMAs in the same order as
 // V3: the same bits.
+//
+// EXPERTS_ROUTE_MASK (a define, 0 when absent): the down kernel's epilogue finds, once an
+// item, which routes of each of a thread's two rows go to the item's slot (and, on slot
+// 0's items, which go to experts this rank does not hold) as bit masks over the top-k,
+// and stores each output value to those routes only; without it every value scans the
+// row's TOP_K routes in shared memory (about a fifth of the down kernel's instructions
+// at 8 rows x top-8). The same values stored to the same places: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
+
+#ifndef EXPERTS_ROUTE_MASK
+#define EXPERTS_ROUTE_MASK 0
+#endif
+#if EXPERTS_ROUTE_MASK && TOP_K > 32
+#error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
+#endif
 
 #ifndef EXPERTS_V2
 #define EXPERTS_V2 0
@@ -1176,6 +1190,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       reduce_k<WK2, NT2>(c, red, wm, wk);
     }
     if (wk != 0) continue;
+#if EXPERTS_ROUTE_MASK
+    // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
+    // items) the routes to experts not held, which get zeros.
+    unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = 2 * t + e;
+      if (n >= b) continue;
+#pragma unroll
+      for (int j = 0; j < TOP_K; ++j) {
+        const int rs = routes.slot[n * TOP_K + j];
+        if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;
+        else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;
+      }
+    }
+#endif
 #pragma unroll
     for (int a = 0; a < NT2; ++a)
 #pragma unroll
@@ -1187,6 +1217,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #else
         const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4]) : (bf16_t)0;
 #endif
+#if EXPERTS_ROUTE_MASK
+        for (unsigned m = to_slot[e4 & 1]; m != 0u; m &= m - 1u)
+          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = v;
+        for (unsigned m = unheld[e4 & 1]; m != 0u; m &= m - 1u)
+          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = 0;
+#else
         for (int j = 0; j < TOP_K; ++j) {
           const int route = n * TOP_K + j;
           const int rs = routes.slot[route];
@@ -1195,6 +1231,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
           else if (rs < 0 && slot == 0)
             rows[(long)route * P_DIM + p] = 0;
         }
+#endif
       }
   }
 }

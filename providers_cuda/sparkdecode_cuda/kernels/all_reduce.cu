@@ -18,12 +18,7 @@ extern "C" __global__ void __launch_bounds__(AR_THREADS) all_reduce_kernel(
     lamport_push(l, c * 8, local);
     float acc[8];
     lamport_sum(l, c * 8, local, acc);
-    uint4 out;
-    out.x = (u32)float_to_bf16(acc[0]) | ((u32)float_to_bf16(acc[1]) << 16);
-    out.y = (u32)float_to_bf16(acc[2]) | ((u32)float_to_bf16(acc[3]) << 16);
-    out.z = (u32)float_to_bf16(acc[4]) | ((u32)float_to_bf16(acc[5]) << 16);
-    out.w = (u32)float_to_bf16(acc[6]) | ((u32)float_to_bf16(acc[7]) << 16);
-    *xc = out;
+    *xc = pack_bf16x8(acc);
   }
   lamport_end(l);
 }

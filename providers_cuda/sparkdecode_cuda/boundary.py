@@ -89,9 +89,10 @@ class _BoundaryKernel:
 
     def __init__(self, ctx: BuildContext):
         self.width = ctx.spec.H
-        self.cluster = row_cluster(self.width)
-        self.threads = self.width // ITEMS
-        self.kernel = Kernel(SOURCE, "boundary_kernel", ctx.device, kernel_defines(self.width), COMPILE_OPTIONS)
+        self.threads = self.width // ITEMS  # a row's threads (the fused kernel's block)
+        defines = kernel_defines(self.width)
+        self.cluster, self.block = defines.get("CLUSTER", 1), defines["THREADS"]
+        self.kernel = Kernel(SOURCE, "boundary_kernel", ctx.device, defines, COMPILE_OPTIONS)
 
     def __call__(
         self,
@@ -122,7 +123,7 @@ class _BoundaryKernel:
             check_aligned(name, t)
         self.kernel.launch(
             (b * self.cluster, 1, 1),
-            (self.threads // self.cluster, 1, 1),
+            (self.block, 1, 1),
             [
                 ptr(x),
                 i32(x.stride(0)),

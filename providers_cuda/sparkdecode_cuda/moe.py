@@ -74,8 +74,8 @@ class MoEKernels:
 
     def __init__(self, ctx: BuildContext):
         spec = ctx.spec
-        self.width, self.threads, self.top_k = spec.P, spec.P // ITEMS, spec.top_k
         defines = kernel_defines(spec)
+        self.width, self.threads, self.top_k = spec.P, defines["THREADS"], spec.top_k
         self.routing = Kernel(SOURCE, "routing_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.norm = Kernel(SOURCE, "rmsnorm_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail = Kernel(SOURCE, "tail_kernel", ctx.device, defines, COMPILE_OPTIONS)

@@ -102,17 +102,12 @@ def linear_context(
     for name, (n, k) in shapes.items():
         dtype = torch.float32 if name == "router" else torch.bfloat16
         setattr(layer, name, (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype))
-    buffers: dict[str, torch.Tensor] = {}
-    return SimpleNamespace(
-        layer=lambda i: layer,
-        max_rows=max_rows,
-        scratch=lambda name, shape, dtype: scratch_buffer(buffers, device, name, shape, dtype),
-    )
+    return own_scratch(SimpleNamespace(layer=lambda i: layer, max_rows=max_rows), device)
 
 
 def own_scratch(ctx: SimpleNamespace, device: torch.device) -> SimpleNamespace:
-    """``ctx``'s layer with scratch of its own (the side stream's op: cuda.moe builds the
-    router's from such a context, so no workspace is shared across the streams)."""
+    """``ctx``'s layer and rows with scratch of its own (also the side stream's op: cuda.moe
+    builds the router's from such a context, so no workspace is shared across the streams)."""
     buffers: dict[str, torch.Tensor] = {}
     return SimpleNamespace(
         layer=ctx.layer,

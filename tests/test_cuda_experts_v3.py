@@ -461,12 +461,30 @@ def test_marlin_v3_route_mask_variants_add_only_their_define(blocks, width, inte
     assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_ROUTE_MASK": 1}
     others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
     for other in others:
-        if other not in (
-            cls,
-            experts_mod.CudaExpertsNvfp4MarlinV3HalfMask,
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask,
+        if not issubclass(
+            other, (experts_mod.CudaExpertsNvfp4MarlinV3HalfMask, experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask)
         ):
             assert other.route_mask == 0, other.name
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+
+
+LEAN = (experts_mod.CudaExpertsNvfp4MarlinV3HalfLean, experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean)
+
+
+@pytest.mark.parametrize("cls", LEAN, ids=lambda c: c.name)
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_lean_variants_add_only_their_define(cls, width, intermediate):
+    """_half_lean / _half4_lean: their _mask parent's defines plus EXPERTS_LEAN, spill-free
+    and fitting; no other class sets the define (every registered cubin as before)."""
+    from sparkdecode_cuda import nvrtc
+
+    parent = cls.__mro__[1]
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_LEAN": 1}
+    others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
+    assert [c for c in others if c.lean] == list(LEAN)
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)

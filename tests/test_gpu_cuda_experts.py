@@ -129,8 +129,9 @@ def provider(fmt: str):
     up warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM
     "-v3ringslice": -v3ring with -v3slice's down kernel, "-v3half4slice": -v3half4 with
     -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
-    EXPERTS_ROUTE_MASK (the checkpoint layout's V3, _pipe, _split, _ring_slice,
-    _half4_slice, _flow, _flow_ring, _down_k1, _down_k2 and the two _mask unregistered)."""
+    EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN (the
+    checkpoint layout's V3, _pipe, _split, _ring_slice, _half4_slice, _flow, _flow_ring,
+    _down_k1, _down_k2 and the two _mask and two _lean unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -155,6 +156,8 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4slice": experts_mod.CudaExpertsNvfp4MarlinV3Half4Slice,
         "nvfp4_marlin-v3halfmask": experts_mod.CudaExpertsNvfp4MarlinV3HalfMask,
         "nvfp4_marlin-v3half4mask": experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask,
+        "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
+        "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
     }[fmt]
 
 
@@ -199,6 +202,8 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4slice",
         "-v3halfmask",
         "-v3half4mask",
+        "-v3halflean",
+        "-v3half4lean",
     )
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]
@@ -415,17 +420,21 @@ def test_flow_is_occ_bit_for_bit_and_zeroes_its_counters(fmt, shape):
         assert int(flow.ready.count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4_marlin-v3halfmask", "nvfp4_marlin-v3half4mask"])
+@pytest.mark.parametrize(
+    "fmt",
+    ["nvfp4_marlin-v3halfmask", "nvfp4_marlin-v3half4mask", "nvfp4_marlin-v3halflean", "nvfp4_marlin-v3half4lean"],
+)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
     """EXPERTS_ROUTE_MASK changes how the down kernel finds a value's routes, not the
-    values: the rows equal the variant without it bit for bit (the EP shapes cover the
-    zeros for routes to experts not held), for distinct experts, experts shared across
-    rows, and a row routing twice to one expert."""
+    values, and EXPERTS_LEAN how the Marlin loop prefetches and shifts, not what it
+    computes: the rows equal the variant without either bit for bit (the EP shapes cover
+    the zeros for routes to experts not held), for distinct experts, experts shared
+    across rows, and a row routing twice to one expert."""
     spec, sharding = SHAPES[shape]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=19)
     masked = provider(fmt).build(context(spec, experts), 0)
-    scan = provider(fmt.removesuffix("mask")).build(context(spec, experts), 0)
+    scan = provider(fmt.removesuffix("mask").removesuffix("lean")).build(context(spec, experts), 0)
     g = torch.Generator().manual_seed(23)
     k = spec.top_k
     for b in (1, 3, 8):

@@ -129,6 +129,8 @@ class CudaExperts(_Cuda):
     down_wk: ClassVar[int] = 0
     # experts.cu's EXPERTS_ROUTE_MASK: the down kernel's epilogue over per-row route masks
     route_mask: ClassVar[int] = 0
+    # experts.cu's EXPERTS_LEAN: the V3 Marlin loop's prefetch pointers and shift on the FMA pipe
+    lean: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -184,6 +186,8 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_DOWN_WK"] = wk
         if cls.route_mask:
             defines["EXPERTS_ROUTE_MASK"] = 1
+        if cls.lean:
+            defines["EXPERTS_LEAN"] = 1
         return defines
 
     @classmethod
@@ -713,3 +717,21 @@ class CudaExpertsNvfp4MarlinV3Half4Mask(CudaExpertsNvfp4MarlinV3Half4):
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_mask"
     route_mask = 1
+
+
+class CudaExpertsNvfp4MarlinV3HalfLean(CudaExpertsNvfp4MarlinV3HalfMask):
+    """``cuda.experts_nvfp4_marlin_v3_half_mask`` with experts.cu's EXPERTS_LEAN: the Marlin
+    loop of both kernels with fewer integer-pipe instructions (the L2 prefetch's lines as
+    pointers advanced a batch at a time, a word's shift by 8 as a multiply-high). The same
+    bits as ``_half``. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half_lean"
+    lean = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4Lean(CudaExpertsNvfp4MarlinV3Half4Mask):
+    """``cuda.experts_nvfp4_marlin_v3_half4_mask`` with EXPERTS_LEAN (as ``_half_lean``): the
+    same bits as ``_half4``. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_lean"
+    lean = 1

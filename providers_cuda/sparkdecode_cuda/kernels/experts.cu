@@ -128,6 +128,15 @@
 // griddepcontrol.wait, so after this down kernel's end). The same MMAs in the same order as
 // V3: the same bits.
 //
+// EXPERTS_LEAN (a define, 0 when absent; V3 Marlin, not with EXPERTS_PIPE): the Marlin
+// loop with fewer integer-pipe instructions (at most half rate on SM90, and as busy as
+// the issue slots in V3's loop: 206 of its 411 instructions a batch of 128 codes). The
+// L2 prefetch's lines are pointers set once a loop and advanced a batch at a time
+// (MarlinLines; prefetch_marlin works out every lane's step and block every batch), a
+// batch further ahead (see warp_gemm_marlin), and a word's shift by 8 is a
+// multiply-high by 2^24 (the FMA pipe). The same lines prefetched and the same words
+// decoded: the same bits.
+//
 // EXPERTS_ROUTE_MASK (a define, 0 when absent): the down kernel's epilogue finds, once an
 // item, which routes of each of a thread's two rows go to the item's slot (and, on slot
 // 0's items, which go to experts this rank does not hold) as bit masks over the top-k,
@@ -139,6 +148,9 @@
 
 #ifndef EXPERTS_ROUTE_MASK
 #define EXPERTS_ROUTE_MASK 0
+#endif
+#ifndef EXPERTS_LEAN
+#define EXPERTS_LEAN 0
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -190,6 +202,9 @@
 #endif
 #if EXPERTS_FLOW && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_SPLIT)
 #error "EXPERTS_FLOW is for the V3 Marlin kernels (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_SPLIT"
+#endif
+#if EXPERTS_LEAN && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_PIPE)
+#error "EXPERTS_LEAN is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_PIPE"
 #endif
 // x (the down kernel's act) loads of the V3 Marlin loop: past L1 where the up kernel may
 // still be writing act while the down kernel runs (EXPERTS_FLOW)
@@ -336,7 +351,11 @@ __device__ __forceinline__ u32 mul_bf16x2_bcast(u32 a, u32 s) {
 // keeps the magnitude at 6..8 and the sign at 15: the bf16 of e2m1 * 2^-126.
 __device__ __forceinline__ void marlin_word_v3(u32 w, u32 s2, u32 a[4]) {
   constexpr u32 M = 0x81c081c0u;
+#if EXPERTS_LEAN
+  const u32 h = __umulhi(w, 1u << 24);  // w >> 8 on the FMA pipe
+#else
   const u32 h = w >> 8;  // nibbles 2, 3 (6, 7) where 0, 1 (4, 5) were
+#endif
   a[0] = mul_bf16x2_bcast<0>(((w & 0x000f000fu) * 0x1040u) & M, s2);
   a[1] = mul_bf16x2_bcast<1>(((h & 0x000f000fu) * 0x1040u) & M, s2);
   a[2] = mul_bf16x2_bcast<0>(((w & 0x00f000f0u) * 0x104u) & M, s2);
@@ -384,6 +403,33 @@ __device__ __forceinline__ void prefetch_marlin(const Weights& W, const int blk0
     prefetch_l2(W.scale + kt * N + blk);
   }
 }
+
+#if EXPERTS_LEAN
+// prefetch_marlin's lines for the batch at row kt0 of 16 k, then for each batch after
+// it: a lane's code line and scale line set once, advanced SB steps at a time.
+template <int N, int NBLK, int SB>
+struct MarlinLines {
+  static_assert(NBLK <= 2 && SB * NBLK * 4 <= 32, "a line a lane");
+  const unsigned char* code;
+  const unsigned char* scale;
+  bool has_code, has_scale;
+  __device__ __forceinline__ MarlinLines(const Weights& W, const int blk0[NBLK], long kt0) {
+    const int lane = threadIdx.x & 31;
+    has_code = lane < SB * NBLK * 4;
+    has_scale = lane < SB * NBLK;
+    const long cb = (lane / 4) % NBLK ? blk0[NBLK - 1] : blk0[0], sb = lane % NBLK ? blk0[NBLK - 1] : blk0[0];
+    code = W.w + ((kt0 + lane / (4 * NBLK)) * 2 * N + 2 * cb) * 4 + 128 * (lane & 3);
+    scale = W.scale + (kt0 + lane / NBLK) * N + sb;
+  }
+  // This batch's lines into L2 (when `issue`), then on to the next batch's.
+  __device__ __forceinline__ void prefetch_and_advance(bool issue) {
+    if (issue && has_code) prefetch_l2(code);
+    if (issue && has_scale) prefetch_l2(scale);
+    code += (long)SB * 8 * N;
+    scale += (long)SB * N;
+  }
+};
+#endif
 
 // NVFP4 rows (FMT 1): CB chunks from k of a warp's 32 rows (lane: row row0[lane / 16] +
 // lane % 16) into L2: the codes (64 bytes a chunk), then the scales (8 bytes a chunk).
@@ -541,6 +587,13 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   }
   const u32* xp = reinterpret_cast<const u32*>(xr + k0 + 2 * t);
 #endif
+#if EXPERTS_LEAN
+  // Batch 1's lines now, then in each batch those of the batch two ahead: ptxas places
+  // the predicated prefetch anywhere in its batch (at its end, past the MMAs, in the
+  // SASS), so one batch ahead could leave no lead at all.
+  MarlinLines<N, NBLK, SB> lines(W, blk0, k0 / 16 + SB);
+  lines.prefetch_and_advance(SB < steps);
+#endif
 #if EXPERTS_PIPE
   // The ring: step r of every batch in q[r], sc[r]; the first batch loaded here.
   uint4 q[SB][NBLK];
@@ -571,7 +624,9 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   for (int batch = 0; batch < steps; batch += SB) {
     uint4 q[NBLK][SB];
     uint2 sc[NBLK][SB];
-#if EXPERTS_V2
+#if EXPERTS_LEAN
+    lines.prefetch_and_advance(batch + 2 * SB < steps);
+#elif EXPERTS_V2
     if (batch + SB < steps) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + SB);
 #endif
 #if EXPERTS_V3

@@ -110,6 +110,9 @@ def test_kernel_constants_match():
     for name, value in (("MROWS", MROWS), ("TILE", TILE), ("COMBINE_ROWS", core_mod.COMBINE_ROWS), ("WARPS", 4)):
         assert f"#define {name} {value}\n" in text, name
     assert [core_mod.splits_for(c) for c in (64, 1024, 4096, 32768, 131072)] == [16, 16, 33, 128, 128]
+    # a sliding layer's splits cover its window and the step's rows, a full layer's the context
+    assert core_mod.keys_seen(32768, 2048, 8) == 2056 and core_mod.splits_for(2056) == 17
+    assert core_mod.keys_seen(32768, None, 8) == 32768 and core_mod.keys_seen(1024, 2048, 8) == 1024
 
 
 @pytest.mark.parametrize("max_context", [4096, 32768])
@@ -139,3 +142,7 @@ def test_unsupported_names_the_shape():
         wide = dataclasses.replace(spec, head_dim=128, num_attention_heads=64, num_key_value_heads=8)
         assert "head_dim 128" in cls.unsupported(dataclasses.replace(hopper, spec=wide))
         assert "16 rows x 8 query heads" in cls.unsupported(dataclasses.replace(hopper, max_rows=16))
+    # head layouts a valid spec can carry that the kernel cannot: groups of 6, uneven groups
+    assert "GQA groups of 6" in core_mod._group_unsupported(48, 8, 8)
+    assert "whole GQA groups" in core_mod._group_unsupported(100, 8, 1)
+    assert core_mod._group_unsupported(128, 16, 8) is None and core_mod._group_unsupported(16, 2, 8) is None

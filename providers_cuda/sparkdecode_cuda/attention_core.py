@@ -35,8 +35,29 @@ def splits_for(max_context: int) -> int:
     return max(16, min(MAX_SPLITS, -(-tiles // 2)))
 
 
-def kernel_defines(group: int, max_context: int) -> dict[str, int]:
-    return {"HEAD_DIM": HEAD_DIM, "GROUP": group, "SPLITS": splits_for(max_context)}
+def keys_seen(max_context: int, window: int | None, max_rows: int) -> int:
+    """The most keys one step of a layer reads: the context, or on a sliding layer the
+    window of the first row plus the rows after it."""
+    return min(max_context, window + max_rows) if window else max_context
+
+
+def kernel_defines(group: int, keys: int) -> dict[str, int]:
+    """attention_core.cu's defines for a GQA group and the most keys a step reads."""
+    return {"HEAD_DIM": HEAD_DIM, "GROUP": group, "SPLITS": splits_for(keys)}
+
+
+def _group_unsupported(heads: int, kv_heads: int, rows: int) -> str | None:
+    if heads % kv_heads:
+        return f"{heads} query heads over {kv_heads} KV heads: {CudaAttentionCore.name} takes whole GQA groups"
+    group = heads // kv_heads
+    if 16 % group:
+        return f"GQA groups of {group}: {CudaAttentionCore.name} takes groups that divide 16 (a warp's rows)"
+    if rows * group > MROWS:
+        return (
+            f"{rows} rows x {group} query heads a KV head: {CudaAttentionCore.name} takes at most {MROWS} "
+            f"({heads} query heads over {kv_heads} KV heads)"
+        )
+    return None
 
 
 class CudaAttentionCore(_Cuda):
@@ -54,28 +75,26 @@ class CudaAttentionCore(_Cuda):
         spec = deployment.spec
         if spec.head_dim != HEAD_DIM:
             return f"head_dim {spec.head_dim}: {cls.name} takes {HEAD_DIM}"
-        group = spec.num_attention_heads // spec.num_key_value_heads
-        if deployment.max_rows * group > MROWS:
-            return f"{deployment.max_rows} rows x {group} query heads a KV head: {cls.name} takes at most {MROWS}"
-        return None
+        return _group_unsupported(spec.num_attention_heads, spec.num_key_value_heads, deployment.max_rows)
 
     def __init__(self, ctx: BuildContext, layer: int):
         lw = ctx.layer(layer)
         self.index, self.window = layer, lw.window
         self.heads, self.kv_heads = lw.num_heads, lw.num_kv_heads
-        if self.heads % self.kv_heads or ctx.max_rows * (self.heads // self.kv_heads) > MROWS:
-            raise ValueError(
-                f"layer {layer}: {self.name} takes at most {MROWS} query rows a KV head "
-                f"({ctx.max_rows} rows, {self.heads} query heads over {self.kv_heads} KV heads)"
-            )
-        self.group = self.heads // self.kv_heads
-        defines = kernel_defines(self.group, ctx.max_context)
+        why = _group_unsupported(self.heads, self.kv_heads, ctx.max_rows)
+        if why:
+            raise ValueError(f"layer {layer}: {why}")
+        self.group, self.max_rows = self.heads // self.kv_heads, ctx.max_rows
+        # A sliding layer's splits cover its window, not the whole context (at 32768 a
+        # window of 2048 would leave most of the context's 128 splits without a key).
+        defines = kernel_defines(self.group, keys_seen(ctx.max_context, lw.window, ctx.max_rows))
         self.splits = defines["SPLITS"]
         self.scale_log2 = ctx.spec.softmax_scale * math.log2(math.e)
         self.split = Kernel(SOURCE, "attention_split_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.combine = Kernel(SOURCE, "attention_combine_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        # One workspace for every layer: a layer's kernels write it only after their PDL
-        # wait, when every kernel before them (the previous layer's combine among them) is done.
+        # One workspace for the layers of a split count (the full layers', the sliding
+        # ones'): a layer's kernels write it only after their PDL wait, when every kernel
+        # before them (the previous layer's combine among them) is done.
         parts = self.kv_heads * self.splits * MROWS
         self.part_o = ctx.scratch(f"cuda_attention_core_o_{parts}", (parts * HEAD_DIM,), torch.float32)
         self.part_ml = ctx.scratch(f"cuda_attention_core_ml_{parts}", (parts * 2,), torch.float32)
@@ -100,6 +119,14 @@ class CudaAttentionCore(_Cuda):
     def run(self, step: Step, q: torch.Tensor, out: torch.Tensor) -> None:
         kv = step.kv[self.index]
         b = q.shape[0]
+        if q.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+            raise ValueError(f"{self.name}: q and out are bf16, not {q.dtype} and {out.dtype}")
+        if q.dim() != 3 or tuple(q.shape[1:]) != (self.heads, HEAD_DIM) or out.shape != q.shape:
+            raise ValueError(
+                f"{self.name}: q and out take [rows, {self.heads}, {HEAD_DIM}], not {tuple(q.shape)} and {tuple(out.shape)}"
+            )
+        if b > self.max_rows:
+            raise ValueError(f"{self.name}: {b} rows, built for at most {self.max_rows}")
         if q.stride(2) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
             raise ValueError(f"{self.name}: q takes rows of contiguous bf16 pairs, strides {q.stride()}")
         if out.stride(2) != 1 or out.stride(0) % 4 or out.stride(1) % 4 or out.data_ptr() % 8:

@@ -269,12 +269,6 @@ __device__ __forceinline__ float marlin_scale_to_float(u32 v) {
   return __uint_as_float(((exp + 105u) << 23) | (man << 20));
 }
 
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
 // NVFP4 (FMT 1) by table: a block's 16 values are its 8 magnitudes' bf16 (the fp32
 // product above, so the same bits) with the sign flipped for the negative codes,
 // since fp32(-m * s) = -fp32(m * s) and rounding to bf16 is symmetric. The table keeps
@@ -322,58 +316,6 @@ __device__ __forceinline__ Lut make_lut_v3(float sc) {
   return {prmt(p[0], p[1], 0x6420), prmt(p[2], p[3], 0x6420), prmt(p[0], p[1], 0x7531), prmt(p[2], p[3], 0x7531)};
 }
 
-// Marlin (FMT 2), V3: bytes k (row g) and k + 2 (row g + 8) of a thread's scale word as
-// bf16x2 {-F_g * 2^112, -F_g8 * 2^112}: each byte and its sign byte (prmt's sign
-// replication) as 16 bits, shifted into bf16 bits 4..15 (see the top).
-__device__ __forceinline__ u32 marlin_scales_v3(u32 v, int k) {
-  return (prmt(v, 0u, k ? 0xb391 : 0xa280) << 4) & 0xfff0fff0u;
-}
-
-// a * {s.lo, s.lo} (HI = 0) or a * {s.hi, s.hi} (HI = 1), bf16x2, rounded once (exact here).
-template <int HI>
-__device__ __forceinline__ u32 mul_bf16x2_bcast(u32 a, u32 s) {
-  u32 d;
-  if (HI)
-    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {h, h};\n mul.rn.bf16x2 %0, %1, t;}"
-        : "=r"(d)
-        : "r"(a), "r"(s));
-  else
-    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {l, l};\n mul.rn.bf16x2 %0, %1, t;}"
-        : "=r"(d)
-        : "r"(a), "r"(s));
-  return d;
-}
-
-// The A fragments of a Marlin word (nibbles 0, 4; 2, 6; 1, 5; 3, 7: see the top) as
-// -e2m1 * F * 2^-14, s2 from marlin_scales_v3 (row g low, row g + 8 high). A code
-// nibble masked alone in each 16-bit half and multiplied by 2^6 + 2^12 (nibble 0; 2^2 +
-// 2^8 for nibble 1) lands twice, at bits 6..9 and 12..15, without carries; the mask
-// keeps the magnitude at 6..8 and the sign at 15: the bf16 of e2m1 * 2^-126.
-__device__ __forceinline__ void marlin_word_v3(u32 w, u32 s2, u32 a[4]) {
-  constexpr u32 M = 0x81c081c0u;
-#if EXPERTS_LEAN
-  const u32 h = __umulhi(w, 1u << 24);  // w >> 8 on the FMA pipe
-#else
-  const u32 h = w >> 8;  // nibbles 2, 3 (6, 7) where 0, 1 (4, 5) were
-#endif
-  a[0] = mul_bf16x2_bcast<0>(((w & 0x000f000fu) * 0x1040u) & M, s2);
-  a[1] = mul_bf16x2_bcast<1>(((h & 0x000f000fu) * 0x1040u) & M, s2);
-  a[2] = mul_bf16x2_bcast<0>(((w & 0x00f000f0u) * 0x104u) & M, s2);
-  a[3] = mul_bf16x2_bcast<1>(((h & 0x00f000f0u) * 0x104u) & M, s2);
-}
-
-// One MMA step of a 64-row Marlin block, V3: the thread's 16 bytes of words v and 8
-// scale bytes s (see the top), x's b0, b1; tiles c[0..3].
-__device__ __forceinline__ void marlin_block_v3(uint4 v, uint2 s, u32 b0, u32 b1, float c[4][4]) {
-  const u32 words[4] = {v.x, v.y, v.z, v.w};
-  const u32 scales[2] = {s.x, s.y};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    u32 a[4];
-    marlin_word_v3(words[j], marlin_scales_v3(scales[j >> 1], j & 1), a);
-    mma_bf16(c[j], a[0], a[1], a[2], a[3], b0, b1);
-  }
-}
 #endif
 
 // The weights of one expert for one GEMM: rows of K values.
@@ -459,7 +401,7 @@ __device__ __forceinline__ void marlin_ring_batch(uint4 q[SB][NBLK], uint2 sc[SB
       b1 = __ldg(xp + 8 * r + 4);
     }
 #pragma unroll
-    for (int b = 0; b < NBLK; ++b) marlin_block_v3(q[r][b], sc[r][b], b0, b1, c + 4 * b);
+    for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[r][b], sc[r][b], b0, b1, c + 4 * b);
     if (REFILL) {
 #pragma unroll
       for (int b = 0; b < NBLK; ++b) {
@@ -669,7 +611,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
         const float glob = blk0[b] < W.split ? W.global_lo : W.global_hi;
 #endif
 #if EXPERTS_V3
-        marlin_block_v3(q[b][sb], sc[b][sb], b0, b1, c + 4 * b);
+        marlin_block_v3<EXPERTS_LEAN>(q[b][sb], sc[b][sb], b0, b1, c + 4 * b);
 #else
         const uint4 v = q[b][sb];
         const u32 words[4] = {v.x, v.y, v.z, v.w};
@@ -832,7 +774,7 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
       }
 #pragma unroll
       for (int b = 0; b < NBLK; ++b)
-        marlin_block_v3(ld_shared_16(lane16 + stage + Stage::CODES + 512 * b),
+        marlin_block_v3<EXPERTS_LEAN>(ld_shared_16(lane16 + stage + Stage::CODES + 512 * b),
                         ld_shared_8(group8 + stage + Stage::SCALES + 64 * b), b0, b1, c + 4 * b);
     }
 #pragma unroll

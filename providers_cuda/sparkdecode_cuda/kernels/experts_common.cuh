@@ -1,6 +1,7 @@
 // Device helpers of the routed-experts kernels (experts.cu, experts_bulk.cu): the
 // distinct held experts found from the ids on the device, the bf16 MMA, and the Marlin
-// NVFP4 decode of EXPERTS_V2 (experts.cu's header says why it gives the reference's bits).
+// NVFP4 decodes of EXPERTS_V2 and EXPERTS_V3 (experts.cu's header says why they give
+// the reference's bits, and V3 the exact weights).
 #pragma once
 
 #include "common.cuh"
@@ -93,3 +94,62 @@ __device__ __forceinline__ void marlin_word_v2(u32 w, float s0, float s1, u32 a[
 __device__ __forceinline__ float marlin_s64(u32 bits, float g105) { return (__uint_as_float(bits) * g105) * 0x1p6f; }
 
 __device__ __forceinline__ float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// Marlin (FMT 2), V3: bytes k (row g) and k + 2 (row g + 8) of a thread's scale word as
+// bf16x2 {-F_g * 2^112, -F_g8 * 2^112}: each byte and its sign byte (prmt's sign
+// replication) as 16 bits, shifted into bf16 bits 4..15.
+__device__ __forceinline__ u32 marlin_scales_v3(u32 v, int k) {
+  return (prmt(v, 0u, k ? 0xb391 : 0xa280) << 4) & 0xfff0fff0u;
+}
+
+// a * {s.lo, s.lo} (HI = 0) or a * {s.hi, s.hi} (HI = 1), bf16x2, rounded once (exact here).
+template <int HI>
+__device__ __forceinline__ u32 mul_bf16x2_bcast(u32 a, u32 s) {
+  u32 d;
+  if (HI)
+    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {h, h};\n mul.rn.bf16x2 %0, %1, t;}"
+        : "=r"(d)
+        : "r"(a), "r"(s));
+  else
+    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {l, l};\n mul.rn.bf16x2 %0, %1, t;}"
+        : "=r"(d)
+        : "r"(a), "r"(s));
+  return d;
+}
+
+// The A fragments of a Marlin word (nibbles 0, 4; 2, 6; 1, 5; 3, 7) as
+// -e2m1 * F * 2^-14, s2 from marlin_scales_v3 (row g low, row g + 8 high). A code
+// nibble masked alone in each 16-bit half and multiplied by 2^6 + 2^12 (nibble 0; 2^2 +
+// 2^8 for nibble 1) lands twice, at bits 6..9 and 12..15, without carries; the mask
+// keeps the magnitude at 6..8 and the sign at 15: the bf16 of e2m1 * 2^-126.
+// LEAN (experts.cu's EXPERTS_LEAN): the shift by 8 as a multiply-high by 2^24, on the FMA
+// pipe instead of the integer pipe (the same word).
+template <bool LEAN>
+__device__ __forceinline__ void marlin_word_v3(u32 w, u32 s2, u32 a[4]) {
+  constexpr u32 M = 0x81c081c0u;
+  const u32 h = LEAN ? __umulhi(w, 1u << 24) : w >> 8;  // nibbles 2, 3 (6, 7) where 0, 1 (4, 5) were
+  a[0] = mul_bf16x2_bcast<0>(((w & 0x000f000fu) * 0x1040u) & M, s2);
+  a[1] = mul_bf16x2_bcast<1>(((h & 0x000f000fu) * 0x1040u) & M, s2);
+  a[2] = mul_bf16x2_bcast<0>(((w & 0x00f000f0u) * 0x104u) & M, s2);
+  a[3] = mul_bf16x2_bcast<1>(((h & 0x00f000f0u) * 0x104u) & M, s2);
+}
+
+// One MMA step of a 64-row Marlin block, V3: the thread's 16 bytes of words v and 8
+// scale bytes s, x's b0, b1; tiles c[0..3].
+template <bool LEAN>
+__device__ __forceinline__ void marlin_block_v3(uint4 v, uint2 s, u32 b0, u32 b1, float c[4][4]) {
+  const u32 words[4] = {v.x, v.y, v.z, v.w};
+  const u32 scales[2] = {s.x, s.y};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 a[4];
+    marlin_word_v3<LEAN>(words[j], marlin_scales_v3(scales[j >> 1], j & 1), a);
+    mma_bf16(c[j], a[0], a[1], a[2], a[3], b0, b1);
+  }
+}

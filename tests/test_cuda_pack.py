@@ -343,6 +343,41 @@ def test_experts_bulk_kernels_compile_for_hopper(width, intermediate, top_k, tmp
         nvrtc.compile_cubin(experts_bulk.SOURCE, "sm_90a", {**defines, "SMEM": defines["SMEM"] + 16})
 
 
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 512)])
+def test_experts_bulk_v3_variants_compile_spill_free_and_fit(width, intermediate, tmp_path, monkeypatch):
+    """The V3 bulk classes: the registered bulk kernels' defines plus BULK_V3 (and STAGES,
+    BULK_BLOCKS for two blocks an SM), spill-free, their rings and reductions within an
+    SM90 SM's shared memory at their blocks an SM; the registered class sets none of them."""
+    from ptxas_check import assert_spill_free
+
+    from sparkdecode_cuda import experts_bulk
+
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    base = experts_bulk.CudaExpertsNvfp4MarlinBulk
+    assert (base.v3, base.stages, base.blocks_per_sm) == (0, experts_bulk.STAGES, 1)
+    assert experts_bulk.defines(width, intermediate, 8) == {
+        "P_DIM": width,
+        "I_LOCAL": intermediate,
+        "TOP_K": 8,
+        "SMEM": experts_bulk.smem_bytes(),
+    }
+    for cls, extra in (
+        (experts_bulk.CudaExpertsNvfp4MarlinBulkV3, {"BULK_V3": 1}),
+        (experts_bulk.CudaExpertsNvfp4MarlinBulkV3x2, {"BULK_V3": 1, "STAGES": 5, "BULK_BLOCKS": 2}),
+    ):
+        d = experts_bulk.defines(width, intermediate, 8, cls.stages, cls.v3, cls.blocks_per_sm)
+        assert d == {
+            **experts_bulk.defines(width, intermediate, 8),
+            "SMEM": experts_bulk.smem_bytes(cls.stages),
+            **extra,
+        }
+        usage = assert_spill_free(experts_bulk.SOURCE, d, experts_bulk.COMPILE_OPTIONS)
+        threads = experts_bulk.THREADS * cls.blocks_per_sm
+        for kernel in ("experts_bulk_up_kernel", "experts_bulk_down_kernel"):
+            assert usage[kernel].registers * threads <= 65536, (cls.name, kernel)
+            assert cls.blocks_per_sm * (d["SMEM"] + usage[kernel].smem + 1024) <= 228 * 1024, (cls.name, kernel)
+
+
 def test_experts_bulk_work_and_unsupported():
     from sparkdecode_cuda import experts, experts_bulk, plugin
 

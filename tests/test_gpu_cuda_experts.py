@@ -129,9 +129,10 @@ def provider(fmt: str):
     up warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM
     "-v3ringslice": -v3ring with -v3slice's down kernel, "-v3half4slice": -v3half4 with
     -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
-    EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN (the
-    checkpoint layout's V3, _pipe, _split, _ring_slice, _half4_slice, _flow, _flow_ring,
-    _down_k1, _down_k2 and the two _mask and two _lean unregistered)."""
+    EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN,
+    "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
+    (the checkpoint layout's V3, _pipe, _split, _ring_slice, _half4_slice, _flow, _flow_ring,
+    _down_k1, _down_k2, the two _mask, the two _lean and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -158,6 +159,8 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4mask": experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask,
         "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
+        "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
+        "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
 
 
@@ -204,6 +207,8 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4mask",
         "-v3halflean",
         "-v3half4lean",
+        "-v3bulk",
+        "-v3bulk2",
     )
 ]
 FORMATS = ["bf16", *NVFP4_FORMATS]
@@ -340,14 +345,15 @@ def test_nvfp4_down_projection_bit_exact(fmt):
             assert torch.equal(rows[r, j], want), (r, j)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4_marlin-bulk", "nvfp4_marlin-v3bulk", "nvfp4_marlin-v3bulk2"])
 @pytest.mark.parametrize("shape", ["tp8-rank-expert-tp", "tp8-rank-ep"])
-def test_experts_bulk_split_k_deterministic(shape):
+def test_experts_bulk_split_k_deterministic(fmt, shape):
     """The bulk kernels with few experts routed (their K split over blocks, the splits
-    added by the last to arrive): against the reference, and bit for bit the same rows
-    over repeated launches whichever block arrives last."""
+    added by the last to arrive): against the reference (V3: the exact weights), and bit
+    for bit the same rows over repeated launches whichever block arrives last."""
     spec, sharding = SHAPES[shape]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=13)
-    op = bulk_mod.CudaExpertsNvfp4MarlinBulk.build(context(spec, experts), 0)
+    op = provider(fmt).build(context(spec, experts), 0)
     b, k = 8, spec.top_k
     g = torch.Generator().manual_seed(17)
     x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
@@ -368,7 +374,7 @@ def test_experts_bulk_split_k_deterministic(shape):
         torch.cuda.synchronize()
         if once is None:
             once = rows.clone()
-            close(rows, experts, x, ids)
+            close(rows, experts, x, ids, exact=exact(fmt))
         assert torch.equal(rows.view(torch.int16), once.view(torch.int16))
 
 

@@ -27,7 +27,16 @@ import torch
 from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk
 
 from .boundary import cuda_unsupported
-from .experts import MAX_LOCAL, MAX_ROUTES, MAX_ROWS, CudaExpertsNvfp4Marlin, _intermediate, routes_unsupported
+from .experts import (
+    MAX_LOCAL,
+    MAX_ROUTES,
+    MAX_ROWS,
+    CudaExpertsNvfp4Marlin,
+    _ExactScales,
+    _intermediate,
+    marlin_v3_unsupported,
+    routes_unsupported,
+)
 from .launch import Kernel, ptr
 
 SOURCE = "experts_bulk.cu"
@@ -47,14 +56,24 @@ UP_COLUMNS = 64  # intermediate columns an up item
 DOWN_ROWS = 128  # output rows a down item
 
 
-def smem_bytes() -> int:
+def smem_bytes(stages: int = STAGES) -> int:
     """The kernels' dynamic shared memory: the ring, the double-buffered reduction of the
     consumer warps' sums, the stages' full and empty barriers."""
-    return STAGES * STAGE_BYTES + 2 * CONSUMER_WARPS * TILE_FLOATS * 4 + 2 * STAGES * 8
+    return stages * STAGE_BYTES + 2 * CONSUMER_WARPS * TILE_FLOATS * 4 + 2 * stages * 8
 
 
-def defines(width: int, intermediate: int, top_k: int) -> dict[str, int]:
-    return {"P_DIM": width, "I_LOCAL": intermediate, "TOP_K": top_k, "SMEM": smem_bytes()}
+def defines(
+    width: int, intermediate: int, top_k: int, stages: int = STAGES, v3: int = 0, blocks: int = 1
+) -> dict[str, int]:
+    """experts_bulk.cu's defines (BULK_V3, STAGES and BULK_BLOCKS only where not the default)."""
+    d = {"P_DIM": width, "I_LOCAL": intermediate, "TOP_K": top_k, "SMEM": smem_bytes(stages)}
+    if v3:
+        d["BULK_V3"] = 1
+    if stages != STAGES:
+        d["STAGES"] = stages
+    if blocks != 1:
+        d["BULK_BLOCKS"] = blocks
+    return d
 
 
 def choose_splits(units: int, grid: int, stages: int) -> int:
@@ -100,6 +119,10 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
     weights streamed into shared memory by bulk async copies (experts_bulk.cu)."""
 
     name = "cuda.experts_nvfp4_marlin_bulk"
+    # experts_bulk.cu's BULK_V3, STAGES and BULK_BLOCKS (blocks an SM, as built and launched)
+    v3: int = 0
+    stages: int = STAGES
+    blocks_per_sm: int = 1
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -108,7 +131,7 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
         if why is None and d.capability is not None and d.capability[0] != 9:
             major, minor = d.capability
             why = (
-                f"needs SM90 (Hopper): its {smem_bytes() // 1024} KB shared-memory ring is sized for SM90; "
+                f"needs SM90 (Hopper): its {smem_bytes(cls.stages) // 1024} KB shared-memory ring is sized for SM90; "
                 f"this GPU is SM{major}{minor}"
             )
         if why is None and d.expert_format not in cls.layouts:
@@ -134,8 +157,8 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
             if t.data_ptr() % 16:
                 raise ValueError(f"layer {layer}: {self.name} copies 16-byte aligned tensors ({name} is not)")
         self.top_k, self.width = spec.top_k, spec.P
-        self.smem = smem_bytes()
-        d = defines(spec.P, self.intermediate, spec.top_k)
+        self.smem = smem_bytes(self.stages)
+        d = defines(spec.P, self.intermediate, spec.top_k, self.stages, self.v3, self.blocks_per_sm)
         self.up = Kernel(SOURCE, "experts_bulk_up_kernel", ctx.device, d, COMPILE_OPTIONS)
         self.down = Kernel(SOURCE, "experts_bulk_down_kernel", ctx.device, d, COMPILE_OPTIONS)
         for kernel in (self.up, self.down):
@@ -144,9 +167,10 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
         self.act = ctx.scratch(
             f"cuda_experts_act_{self.intermediate}", (max(slots, 1), MAX_ROWS, self.intermediate), torch.bfloat16
         )
-        # One block an SM; the split-K workspace (a float4 a lane, warp and item) and the
-        # per-unit counters (zero between launches: the last split resets its own).
-        self.grid = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        # blocks_per_sm blocks an SM; the split-K workspace (a float4 a lane, warp and item)
+        # and the per-unit counters (zero between launches: the last split resets its own).
+        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        self.grid = self.blocks_per_sm * sms
         parts = PARTS_PER_CTA * self.grid * CONSUMER_WARPS * 32
         counters = PARTS_PER_CTA // 2 * self.grid * CONSUMER_WARPS
         self.workspace: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -165,3 +189,33 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
         ws, count = self.workspace["down"]
         down = [*self._down_args(x.shape[0], ids, rows), ptr(ws), ptr(count)]
         self.down.launch((self.grid, 1, 1), (THREADS, 1, 1), down, shared=self.smem)
+
+
+class CudaExpertsNvfp4MarlinBulkV3(_ExactScales, CudaExpertsNvfp4MarlinBulk):
+    """``cuda.experts_nvfp4_marlin_bulk`` with experts.cu's V3 decode (BULK_V3): about 3
+    instead of 6 instructions a code, so the consumer warps, fed from the bulk-copy ring
+    instead of waiting on their own loads, can keep up with the copy. The scale bytes and
+    globals V3 decodes exactly (``cuda.experts_nvfp4_marlin_v3``'s check); not V3's bits
+    (this file's order of the fp32 sums), as close to the exact weights. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_bulk"
+    v3 = 1
+
+    def _check_layout(self, layer: int) -> None:
+        super()._check_layout(layer)
+        m = self.experts.marlin
+        assert m is not None
+        for which, scale, glob in (("w13", m.w13_scale, m.w13_global), ("w2", m.w2_scale, m.w2_global)):
+            why = marlin_v3_unsupported(scale, glob)
+            if why:
+                raise ValueError(f"layer {layer}: {self.name}: {which}: {why}")
+
+
+class CudaExpertsNvfp4MarlinBulkV3x2(CudaExpertsNvfp4MarlinBulkV3):
+    """``cuda.experts_nvfp4_marlin_v3_bulk`` on two blocks an SM (BULK_BLOCKS = 2) of 5
+    stages each: 16 consumer warps an SM (4 a scheduler) instead of 8, with about as many
+    bytes in flight (90 KB an SM instead of 108). Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_bulk2"
+    stages = 5
+    blocks_per_sm = 2

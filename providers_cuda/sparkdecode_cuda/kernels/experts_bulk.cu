@@ -30,6 +30,15 @@
 // rounded to bf16, act = bf16(silu(gate) * up); down: bf16 into the rows of the routes
 // to the slot's expert, zeros for routes to experts not held.
 //
+// BULK_V3 (a define, 0 when absent): experts.cu's EXPERTS_V3 decode (marlin_block_v3 with
+// its LEAN shift: e2m1 * block scale exact in bf16, the expert's global applied once to
+// each output's fp32 sum, as vLLM's Marlin kernel computes) in place of EXPERTS_V2's;
+// the scale bytes vLLM's repack keeps (0, or 0x80..0xf7) and globals of at least 2^-14
+// (the provider checks). The sums in this file's order (the warps' k rows, the splits):
+// not experts.cu's bits, as close to the exact weights. STAGES (12 when absent) and
+// BULK_BLOCKS (the blocks an SM the kernels are built and launched for, 1 when absent)
+// size the ring: at 2 an SM, two producers and 16 consumer warps share an SM.
+//
 // PDL: the up kernel waits first (the ids come from the kernel before); the down kernel
 // finds the experts from the ids (final before the up kernel passed its wait) and its
 // producer fills the ring with the first items' weights before waiting; the consumers
@@ -41,10 +50,19 @@
 #error "experts_bulk.cu needs P_DIM, I_LOCAL, TOP_K and SMEM (the dynamic shared memory the launch gives)"
 #endif
 
+#ifndef BULK_V3
+#define BULK_V3 0
+#endif
+#ifndef STAGES
+#define STAGES 12
+#endif
+#ifndef BULK_BLOCKS
+#define BULK_BLOCKS 1
+#endif
+
 #define NB 8      // rows of x per MMA (the n of m16n8k16)
 #define CWARPS 8  // consumer warps
 #define NTHREADS ((CWARPS + 1) * 32)
-#define STAGES 12
 
 constexpr int KR = CWARPS;  // rows of 16 k a stage
 constexpr int NBLK = 2;     // Marlin blocks of 64 rows an item
@@ -64,6 +82,7 @@ constexpr int RED_BYTES = 2 * CWARPS * TILE_FLOATS * 4;
 constexpr int SMEM_BYTES = RING_BYTES + RED_BYTES + 2 * STAGES * 8;
 static_assert(SMEM == SMEM_BYTES, "SMEM: experts_bulk.py's smem_bytes() differs from the layout here");
 static_assert(SMEM_BYTES + 2048 <= 227 * 1024, "an SM90 block's shared memory, the Routes (static) included");
+static_assert(BULK_BLOCKS * (SMEM_BYTES + 2048 + 1024) <= 228 * 1024, "BULK_BLOCKS blocks' shared memory an SM90 SM");
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 a;
@@ -201,6 +220,41 @@ __device__ __forceinline__ void consume_item(const Item& m, int nst, int& it, co
     for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
   const bf16_t* xr = x + (long)g * xs;
   const bool xrow = g < nx;
+#if BULK_V3
+  // The stage, its parity and the x words as running values (no division a stage), the
+  // same stages in the same order as below.
+  int s = it % STAGES;
+  u32 parity = (it / STAGES) & 1;
+  const u32* xp = reinterpret_cast<const u32*>(xr + (m.kt0 + w) * 16 + 2 * t);
+  const unsigned char* mine = ring + (w * NBLK) * BLOCK_CODES + 16 * lane;
+  const unsigned char* mine_scales = ring + STAGE_CODES + (w * NBLK) * BLOCK_SCALES + 8 * g;
+#pragma unroll 1
+  for (int st = 0; st < nst; ++st) {
+    u32 b0 = 0u, b1 = 0u;
+    if (xrow) {
+      b0 = __ldg(xp);
+      b1 = __ldg(xp + 4);
+    }
+    xp += KR * 8;  // KR rows of 16 k further
+    mbar_wait(full + 8 * s, parity);
+    uint4 q[NBLK];
+    uint2 sc[NBLK];
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) {
+      q[b] = *reinterpret_cast<const uint4*>(mine + s * STAGE_BYTES + b * BLOCK_CODES);
+      sc[b] = *reinterpret_cast<const uint2*>(mine_scales + s * STAGE_BYTES + b * BLOCK_SCALES);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + 8 * s);  // release: the reads above come first
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) marlin_block_v3<true>(q[b], sc[b], b0, b1, c + 4 * b);
+    if (++s == STAGES) {
+      s = 0;
+      parity ^= 1u;
+    }
+  }
+  it += nst;
+#else
 #pragma unroll 1
   for (int st = 0; st < nst; ++st, ++it) {
     const int s = it % STAGES;
@@ -235,6 +289,7 @@ __device__ __forceinline__ void consume_item(const Item& m, int nst, int& it, co
       }
     }
   }
+#endif
 }
 
 // The item's total of this warp's slice: tiles jj = w % 4 of both blocks, elements
@@ -304,7 +359,7 @@ __device__ __forceinline__ Shared setup(unsigned char* smem) {
 
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) experts_bulk_up_kernel(
+extern "C" __global__ void __launch_bounds__(NTHREADS, BULK_BLOCKS) experts_bulk_up_kernel(
     const bf16_t* __restrict__ x, int x_stride, int b,           // [b, P]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
     const unsigned char* __restrict__ w13,                         // Marlin int32 [E_local, P / 16, 4I]
@@ -338,9 +393,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) experts_bulk_up_kernel
     float v[NBLK][2];
     if (!finish_slice(m, splits, c, sh.red + buf * CWARPS * TILE_FLOATS, ws, counters, v)) continue;
     const int i = 64 * m.u + 16 * jj + g + 8 * hh;
+#if BULK_V3
+    const float out_scale = w13_global[e] * -0x1p-112f;  // marlin_word_v3's -2^-112, exact
+#else
+    const float out_scale = 1.f;
+#endif
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float gate = round_bf16(v[0][h]), up = round_bf16(v[1][h]);
+      const float gate = round_bf16(v[0][h] * out_scale), up = round_bf16(v[1][h] * out_scale);
       const float silu = gate / (1.0f + expf(-gate));
       act[((long)m.slot * NB + 2 * t + h) * I_LOCAL + i] = float_to_bf16(silu * up);
     }
@@ -349,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) experts_bulk_up_kernel
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) experts_bulk_down_kernel(
+extern "C" __global__ void __launch_bounds__(NTHREADS, BULK_BLOCKS) experts_bulk_down_kernel(
     const bf16_t* __restrict__ act, int b,                         // [slots, 8, I_LOCAL]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K]
     const unsigned char* __restrict__ w2,                          // Marlin int32 [E_local, I / 16, 2P]
@@ -391,13 +451,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) experts_bulk_down_kern
                         I_LOCAL, NB, c);
     float v[NBLK][2];
     if (!finish_slice(m, splits, c, sh.red + buf * CWARPS * TILE_FLOATS, ws, counters, v)) continue;
+#if BULK_V3
+    const float out_scale = w2_global[e] * -0x1p-112f;
+#else
+    const float out_scale = 1.f;
+#endif
 #pragma unroll
     for (int bl = 0; bl < NBLK; ++bl)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int p = 128 * m.u + 64 * bl + 16 * jj + g + 8 * hh, n = 2 * t + h;
         if (n >= b) continue;
-        const bf16_t val = float_to_bf16(v[bl][h]);
+        const bf16_t val = float_to_bf16(v[bl][h] * out_scale);
         for (int j = 0; j < TOP_K; ++j) {
           const int route = n * TOP_K + j;
           const int rs = routes.slot[route];

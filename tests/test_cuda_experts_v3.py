@@ -484,7 +484,26 @@ def test_marlin_v3_lean_variants_add_only_their_define(cls, width, intermediate)
     defines = cls.kernel_defines(width, intermediate, 8)
     assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_LEAN": 1}
     others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    assert [c for c in others if c.lean] == list(LEAN)
+    assert all(issubclass(c, LEAN) for c in others if c.lean)
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_double_buffer_variant(width, intermediate):
+    """_half_db: _half_lean's defines plus EXPERTS_DB, the up kernel built and launched for 2
+    blocks an SM (the down kernel as _half_lean's, 4), spill-free and fitting; no other
+    class sets the define."""
+    from sparkdecode_cuda import nvrtc
+
+    cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3HalfDb, experts_mod.CudaExpertsNvfp4MarlinV3HalfLean
+    defines = cls.kernel_defines(width, intermediate, 8)
+    want = {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_DB": 1}
+    want.pop("EXPERTS_UP_BLOCKS", None)  # 2 an SM, the default
+    assert defines == want and (cls.up_blocks, cls.down_blocks) == (2, 4)
+    others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
+    assert [c for c in others if c.db] == [cls]
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)

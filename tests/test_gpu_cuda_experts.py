@@ -130,9 +130,11 @@ def provider(fmt: str):
     "-v3ringslice": -v3ring with -v3slice's down kernel, "-v3half4slice": -v3half4 with
     -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
     EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN,
+    "-v3halfdb": -v3halflean with EXPERTS_DB (the loads double-buffered, 2 blocks an SM),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _pipe, _split, _ring_slice, _half4_slice, _flow, _flow_ring,
-    _down_k1, _down_k2, the two _mask, the two _lean and the two V3 bulk unregistered)."""
+    _down_k1, _down_k2, the two _mask, the two _lean, _half_db and the two V3 bulk
+    unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
@@ -159,6 +161,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4mask": experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask,
         "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
+        "nvfp4_marlin-v3halfdb": experts_mod.CudaExpertsNvfp4MarlinV3HalfDb,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -207,6 +210,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4mask",
         "-v3halflean",
         "-v3half4lean",
+        "-v3halfdb",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -428,19 +432,26 @@ def test_flow_is_occ_bit_for_bit_and_zeroes_its_counters(fmt, shape):
 
 @pytest.mark.parametrize(
     "fmt",
-    ["nvfp4_marlin-v3halfmask", "nvfp4_marlin-v3half4mask", "nvfp4_marlin-v3halflean", "nvfp4_marlin-v3half4lean"],
+    [
+        "nvfp4_marlin-v3halfmask",
+        "nvfp4_marlin-v3half4mask",
+        "nvfp4_marlin-v3halflean",
+        "nvfp4_marlin-v3half4lean",
+        "nvfp4_marlin-v3halfdb",
+    ],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
     """EXPERTS_ROUTE_MASK changes how the down kernel finds a value's routes, not the
-    values, and EXPERTS_LEAN how the Marlin loop prefetches and shifts, not what it
-    computes: the rows equal the variant without either bit for bit (the EP shapes cover
+    values, and EXPERTS_LEAN (how the Marlin loop prefetches and shifts) and EXPERTS_DB
+    (when it loads) not what it computes: the rows equal the variant without them bit for
+    bit (the EP shapes cover
     the zeros for routes to experts not held), for distinct experts, experts shared
     across rows, and a row routing twice to one expert."""
     spec, sharding = SHAPES[shape]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=19)
     masked = provider(fmt).build(context(spec, experts), 0)
-    scan = provider(fmt.removesuffix("mask").removesuffix("lean")).build(context(spec, experts), 0)
+    scan = provider(fmt.removesuffix("mask").removesuffix("lean").removesuffix("db")).build(context(spec, experts), 0)
     g = torch.Generator().manual_seed(23)
     k = spec.top_k
     for b in (1, 3, 8):

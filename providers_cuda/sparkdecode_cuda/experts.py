@@ -131,6 +131,8 @@ class CudaExperts(_Cuda):
     route_mask: ClassVar[int] = 0
     # experts.cu's EXPERTS_LEAN: the V3 Marlin loop's prefetch pointers and shift on the FMA pipe
     lean: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DB: the V3 Marlin loop's loads double-buffered in registers
+    db: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -188,6 +190,8 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_ROUTE_MASK"] = 1
         if cls.lean:
             defines["EXPERTS_LEAN"] = 1
+        if cls.db:
+            defines["EXPERTS_DB"] = 1
         return defines
 
     @classmethod
@@ -735,3 +739,16 @@ class CudaExpertsNvfp4MarlinV3Half4Lean(CudaExpertsNvfp4MarlinV3Half4Mask):
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_lean"
     lean = 1
+
+
+class CudaExpertsNvfp4MarlinV3HalfDb(CudaExpertsNvfp4MarlinV3HalfLean):
+    """``cuda.experts_nvfp4_marlin_v3_half_lean`` with experts.cu's EXPERTS_DB: each warp's
+    next batch loaded into a second register set before its batch's MMAs, so the loads of
+    a batch are in flight through the one before it, instead of issued at its start and
+    waited on at its first MMA. The up kernel on 2 blocks an SM (the second set's
+    registers); the down kernel as ``_half_lean``'s. The same bits as ``_half``. Not
+    registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half_db"
+    db = 1
+    up_blocks = 2

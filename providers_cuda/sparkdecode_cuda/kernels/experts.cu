@@ -137,6 +137,15 @@
 // multiply-high by 2^24 (the FMA pipe). The same lines prefetched and the same words
 // decoded: the same bits.
 //
+// EXPERTS_DB (a define, 0 when absent; with EXPERTS_LEAN and EXPERTS_HALF): the up
+// kernel's Marlin loop's loads double-buffered in two register sets, batch n + 1's issued before batch
+// n's MMAs (the loop two batches a turn, so the sets alternate without copies), where the
+// plain loop issues a batch's loads at its start and waits on them at its first MMA.
+// EXPERTS_PIPE's ring refilled each step's own registers, and ptxas put most refills late
+// in the batch; two disjoint sets leave the next batch's loads nothing to wait for. The
+// same MMAs in the same order: the same bits. About 40 more registers (2 blocks an SM;
+// the down kernel keeps the plain loop, 64 registers).
+//
 // EXPERTS_ROUTE_MASK (a define, 0 when absent): the down kernel's epilogue finds, once an
 // item, which routes of each of a thread's two rows go to the item's slot (and, on slot
 // 0's items, which go to experts this rank does not hold) as bit masks over the top-k,
@@ -151,6 +160,9 @@
 #endif
 #ifndef EXPERTS_LEAN
 #define EXPERTS_LEAN 0
+#endif
+#ifndef EXPERTS_DB
+#define EXPERTS_DB 0
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -205,6 +217,9 @@
 #endif
 #if EXPERTS_LEAN && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_PIPE)
 #error "EXPERTS_LEAN is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_PIPE"
+#endif
+#if EXPERTS_DB && !(EXPERTS_LEAN && EXPERTS_HALF)
+#error "EXPERTS_DB is for the lean V3 Marlin up kernel of EXPERTS_HALF (EXPERTS_LEAN)"
 #endif
 // x (the down kernel's act) loads of the V3 Marlin loop: past L1 where the up kernel may
 // still be writing act while the down kernel runs (EXPERTS_FLOW)
@@ -385,6 +400,44 @@ __device__ __forceinline__ void prefetch_rows(const Weights& W, const int row0[2
 }
 #endif
 
+#if EXPERTS_DB
+// A batch's loads of a warp's NBLK blocks (SB steps from wp, sp: a step N / 2 uint4 and
+// N / 8 uint2 further), then the pointers on to the next batch.
+template <int N, int NBLK, int SB>
+__device__ __forceinline__ void marlin_batch_load(uint4 q[NBLK][SB], uint2 sc[NBLK][SB], const uint4* wp[NBLK],
+                                                  const uint2* sp[NBLK]) {
+#pragma unroll
+  for (int sb = 0; sb < SB; ++sb)
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) {
+      q[b][sb] = __ldg(wp[b] + sb * (N / 2));
+      sc[b][sb] = __ldg(sp[b] + sb * (N / 8));
+    }
+#pragma unroll
+  for (int b = 0; b < NBLK; ++b) {
+    wp[b] += SB * (N / 2);
+    sp[b] += SB * (N / 8);
+  }
+}
+
+// A batch's MMAs, x's words at xp (8 a step), then xp on to the next batch.
+template <int NBLK, int SB>
+__device__ __forceinline__ void marlin_batch_mma(const uint4 q[NBLK][SB], const uint2 sc[NBLK][SB], const u32*& xp,
+                                                 bool xrow, float c[4 * NBLK][4]) {
+#pragma unroll
+  for (int sb = 0; sb < SB; ++sb) {
+    u32 b0 = 0u, b1 = 0u;
+    if (xrow) {
+      b0 = LD_X(xp + 8 * sb);
+      b1 = LD_X(xp + 8 * sb + 4);
+    }
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b][sb], sc[b][sb], b0, b1, c + 4 * b);
+  }
+  xp += SB * 8;
+}
+#endif
+
 #if EXPERTS_PIPE
 // A batch of the V3 Marlin ring (warp_gemm_marlin): step r's MMAs from q[r], sc[r] and
 // x at xp + 8r; with REFILL, then step SB + r's loads (words wp[b], scales sp[b] at the
@@ -503,7 +556,8 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
 // block and 8 scale bytes per block: the layout's own fragments (see the top).
 // `steps`: the steps of 16 k from k0, a multiple of the batch SB (EXPERTS_SPLIT's pieces;
 // otherwise the whole slice, STEPS).
-template <int K, int N, int WK_, int NBLK>
+// DBUF: EXPERTS_DB's loop (the up kernel's, where the define is set).
+template <int K, int N, int WK_, int NBLK, bool DBUF = false>
 __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
                                                  const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4],
                                                  int steps) {
@@ -535,6 +589,26 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   // SASS), so one batch ahead could leave no lead at all.
   MarlinLines<N, NBLK, SB> lines(W, blk0, k0 / 16 + SB);
   lines.prefetch_and_advance(SB < steps);
+#endif
+#if EXPERTS_DB
+  if constexpr (DBUF) {
+    // Batch n + 1's loads, then the lines of batch n + 2, then batch n's MMAs (see the top).
+    uint4 qa[NBLK][SB], qb[NBLK][SB];
+    uint2 sa[NBLK][SB], sb2[NBLK][SB];
+    marlin_batch_load<N, NBLK, SB>(qa, sa, wp, sp);
+#pragma unroll 1
+    for (int batch = 0; batch < steps; batch += 2 * SB) {
+      const bool second = batch + SB < steps;
+      if (second) marlin_batch_load<N, NBLK, SB>(qb, sb2, wp, sp);
+      lines.prefetch_and_advance(batch + 2 * SB < steps);
+      marlin_batch_mma<NBLK, SB>(qa, sa, xp, xrow, c);
+      if (!second) break;
+      if (batch + 2 * SB < steps) marlin_batch_load<N, NBLK, SB>(qa, sa, wp, sp);
+      lines.prefetch_and_advance(batch + 3 * SB < steps);
+      marlin_batch_mma<NBLK, SB>(qb, sb2, xp, xrow, c);
+    }
+    return;
+  }
 #endif
 #if EXPERTS_PIPE
   // The ring: step r of every batch in q[r], sc[r]; the first batch loaded here.
@@ -788,12 +862,12 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
 
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
 // rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default).
-template <int K, int N, int WK_, int NT>
+template <int K, int N, int WK_, int NT, bool DBUF = false>
 __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT / TPB], int k0,
                                             const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4],
                                             int steps = K / WK_ / 16) {
 #if FMT == 2
-  warp_gemm_marlin<K, N, WK_, NT / TPB>(W, row0, k0, x, xs, nx, c, steps);
+  warp_gemm_marlin<K, N, WK_, NT / TPB, DBUF>(W, row0, k0, x, xs, nx, c, steps);
 #else
   static_assert(NT == 2, "two tiles a warp");
   warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
@@ -1037,7 +1111,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
           up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
     }
     float h[TPB][4];  // this side's tiles
-    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
+    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB, EXPERTS_DB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
     reduce_k<WKH, TPB>(h, red, side * WM1 + hm, hk);
     __syncthreads();  // xch read for the item before
     if (hk == 0 && side == 1) {

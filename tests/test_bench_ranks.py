@@ -53,6 +53,22 @@ def test_tiny_tp2_on_the_cpu_times_both_ranks_with_their_collectives(tmp_path, c
         assert r["executor"]["fraction_of_floor"] == pytest.approx(r["floor_s"] / r["executor"]["median_s"])
 
 
+def test_tiny_tp2_in_marlins_layout_runs_on_every_rank(tmp_path):
+    """The served Hopper layout on every rank: the middle layers' experts repacked into
+    Marlin's layout on each rank's I-slice, run through the layout's NVFP4 experts, the
+    ranks' outputs and routing alike."""
+    code = main(
+        ["bench", "tiny-tp2-nvfp4-marlin", "--device", "cpu", "--replays", "2", "--out", str(tmp_path), "--quiet"]
+    )
+    assert code == 0
+    (path,) = tmp_path.glob("tiny-tp2-nvfp4-marlin_*.json")
+    record = json.loads(path.read_text())
+    assert record["shard"]["expert_format"] == "nvfp4_marlin" and record["ranks"]["tp"] == 2
+    assert "experts_nvfp4" in record["executor"]["layout"]
+    for r in record["runs"]:
+        assert r["check"] == {"finite": True, "replicated_output_identical": True, "routing_identical": True}
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -99,9 +115,17 @@ def test_named_configs_of_every_rank():
         "tiny-tp8",
         2,
     )
-    for bad in ("tp3-L2-bf16", "tp8-L63-bf16", "tiny-tp16"):
+    marlin = named("tp8-L4-nvfp4-marlin")
+    assert (marlin.tp, marlin.expert_format, marlin.all_ranks) == (8, "nvfp4_marlin", True)
+    assert [marlin.nvfp4_layer(i) for i in range(4)] == [False, True, True, False]
+    tiny = named("tiny-tp4-nvfp4-marlin")
+    assert (tiny.expert_format, tiny.layers) == ("nvfp4_marlin", 3) and tiny.nvfp4_layer(1)
+    assert named("tiny-tp2").expert_format == "bf16"
+    for bad in ("tp3-L2-bf16", "tp8-L63-bf16", "tiny-tp16", "tiny-tp2-nvfp4"):
         with pytest.raises(BenchConfigError):
             named(bad)
+    with pytest.raises(BenchConfigError, match="multiples of 64"):  # the tiny widths' I-slice at TP 8
+        named("tiny-tp8-nvfp4-marlin")
 
 
 def test_every_rank_draws_the_same_replicated_weights():

@@ -3,7 +3,7 @@ graphs: with ``--one-gpu`` every rank on cuda:0 over gloo (the emulation, labell
 and never a speed claim), and one rank per GPU over NCCL where there are enough
 GPUs. The tiny widths: these show the mode runs and checks (the collectives leave
 every rank the same bits of the stream); the speed figures come from the real-width
-configs (``tp{2,4,8}-L<N>-bf16``). Skipped without a GPU; the NCCL runs without
+configs (``tp{2,4,8}-L<N>-bf16``, ``-nvfp4-marlin``). Skipped without a GPU; the NCCL runs without
 tp GPUs. The fast all-reduce transports come from the cuda pack."""
 
 from __future__ import annotations
@@ -44,6 +44,16 @@ def test_one_gpu_emulation_is_labelled_and_never_a_speed_claim(tmp_path):
     assert record["config"] == "tiny-tp2-one-gpu" and record["speed_claim"] is False
     assert "one-GPU emulation" in record["label"] and record["ranks"]["backend"] == "gloo"
     assert record["ranks"]["devices"] == ["cuda:0", "cuda:0"]
+    check_runs(record, 2)
+
+
+def test_one_gpu_emulation_in_marlins_layout(tmp_path):
+    """The served Hopper layout on every rank (the middle layers' experts in Marlin's
+    layout on each rank's I-slice) through the cuda pack's kernels and collectives."""
+    pytest.importorskip("sparkdecode_cuda")
+    record = bench(tmp_path, "tiny-tp2-nvfp4-marlin", "--one-gpu")
+    assert record["shard"]["expert_format"] == "nvfp4_marlin" and record["speed_claim"] is False
+    assert not record["executor"]["layout"]["experts_nvfp4"].startswith("reference.")
     check_runs(record, 2)
 
 

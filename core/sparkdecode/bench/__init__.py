@@ -10,7 +10,8 @@ the step must read over the copy bandwidth measured in the same run (the floor,
 ``floor.py``); a table, a JSON record, and with ``--plot`` a PNG
 (``report.py``). On the CPU it runs eagerly and says it is not a speed claim.
 
-A config of every rank (``tp{2,4,8}-L<N>-bf16``, ``tiny-tp{2,4,8}``) spawns one
+A config of every rank (``tp{2,4,8}-L<N>-bf16``, ``-nvfp4``, ``-nvfp4-marlin``,
+``tiny-tp{2,4,8}``) spawns one
 process a rank and times the step with its real collectives (``ranks.py``): one
 rank per GPU over NCCL; ``--one-gpu``, every rank on cuda:0 over gloo (an
 emulation, never a speed claim); on the CPU over gloo, a smoke run.
@@ -52,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "config",
         nargs="?",
         help="tiny, tp1-real-L2, tp8-rank-L<N>-bf16, -nvfp4 or -nvfp4-marlin (vLLM's SM90 Marlin layout), or "
-        "tp8-rank-Lmax-...; every rank: tp{2,4,8}-L<N>-bf16 or -nvfp4, tiny-tp{2,4,8} (ranks.py); "
+        "tp8-rank-Lmax-...; every rank: tp{2,4,8}-L<N>-bf16, -nvfp4 or -nvfp4-marlin, tiny-tp{2,4,8} "
+        "(or -nvfp4-marlin) (ranks.py); "
         "streams-tp8-rank or streams-tp1 (streams.py)",
     )
     p.add_argument("--context", type=int, action="append", help="a context length (repeatable; default: the config's)")

@@ -7,8 +7,8 @@
 | ``tp8-rank-L<N>-bf16`` | real widths, N layers, bf16 experts | rank 0 of TP 8, expert TP, pooler and unpooler replicated (as vLLM's SM90 path keeps them) | 4096, 32768 | yes, collectives left out |
 | ``tp8-rank-L<N>-nvfp4`` | as above, the routed experts of layers 1..N-2 in NVFP4, the first and last layer's bf16 (as the released checkpoint stores them at N = 62) | as above | 4096, 32768 | yes, collectives left out |
 | ``tp8-rank-L<N>-nvfp4-marlin`` | as ``-nvfp4``, each NVFP4 layer's experts repacked as vLLM serves them on Hopper (its SM90 Marlin layout, ``nvfp4_marlin.marlin_form``) | as above | 4096, 32768 | yes, collectives left out |
-| ``tp{2,4,8}-L<N>-bf16`` (``-nvfp4``) | real widths, N layers | every rank of TP 2, 4 or 8, one process each, expert TP (``ranks.py``) | 4096, 32768 | yes with one rank per GPU, the collectives in the time; ``--one-gpu``: no |
-| ``tiny-tp2``, ``tiny-tp4``, ``tiny-tp8`` | the tiny preset (``tiny-tp8`` widths at TP 4 and 8) | every rank, as above | 300 | no: a smoke run |
+| ``tp{2,4,8}-L<N>-bf16`` (``-nvfp4``, ``-nvfp4-marlin``) | real widths, N layers | every rank of TP 2, 4 or 8, one process each, expert TP (``ranks.py``) | 4096, 32768 | yes with one rank per GPU, the collectives in the time; ``--one-gpu``: no |
+| ``tiny-tp2``, ``tiny-tp4``, ``tiny-tp8`` (``-nvfp4-marlin``) | the tiny preset (``tiny-tp8`` widths at TP 4 and 8), bf16 experts (or every layer's in Marlin's layout but the first and last) | every rank, as above | 300 | no: a smoke run |
 
 ``tp8-rank-Lmax-bf16`` (or ``-nvfp4``, ``-nvfp4-marlin``, or ``tp{2,4,8}-Lmax-...``) is the TP-8 rank (each rank) with as many layers as fit beside the
 bench's own memory (``RESERVE_BYTES``) on this GPU; its record carries the
@@ -34,8 +34,8 @@ ROUTINGS = ("random", "correlated")
 # before them the Marlin repack of one layer's experts, a few GB: steer.draw_weights).
 RESERVE_BYTES = 16 << 30
 _TP8_RANK = re.compile(r"tp8-rank-L(\d+|max)-(bf16|nvfp4|nvfp4-marlin)")
-_ALL_RANKS = re.compile(r"tp([248])-L(\d+|max)-(bf16|nvfp4)")
-_TINY_RANKS = re.compile(r"tiny-tp([248])")
+_ALL_RANKS = re.compile(r"tp([248])-L(\d+|max)-(bf16|nvfp4|nvfp4-marlin)")
+_TINY_RANKS = re.compile(r"tiny-tp([248])(-nvfp4-marlin)?")
 
 
 @dataclass(frozen=True)
@@ -123,16 +123,28 @@ def named(name: str) -> BenchConfig:
     """The config of a name: ``tiny``, ``tp1-real-L2``, ``tp8-rank-L<N>-bf16``,
     ``tp8-rank-L<N>-nvfp4``, ``tp8-rank-L<N>-nvfp4-marlin`` or ``tp8-rank-Lmax-...``
     (layers 0 until ``fitting`` resolves it); every rank: ``tp{2,4,8}-L<N>-...`` (or
-    ``-Lmax-``; bf16 or nvfp4), ``tiny-tp{2,4,8}``."""
+    ``-Lmax-``; bf16, nvfp4 or nvfp4-marlin), ``tiny-tp{2,4,8}`` (or ``-nvfp4-marlin``)."""
     if name == "tiny":
         return BenchConfig(name, "tiny", 4, (1024, 4096), speed_claim=False)
     if name == "tp1-real-L2":
         return BenchConfig(name, "muse-spark-open", 2, (4096, 32768))
     match = _TINY_RANKS.fullmatch(name)
     if match:
-        tp = int(match.group(1))
+        tp, marlin = int(match.group(1)), match.group(2) is not None
         preset, layers = ("tiny", 4) if tp == 2 else ("tiny-tp8", 2)  # tiny's 2 KV heads split over 2 ranks at most
-        return BenchConfig(name, preset, layers, (300,), tp=tp, expert_parallel="tp", speed_claim=False, all_ranks=True)
+        if marlin:
+            layers = max(layers, 3)  # a middle layer in Marlin's layout
+        return BenchConfig(
+            name,
+            preset,
+            layers,
+            (300,),
+            tp=tp,
+            expert_parallel="tp",
+            expert_format="nvfp4_marlin" if marlin else "bf16",
+            speed_claim=False,
+            all_ranks=True,
+        )
     for pattern, all_ranks in ((_TP8_RANK, False), (_ALL_RANKS, True)):
         match = pattern.fullmatch(name)
         if not match:
@@ -157,5 +169,6 @@ def named(name: str) -> BenchConfig:
         )
     raise BenchConfigError(
         f"unknown bench config {name!r}; configs: tiny, tp1-real-L2, tp8-rank-L<N>-bf16, tp8-rank-L<N>-nvfp4, "
-        "tp8-rank-L<N>-nvfp4-marlin, tp{2,4,8}-L<N>-bf16, tp{2,4,8}-L<N>-nvfp4, tiny-tp{2,4,8}"
+        "tp8-rank-L<N>-nvfp4-marlin, tp{2,4,8}-L<N>-bf16, tp{2,4,8}-L<N>-nvfp4, tp{2,4,8}-L<N>-nvfp4-marlin, "
+        "tiny-tp{2,4,8}, tiny-tp{2,4,8}-nvfp4-marlin"
     )

@@ -34,7 +34,7 @@ import torch
 
 from sparkdecode.nvfp4_marlin import GLOBAL_SHIFT, SCALE_SHIFT
 from sparkdecode.protocols import BuildContext, Deployment, ExpertsInput, RoutedTopk
-from sparkdecode.weights import CHECKPOINT_FORMATS
+from sparkdecode.weights import CHECKPOINT_FORMATS, ExpertWeights
 
 from .boundary import _Cuda, cuda_unsupported
 from .launch import Arg, Kernel, i32, ptr
@@ -417,7 +417,24 @@ def marlin_v3_unsupported(scale: torch.Tensor, global_scale: torch.Tensor) -> st
     return None
 
 
-class CudaExpertsNvfp4MarlinV3(_ExactScales, CudaExpertsNvfp4MarlinV2):
+class _MarlinV3(_ExactScales):
+    """The V3 decode on Marlin's layout (experts.cu's EXPERTS_V3, experts_bulk.cu's
+    BULK_V3): the exact bound, and the layer's scale bytes and globals refused where the
+    decode would not give them exactly (``marlin_v3_unsupported``)."""
+
+    experts: ExpertWeights
+
+    def _check_layout(self, layer: int) -> None:
+        super()._check_layout(layer)  # type: ignore[misc]
+        m = self.experts.marlin
+        assert m is not None
+        for which, scale, glob in (("w13", m.w13_scale, m.w13_global), ("w2", m.w2_scale, m.w2_global)):
+            why = marlin_v3_unsupported(scale, glob)
+            if why:
+                raise ValueError(f"layer {layer}: {self.name}: {which}: {why}")
+
+
+class CudaExpertsNvfp4MarlinV3(_MarlinV3, CudaExpertsNvfp4MarlinV2):
     """``cuda.experts_nvfp4_marlin_v2`` with experts.cu's EXPERTS_V3 (EXPERTS_V2 = 2):
     codes and scale bytes placed as bf16 bits, one exact bf16x2 multiply per two codes,
     Marlin's global on the GEMMs' fp32 sums, as vLLM's Marlin kernel computes
@@ -427,15 +444,6 @@ class CudaExpertsNvfp4MarlinV3(_ExactScales, CudaExpertsNvfp4MarlinV2):
 
     name = "cuda.experts_nvfp4_marlin_v3"
     variant = 2
-
-    def _check_layout(self, layer: int) -> None:
-        super()._check_layout(layer)
-        m = self.experts.marlin
-        assert m is not None
-        for which, scale, glob in (("w13", m.w13_scale, m.w13_global), ("w2", m.w2_scale, m.w2_global)):
-            why = marlin_v3_unsupported(scale, glob)
-            if why:
-                raise ValueError(f"layer {layer}: {self.name}: {which}: {why}")
 
 
 class CudaExpertsNvfp4MarlinV3Occ(CudaExpertsNvfp4MarlinV3):

@@ -32,9 +32,8 @@ from .experts import (
     MAX_ROUTES,
     MAX_ROWS,
     CudaExpertsNvfp4Marlin,
-    _ExactScales,
     _intermediate,
-    marlin_v3_unsupported,
+    _MarlinV3,
     routes_unsupported,
 )
 from .launch import Kernel, ptr
@@ -191,7 +190,7 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
         self.down.launch((self.grid, 1, 1), (THREADS, 1, 1), down, shared=self.smem)
 
 
-class CudaExpertsNvfp4MarlinBulkV3(_ExactScales, CudaExpertsNvfp4MarlinBulk):
+class CudaExpertsNvfp4MarlinBulkV3(_MarlinV3, CudaExpertsNvfp4MarlinBulk):
     """``cuda.experts_nvfp4_marlin_bulk`` with experts.cu's V3 decode (BULK_V3): about 3
     instead of 6 instructions a code, so the consumer warps, fed from the bulk-copy ring
     instead of waiting on their own loads, can keep up with the copy. The scale bytes and
@@ -200,15 +199,6 @@ class CudaExpertsNvfp4MarlinBulkV3(_ExactScales, CudaExpertsNvfp4MarlinBulk):
 
     name = "cuda.experts_nvfp4_marlin_v3_bulk"
     v3 = 1
-
-    def _check_layout(self, layer: int) -> None:
-        super()._check_layout(layer)
-        m = self.experts.marlin
-        assert m is not None
-        for which, scale, glob in (("w13", m.w13_scale, m.w13_global), ("w2", m.w2_scale, m.w2_global)):
-            why = marlin_v3_unsupported(scale, glob)
-            if why:
-                raise ValueError(f"layer {layer}: {self.name}: {which}: {why}")
 
 
 class CudaExpertsNvfp4MarlinBulkV3x2(CudaExpertsNvfp4MarlinBulkV3):

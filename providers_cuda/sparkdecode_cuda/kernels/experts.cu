@@ -400,19 +400,38 @@ __device__ __forceinline__ void prefetch_rows(const Weights& W, const int row0[2
 }
 #endif
 
-#if EXPERTS_DB
-// A batch's loads of a warp's NBLK blocks (SB steps from wp, sp: a step N / 2 uint4 and
-// N / 8 uint2 further), then the pointers on to the next batch.
+#if EXPERTS_V3
+// One step of 16 k of a warp's NBLK Marlin blocks, V3: the thread's words q[b] and scale
+// bytes sc[b] of block b, x's words b0 at xs and b1 at xs + 4 (rows >= nx: zeros).
+template <int NBLK>
+__device__ __forceinline__ void marlin_step_v3(const uint4 q[NBLK], const uint2 sc[NBLK], const u32* xs, bool xrow,
+                                               float c[4 * NBLK][4]) {
+  u32 b0 = 0u, b1 = 0u;
+  if (xrow) {
+    b0 = LD_X(xs);
+    b1 = LD_X(xs + 4);
+  }
+#pragma unroll
+  for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b], sc[b], b0, b1, c + 4 * b);
+}
+
+// A batch's loads of a warp's NBLK blocks: SB steps from wp, sp, a step N / 2 uint4 and
+// N / 8 uint2 further.
 template <int N, int NBLK, int SB>
-__device__ __forceinline__ void marlin_batch_load(uint4 q[NBLK][SB], uint2 sc[NBLK][SB], const uint4* wp[NBLK],
-                                                  const uint2* sp[NBLK]) {
+__device__ __forceinline__ void marlin_batch_load(uint4 q[SB][NBLK], uint2 sc[SB][NBLK], const uint4* const wp[NBLK],
+                                                  const uint2* const sp[NBLK]) {
 #pragma unroll
   for (int sb = 0; sb < SB; ++sb)
 #pragma unroll
     for (int b = 0; b < NBLK; ++b) {
-      q[b][sb] = __ldg(wp[b] + sb * (N / 2));
-      sc[b][sb] = __ldg(sp[b] + sb * (N / 8));
+      q[sb][b] = __ldg(wp[b] + sb * (N / 2));
+      sc[sb][b] = __ldg(sp[b] + sb * (N / 8));
     }
+}
+
+// The load pointers on to the next batch.
+template <int N, int NBLK, int SB>
+__device__ __forceinline__ void marlin_batch_advance(const uint4* wp[NBLK], const uint2* sp[NBLK]) {
 #pragma unroll
   for (int b = 0; b < NBLK; ++b) {
     wp[b] += SB * (N / 2);
@@ -420,21 +439,12 @@ __device__ __forceinline__ void marlin_batch_load(uint4 q[NBLK][SB], uint2 sc[NB
   }
 }
 
-// A batch's MMAs, x's words at xp (8 a step), then xp on to the next batch.
+// A batch's MMAs, x's words from xp (8 a step).
 template <int NBLK, int SB>
-__device__ __forceinline__ void marlin_batch_mma(const uint4 q[NBLK][SB], const uint2 sc[NBLK][SB], const u32*& xp,
+__device__ __forceinline__ void marlin_batch_mma(const uint4 q[SB][NBLK], const uint2 sc[SB][NBLK], const u32* xp,
                                                  bool xrow, float c[4 * NBLK][4]) {
 #pragma unroll
-  for (int sb = 0; sb < SB; ++sb) {
-    u32 b0 = 0u, b1 = 0u;
-    if (xrow) {
-      b0 = LD_X(xp + 8 * sb);
-      b1 = LD_X(xp + 8 * sb + 4);
-    }
-#pragma unroll
-    for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b][sb], sc[b][sb], b0, b1, c + 4 * b);
-  }
-  xp += SB * 8;
+  for (int sb = 0; sb < SB; ++sb) marlin_step_v3<NBLK>(q[sb], sc[sb], xp + 8 * sb, xrow, c);
 }
 #endif
 
@@ -448,13 +458,7 @@ __device__ __forceinline__ void marlin_ring_batch(uint4 q[SB][NBLK], uint2 sc[SB
                                                   float c[4 * NBLK][4]) {
 #pragma unroll
   for (int r = 0; r < SB; ++r) {
-    u32 b0 = 0u, b1 = 0u;
-    if (xrow) {
-      b0 = __ldg(xp + 8 * r);
-      b1 = __ldg(xp + 8 * r + 4);
-    }
-#pragma unroll
-    for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[r][b], sc[r][b], b0, b1, c + 4 * b);
+    marlin_step_v3<NBLK>(q[r], sc[r], xp + 8 * r, xrow, c);
     if (REFILL) {
 #pragma unroll
       for (int b = 0; b < NBLK; ++b) {
@@ -593,19 +597,28 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
 #if EXPERTS_DB
   if constexpr (DBUF) {
     // Batch n + 1's loads, then the lines of batch n + 2, then batch n's MMAs (see the top).
-    uint4 qa[NBLK][SB], qb[NBLK][SB];
-    uint2 sa[NBLK][SB], sb2[NBLK][SB];
+    uint4 qa[SB][NBLK], qb[SB][NBLK];
+    uint2 sa[SB][NBLK], sb2[SB][NBLK];
     marlin_batch_load<N, NBLK, SB>(qa, sa, wp, sp);
+    marlin_batch_advance<N, NBLK, SB>(wp, sp);
 #pragma unroll 1
     for (int batch = 0; batch < steps; batch += 2 * SB) {
       const bool second = batch + SB < steps;
-      if (second) marlin_batch_load<N, NBLK, SB>(qb, sb2, wp, sp);
+      if (second) {
+        marlin_batch_load<N, NBLK, SB>(qb, sb2, wp, sp);
+        marlin_batch_advance<N, NBLK, SB>(wp, sp);
+      }
       lines.prefetch_and_advance(batch + 2 * SB < steps);
       marlin_batch_mma<NBLK, SB>(qa, sa, xp, xrow, c);
+      xp += SB * 8;
       if (!second) break;
-      if (batch + 2 * SB < steps) marlin_batch_load<N, NBLK, SB>(qa, sa, wp, sp);
+      if (batch + 2 * SB < steps) {
+        marlin_batch_load<N, NBLK, SB>(qa, sa, wp, sp);
+        marlin_batch_advance<N, NBLK, SB>(wp, sp);
+      }
       lines.prefetch_and_advance(batch + 3 * SB < steps);
       marlin_batch_mma<NBLK, SB>(qb, sb2, xp, xrow, c);
+      xp += SB * 8;
     }
     return;
   }
@@ -638,22 +651,21 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
 #else
 #pragma unroll 1
   for (int batch = 0; batch < steps; batch += SB) {
-    uint4 q[NBLK][SB];
-    uint2 sc[NBLK][SB];
 #if EXPERTS_LEAN
     lines.prefetch_and_advance(batch + 2 * SB < steps);
 #elif EXPERTS_V2
     if (batch + SB < steps) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + SB);
 #endif
 #if EXPERTS_V3
-#pragma unroll
-    for (int sb = 0; sb < SB; ++sb)
-#pragma unroll
-      for (int b = 0; b < NBLK; ++b) {
-        q[b][sb] = __ldg(wp[b] + sb * (N / 2));
-        sc[b][sb] = __ldg(sp[b] + sb * (N / 8));
-      }
+    uint4 q[SB][NBLK];
+    uint2 sc[SB][NBLK];
+    marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
+    marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
+    marlin_batch_advance<N, NBLK, SB>(wp, sp);
+    xp += SB * 8;
 #else
+    uint4 q[NBLK][SB];
+    uint2 sc[NBLK][SB];
 #pragma unroll
     for (int sb = 0; sb < SB; ++sb) {
       const long kt = k0 / 16 + batch + sb;  // the row of 16 k
@@ -663,30 +675,17 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
         sc[b][sb] = __ldg(reinterpret_cast<const uint2*>(W.scale + kt * N + blk0[b]) + g);
       }
     }
-#endif
 #pragma unroll
     for (int sb = 0; sb < SB; ++sb) {
       u32 b0 = 0u, b1 = 0u;
-#if EXPERTS_V3
-      if (xrow) {
-        b0 = LD_X(xp + 8 * sb);
-        b1 = LD_X(xp + 8 * sb + 4);
-      }
-#else
       const int k = k0 + (batch + sb) * 16 + 2 * t;
       if (xrow) {
         b0 = __ldg(reinterpret_cast<const u32*>(xr + k));
         b1 = __ldg(reinterpret_cast<const u32*>(xr + k + 8));
       }
-#endif
 #pragma unroll
       for (int b = 0; b < NBLK; ++b) {
-#if !EXPERTS_V3
         const float glob = blk0[b] < W.split ? W.global_lo : W.global_hi;
-#endif
-#if EXPERTS_V3
-        marlin_block_v3<EXPERTS_LEAN>(q[b][sb], sc[b][sb], b0, b1, c + 4 * b);
-#else
         const uint4 v = q[b][sb];
         const u32 words[4] = {v.x, v.y, v.z, v.w};
         const u32 scales[2] = {sc[b][sb].x, sc[b][sb].y};
@@ -711,16 +710,8 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
                    dequant_pair(w, 3, 7, s1), b0, b1);
         }
 #endif
-#endif
       }
     }
-#if EXPERTS_V3
-#pragma unroll
-    for (int b = 0; b < NBLK; ++b) {
-      wp[b] += SB * (N / 2);
-      sp[b] += SB * (N / 8);
-    }
-    xp += SB * 8;
 #endif
   }
 #endif  // EXPERTS_PIPE

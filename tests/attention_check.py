@@ -157,11 +157,11 @@ def check_core_over_contexts(cls: type, kv_heads: int, bound: float = BOUND) -> 
     return worst
 
 
-def check_executor_with_core(cls: type) -> None:
+def check_executor_with_core(cls: type, pins: dict[str, str] | None = None) -> None:
     """The whole step with the core pinned, in one graph replayed over steps that
     grow the context unevenly, cross pages and the window (64), overwrite rejected
     slots, with NaN in released pages; the harness calls prepare_step before each
-    replay. Every expert routed (top-k = E) so the core's bf16-level differences
+    replay (``pins``: other blocks pinned beside it). Every expert routed (top-k = E) so the core's bf16-level differences
     cannot flip a route of the random model; close to the stock forward."""
     spec = dataclasses.replace(ModelSpec.preset("tiny", 2), num_experts_per_tok=16)
     weights = random_weights(spec, seed=4, device="cuda")
@@ -169,10 +169,10 @@ def check_executor_with_core(cls: type) -> None:
     name = cls.name
     if registry.find(name) is None:  # a core built but not registered: this test adds it
         registry.providers.append(Registered(cls, "test", "test", "0"))
-    executor = SpecializedDecode(
-        weights, DecodeConfig(max_context=1024, pins={"attention_core": name}), registry=registry
-    )
-    assert executor.layout.choices["attention_core"].chosen.name == name
+    pins = {**(pins or {}), "attention_core": name}
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=1024, pins=pins), registry=registry)
+    for block, provider in pins.items():
+        assert executor.layout.choices[block].chosen.name == provider
     harness = DecodeHarness(ReferenceModel(weights, 1024), executor, max_prompt=70, graph=True)
     harness.prefill(torch.randint(0, spec.vocab_size, (70,), generator=torch.Generator().manual_seed(1)).cuda())
     for _ in range(16):

@@ -2,7 +2,12 @@
 
     QKV+gate GEMM (the ``linear`` sub-op) -> qkv_front_kernel (QK norm, RoPE on sliding layers,
     K/V into the paged cache, q into its buffer) -> attention core (the ``attention_core``
-    sub-op: the reference's, or FlashInfer's) -> o_norm_gate_kernel -> o_proj (the ``linear`` sub-op)
+    sub-op: the reference's, FlashInfer's or this pack's) -> o_norm_gate_kernel -> o_proj (the
+    ``linear`` sub-op)
+
+With this pack's core (cuda.attention_core, its ``run_gated``) the o-norm and gate run in
+the core's combine kernel instead of o_norm_gate_kernel (the same operations; the 64
+squares of a head summed in another order).
 
 Against the reference: the same fp32 operations per element; the per-head norms
 sum their 64 squares in another order, so a bf16 q, k or gated output may differ
@@ -51,6 +56,9 @@ class CudaAttention(_Cuda):
         self.gated = ctx.scratch(f"cuda_gated_{lw.num_heads}", (rows, lw.num_heads * spec.head_dim), torch.bfloat16)
         self.front = Kernel(SOURCE, "qkv_front_kernel", ctx.device, {"HEAD_DIM": HEAD_DIM}, COMPILE_OPTIONS)
         self.gate = Kernel(SOURCE, "o_norm_gate_kernel", ctx.device, {"HEAD_DIM": HEAD_DIM}, COMPILE_OPTIONS)
+        # A core that takes the o-norm and gate into its own last kernel (run_gated: this
+        # pack's) runs them there, one launch fewer; any other core, then the gate kernel.
+        self.gated_core = getattr(self.core, "run_gated", None)
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaAttention:
@@ -106,6 +114,10 @@ class CudaAttention(_Cuda):
                 f32(self.spec.rms_norm_eps),
             ],
         )
+        if self.gated_core is not None:
+            self.gated_core(step, q, qkvg[:, self.gate_offset :], self.spec.rms_norm_eps, gated)
+            self.linear.run("o_proj", gated, partial)
+            return
         self.core.run(step, q, o)
         self.gate.launch(
             (b, self.heads, 1),

@@ -1,7 +1,9 @@
 """``cuda.attention_core``: the verify step's attention core on this pack's split-KV
 kernels (kernels/attention_core.cu): attention_split_kernel over SPLITS blocks a KV head,
 then attention_combine_kernel; nothing on the host per step, so it replays in a FULL
-graph.
+graph. ``run_gated``: the same with the attention block's o-norm and gate in the
+combine (attention_gated_combine_kernel), which cuda.attention calls in place of its
+own gate kernel.
 
 Against the reference (``reference.functional.paged_attention``): the same bf16 q, K and
 V, scores and the softmax in fp32 (exp2 of the scores in log2 units), the probabilities
@@ -92,6 +94,7 @@ class CudaAttentionCore(_Cuda):
         self.scale_log2 = ctx.spec.softmax_scale * math.log2(math.e)
         self.split = Kernel(SOURCE, "attention_split_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.combine = Kernel(SOURCE, "attention_combine_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        self.gated_combine = Kernel(SOURCE, "attention_gated_combine_kernel", ctx.device, defines, COMPILE_OPTIONS)
         # One workspace for the layers of a split count (the full layers', the sliding
         # ones'): a layer's kernels write it only after their PDL wait, when every kernel
         # before them (the previous layer's combine among them) is done.
@@ -117,20 +120,58 @@ class CudaAttentionCore(_Cuda):
             raise ValueError(f"{where}: K and V caches have different strides")
 
     def run(self, step: Step, q: torch.Tensor, out: torch.Tensor) -> None:
+        if out.dtype != torch.bfloat16 or out.dim() != 3 or out.shape != q.shape:
+            raise ValueError(
+                f"{self.name}: out takes q's shape {tuple(q.shape)} in bf16, not {tuple(out.shape)} {out.dtype}"
+            )
+        if out.stride(2) != 1 or out.stride(0) % 4 or out.stride(1) % 4 or out.data_ptr() % 8:
+            raise ValueError(f"{self.name}: out takes rows of 8-byte groups, strides {out.stride()}")
+        self._split(step, q)
+        self.combine.launch(
+            (MROWS // COMBINE_ROWS, self.kv_heads, 1),
+            (COMBINE_ROWS * HEAD_DIM // 4, 1, 1),
+            [ptr(self.part_o), ptr(self.part_ml), i32(q.shape[0]), ptr(out), i64(out.stride(0)), i64(out.stride(1))],
+        )
+
+    def run_gated(self, step: Step, q: torch.Tensor, gate: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+        """The core with the attention block's o-norm and gate fused into its combine:
+        out[i, h * 64 + d] = bf16(rms_per_head(o)[i, h, d] * sigmoid(gate[i, h * 64 + d])),
+        o the core's bf16 output (``run``'s), eps the norm's. ``gate``: the [rows, heads * 64]
+        gate columns (a view of the qkvg rows); ``out``: the o_proj's [rows, heads * 64] input."""
+        b, width = q.shape[0], self.heads * HEAD_DIM
+        for name, t in (("gate", gate), ("out", out)):
+            if t.dtype != torch.bfloat16 or t.dim() != 2 or tuple(t.shape) != (b, width) or t.stride(1) != 1:
+                raise ValueError(f"{self.name}: {name} takes [{b}, {width}] bf16 rows, not {tuple(t.shape)} {t.dtype}")
+            if t.stride(0) % 4 or t.data_ptr() % 8:
+                raise ValueError(f"{self.name}: {name} takes rows of 8-byte groups, strides {t.stride()}")
+        self._split(step, q)
+        self.gated_combine.launch(
+            (MROWS // COMBINE_ROWS, self.kv_heads, 1),
+            (COMBINE_ROWS * HEAD_DIM // 4, 1, 1),
+            [
+                ptr(self.part_o),
+                ptr(self.part_ml),
+                i32(b),
+                ptr(gate),
+                i64(gate.stride(0)),
+                f32(eps),
+                ptr(out),
+                i64(out.stride(0)),
+            ],
+        )
+
+    def _split(self, step: Step, q: torch.Tensor) -> None:
+        """attention_split_kernel for q's rows into the workspace."""
         kv = step.kv[self.index]
         b = q.shape[0]
-        if q.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
-            raise ValueError(f"{self.name}: q and out are bf16, not {q.dtype} and {out.dtype}")
-        if q.dim() != 3 or tuple(q.shape[1:]) != (self.heads, HEAD_DIM) or out.shape != q.shape:
+        if q.dtype != torch.bfloat16 or q.dim() != 3 or tuple(q.shape[1:]) != (self.heads, HEAD_DIM):
             raise ValueError(
-                f"{self.name}: q and out take [rows, {self.heads}, {HEAD_DIM}], not {tuple(q.shape)} and {tuple(out.shape)}"
+                f"{self.name}: q takes [rows, {self.heads}, {HEAD_DIM}] bf16, not {tuple(q.shape)} {q.dtype}"
             )
         if b > self.max_rows:
             raise ValueError(f"{self.name}: {b} rows, built for at most {self.max_rows}")
         if q.stride(2) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
             raise ValueError(f"{self.name}: q takes rows of contiguous bf16 pairs, strides {q.stride()}")
-        if out.stride(2) != 1 or out.stride(0) % 4 or out.stride(1) % 4 or out.data_ptr() % 8:
-            raise ValueError(f"{self.name}: out takes rows of 8-byte groups, strides {out.stride()}")
         s0, s1, s2, _ = kv.k.stride()
         self.split.launch(
             (self.splits, self.kv_heads, 1),
@@ -153,9 +194,4 @@ class CudaAttentionCore(_Cuda):
                 ptr(self.part_o),
                 ptr(self.part_ml),
             ],
-        )
-        self.combine.launch(
-            (MROWS // COMBINE_ROWS, self.kv_heads, 1),
-            (COMBINE_ROWS * HEAD_DIM // 4, 1, 1),
-            [ptr(self.part_o), ptr(self.part_ml), i32(b), ptr(out), i64(out.stride(0)), i64(out.stride(1))],
         )

@@ -231,17 +231,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_split_kernel(
   }
 }
 
-// out[i, h * GROUP + j, :] for the rows of tokens i < b: a thread takes 4 dims of a row.
-extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attention_combine_kernel(
-    const float* __restrict__ part_o, const float* __restrict__ part_ml, int rows,
-    bf16_t* __restrict__ out, long long o_row, long long o_head) {
-  const int h = blockIdx.y;
-  const int r = blockIdx.x * COMBINE_ROWS + threadIdx.x / (HEAD_DIM / 4);
-  const int d = (threadIdx.x % (HEAD_DIM / 4)) * 4;
-  const int i = r / GROUP, j = r % GROUP;
-  pdl_launch_dependents();
-  pdl_wait();
-  if (i >= rows) return;
+// Row r of KV head h's tile, dims d .. d + 3: the SPLITS partials added in split order,
+// divided by the summed l, each rounded to bf16 (returned as floats).
+__device__ __forceinline__ void combine_row(const float* __restrict__ part_o, const float* __restrict__ part_ml, int h,
+                                            int r, int d, float o[4]) {
   const float* ml = part_ml + (long long)h * SPLITS * 2 * MROWS;
   float mmax = NEG_INF;
   for (int s = 0; s < SPLITS; ++s) mmax = fmaxf(mmax, ml[s * 2 * MROWS + r]);
@@ -258,9 +251,62 @@ extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attent
     acc[3] += w * p.w;
   }
   const float inv = 1.f / l;
-  bf16_t* dst = out + (long long)i * o_row + (long long)(h * GROUP + j) * o_head + d;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) o[e] = bf16_to_float(float_to_bf16(acc[e] * inv));
+}
+
+__device__ __forceinline__ void store_bf16x4(bf16_t* dst, const float v[4]) {
   uint2 w;
-  w.x = pack2(float_to_bf16(acc[0] * inv), float_to_bf16(acc[1] * inv));
-  w.y = pack2(float_to_bf16(acc[2] * inv), float_to_bf16(acc[3] * inv));
+  w.x = pack2(float_to_bf16(v[0]), float_to_bf16(v[1]));
+  w.y = pack2(float_to_bf16(v[2]), float_to_bf16(v[3]));
   *(uint2*)dst = w;
+}
+
+// out[i, h * GROUP + j, :] for the rows of tokens i < b: a thread takes 4 dims of a row.
+extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attention_combine_kernel(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, int rows,
+    bf16_t* __restrict__ out, long long o_row, long long o_head) {
+  const int h = blockIdx.y;
+  const int r = blockIdx.x * COMBINE_ROWS + threadIdx.x / (HEAD_DIM / 4);
+  const int d = (threadIdx.x % (HEAD_DIM / 4)) * 4;
+  const int i = r / GROUP, j = r % GROUP;
+  pdl_launch_dependents();
+  pdl_wait();
+  if (i >= rows) return;
+  float o[4];
+  combine_row(part_o, part_ml, h, r, d, o);
+  store_bf16x4(out + (long long)i * o_row + (long long)(h * GROUP + j) * o_head + d, o);
+}
+
+// The combine with the attention block's o-norm and gate after it (MUSE_SPARK.md: o =
+// bf16(rms_per_head(o) * sigmoid(g)), eps): each row's bf16 output as the combine rounds
+// it, its 64 squares summed over the row's 16 threads (4 each, then a butterfly), times
+// sigmoid of the row's gate columns (gate[i * gate_row + (h * GROUP + j) * HEAD_DIM + d]),
+// rounded to bf16 into out[i, (h * GROUP + j) * HEAD_DIM + d] (the o_proj's input rows).
+extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attention_gated_combine_kernel(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, int rows,
+    const bf16_t* __restrict__ gate, long long gate_row, float eps, bf16_t* __restrict__ out, long long out_row) {
+  static_assert(HEAD_DIM / 4 == 16, "a row's threads: one half of a warp");
+  const int h = blockIdx.y;
+  const int r = blockIdx.x * COMBINE_ROWS + threadIdx.x / (HEAD_DIM / 4);
+  const int d = (threadIdx.x % (HEAD_DIM / 4)) * 4;
+  const int i = r / GROUP, j = r % GROUP;
+  pdl_launch_dependents();
+  pdl_wait();
+  // every thread of a row's half warp takes part in its butterfly: rows past b compute
+  // on zero-weight data and store nothing (a half warp is all one row)
+  float o[4] = {0.f, 0.f, 0.f, 0.f};
+  if (i < rows) combine_row(part_o, part_ml, h, r, d, o);
+  float sq = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+#pragma unroll
+  for (int offset = 8; offset > 0; offset >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+  if (i >= rows) return;
+  const float inv = rsqrtf(sq / (float)HEAD_DIM + eps);
+  const long long col = (long long)(h * GROUP + j) * HEAD_DIM + d;
+  const uint2 gw = *(const uint2*)(gate + (long long)i * gate_row + col);
+  const float g[4] = {bf16_to_float((bf16_t)(gw.x & 0xffffu)), bf16_to_float((bf16_t)(gw.x >> 16)),
+                      bf16_to_float((bf16_t)(gw.y & 0xffffu)), bf16_to_float((bf16_t)(gw.y >> 16))};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) o[e] = o[e] * inv * (1.0f / (1.0f + expf(-g[e])));
+  store_bf16x4(out + (long long)i * out_row + col, o);
 }

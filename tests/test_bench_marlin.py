@@ -39,9 +39,10 @@ def test_the_marlin_config_is_named_and_counted():
     # The same codes and one-byte scales; two fp32 globals an expert, not 3 globals + 3 input scales.
     assert nvfp4.weights_bytes() - cfg.weights_bytes() == 60 * 256 * 4 * 4
     assert named("tp8-rank-Lmax-nvfp4-marlin").fitting(141 << 30).name.endswith("-nvfp4-marlin")
-    for name in ("tp8-L62-nvfp4-marlin", "tp8-rank-L62-marlin"):  # every rank: not (yet) a config
-        with pytest.raises(BenchConfigError):
-            named(name)
+    every = named("tp8-L62-nvfp4-marlin")  # every rank in the served layout (bench/ranks.py)
+    assert (every.all_ranks, every.expert_format, every.layers) == (True, "nvfp4_marlin", 62)
+    with pytest.raises(BenchConfigError):
+        named("tp8-rank-L62-marlin")
     # tiny-tp8's I-slices (256 / 8 = 32) are not Marlin tiles: refused before anything is drawn.
     with pytest.raises(BenchConfigError, match="multiples of 64"):
         BenchConfig("x", "tiny-tp8", 2, (200,), tp=8, expert_parallel="tp", expert_format="nvfp4_marlin")

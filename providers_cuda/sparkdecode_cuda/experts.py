@@ -110,6 +110,18 @@ def _intermediate(w2: torch.Tensor, fmt: str) -> int:
     return {"bf16": w2.shape[2], "nvfp4": 2 * w2.shape[2], "nvfp4_marlin": 16 * w2.shape[1]}[fmt]
 
 
+def prefer_max_shared(kernel: Kernel, who: str) -> None:
+    """Hint the driver to the largest shared-memory carveout for ``kernel`` (blocks an SM
+    that need most of an SM's shared memory are not cut by a smaller carveout)."""
+    from cuda.bindings import driver
+
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    max_shared = int(driver.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED)
+    (err,) = driver.cuFuncSetAttribute(kernel.function, attribute, max_shared)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{who}: the shared-memory carveout: {err}")
+
+
 class CudaExperts(_Cuda):
     """Sub-op ``experts``: bf16 routed experts on this pack's kernels."""
 
@@ -571,15 +583,9 @@ class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
         self._prefer_shared()
 
     def _prefer_shared(self) -> None:
-        """Hint the driver to the largest shared-memory carveout for the up kernel, so that
-        its 3 blocks an SM (3 x 47 KB with the rings) are not cut by a smaller one."""
-        from cuda.bindings import driver
-
-        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-        max_shared = int(driver.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED)
-        (err,) = driver.cuFuncSetAttribute(self.up.function, attribute, max_shared)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{self.name}: the up kernel's shared-memory carveout: {err}")
+        """The largest shared-memory carveout for the up kernel, so that its 3 blocks an SM
+        (3 x 47 KB with the rings) are not cut by a smaller one."""
+        prefer_max_shared(self.up, f"{self.name}: the up kernel")
 
 
 class CudaExpertsNvfp4MarlinV3Flow(CudaExpertsNvfp4MarlinV3Occ):

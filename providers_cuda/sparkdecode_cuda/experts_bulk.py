@@ -34,6 +34,7 @@ from .experts import (
     CudaExpertsNvfp4Marlin,
     _intermediate,
     _MarlinV3,
+    prefer_max_shared,
     routes_unsupported,
 )
 from .launch import Kernel, ptr
@@ -162,6 +163,8 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
         self.down = Kernel(SOURCE, "experts_bulk_down_kernel", ctx.device, d, COMPILE_OPTIONS)
         for kernel in (self.up, self.down):
             kernel.allow_shared(self.smem)
+            if self.blocks_per_sm > 1:  # two blocks' rings take nearly all of an SM's shared memory
+                prefer_max_shared(kernel, self.name)
         slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
         self.act = ctx.scratch(
             f"cuda_experts_act_{self.intermediate}", (max(slots, 1), MAX_ROWS, self.intermediate), torch.bfloat16

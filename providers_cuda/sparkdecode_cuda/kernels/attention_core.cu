@@ -293,8 +293,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attent
   const int i = r / GROUP, j = r % GROUP;
   pdl_launch_dependents();
   pdl_wait();
-  // every thread of a row's half warp takes part in its butterfly: rows past b compute
-  // on zero-weight data and store nothing (a half warp is all one row)
+  // every thread of a row's half warp takes part in its butterfly: rows past b add zeros
+  // and store nothing (a half warp is all one row)
   float o[4] = {0.f, 0.f, 0.f, 0.f};
   if (i < rows) combine_row(part_o, part_ml, h, r, d, o);
   float sq = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];

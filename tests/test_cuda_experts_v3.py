@@ -507,3 +507,22 @@ def test_marlin_v3_double_buffer_variant(width, intermediate):
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize("cls", [experts_mod.CudaExpertsSlice2, experts_mod.CudaExpertsSlice1], ids=lambda c: c.name)
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
+def test_bf16_slice_variants(cls, width, intermediate):
+    """The bf16 slice variants: cuda.experts' defines plus their warps along K for the down
+    kernel at expert TP's slice (at most SLICE_WK1), cuda.experts' own elsewhere; spill-free
+    and fitting 2 blocks an SM."""
+    from sparkdecode_cuda import nvrtc
+
+    base = experts_mod.CudaExperts
+    defines = cls.kernel_defines(width, intermediate, 8)
+    if intermediate <= experts_mod.SLICE_WK1:
+        assert defines == {**base.kernel_defines(width, intermediate, 8), "EXPERTS_DOWN_WK": cls.slice_wk}
+    else:
+        assert defines == base.kernel_defines(width, intermediate, 8)
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)

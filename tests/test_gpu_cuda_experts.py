@@ -118,7 +118,8 @@ SHAPES = {
 
 
 def provider(fmt: str):
-    """A format's provider; "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
+    """A format's provider; "bf16-slice2" / "bf16-slice1": bf16 with the down kernel on 2 / 1
+    warps along K at expert TP's slice, "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
     "-v3": its EXPERTS_V3 variant, "-v3occ" / "-v3pipe": Marlin V3 with the down kernel on
     4 blocks an SM / with EXPERTS_PIPE, "-v3split": -v3occ with EXPERTS_SPLIT (the up kernel's
     work cut evenly over its grid), "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads
@@ -137,6 +138,8 @@ def provider(fmt: str):
     unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
+        "bf16-slice2": experts_mod.CudaExpertsSlice2,
+        "bf16-slice1": experts_mod.CudaExpertsSlice1,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
         "nvfp4_marlin": experts_mod.CudaExpertsNvfp4Marlin,
         "nvfp4-v2": experts_mod.CudaExpertsNvfp4V2,
@@ -215,7 +218,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3bulk2",
     )
 ]
-FORMATS = ["bf16", *NVFP4_FORMATS]
+FORMATS = ["bf16", "bf16-slice2", "bf16-slice1", *NVFP4_FORMATS]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

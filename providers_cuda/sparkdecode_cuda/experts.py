@@ -649,7 +649,22 @@ class CudaExpertsNvfp4MarlinV3DownK2(CudaExpertsNvfp4MarlinV3Occ):
 SLICE_WK1 = 512
 
 
-class CudaExpertsNvfp4MarlinV3Slice(CudaExpertsNvfp4MarlinV3Occ):
+class _SliceDown:
+    """The down kernel on ``slice_wk`` warps along K where this rank's I-slice is at most
+    ``SLICE_WK1`` and the width tiles (expert TP's slice), the class's own choice elsewhere."""
+
+    format: str
+    slice_wk: ClassVar[int] = 1
+
+    @classmethod
+    def down_warps_k(cls, width: int, intermediate: int) -> int:
+        fits = shape_unsupported(width, intermediate, cls.format, 1, 1, down_wk=cls.slice_wk) is None
+        if intermediate <= SLICE_WK1 and fits:
+            return cls.slice_wk
+        return super().down_warps_k(width, intermediate)  # type: ignore[misc]
+
+
+class CudaExpertsNvfp4MarlinV3Slice(_SliceDown, CudaExpertsNvfp4MarlinV3Occ):
     """``cuda.experts_nvfp4_marlin_v3_occ`` whose down kernel takes one warp along K
     (EXPERTS_DOWN_WK = 1, ``_down_k1``'s kernel) where this rank's I-slice is at most
     ``SLICE_WK1`` and the width tiles, and ``_occ``'s elsewhere: its cubins are those two
@@ -657,13 +672,6 @@ class CudaExpertsNvfp4MarlinV3Slice(CudaExpertsNvfp4MarlinV3Occ):
     TP (bench/NOTES.md v9)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_slice"
-
-    @classmethod
-    def down_warps_k(cls, width: int, intermediate: int) -> int:
-        fits = shape_unsupported(width, intermediate, cls.format, 1, 1, down_wk=1) is None
-        if intermediate <= SLICE_WK1 and fits:
-            return 1
-        return super().down_warps_k(width, intermediate)
 
 
 class CudaExpertsNvfp4MarlinV3Half(CudaExpertsNvfp4MarlinV3Occ):
@@ -766,3 +774,23 @@ class CudaExpertsNvfp4MarlinV3HalfDb(CudaExpertsNvfp4MarlinV3HalfLean):
     name = "cuda.experts_nvfp4_marlin_v3_half_db"
     db = 1
     up_blocks = 2
+
+
+class CudaExpertsSlice2(_SliceDown, CudaExperts):
+    """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
+    (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four
+    times the loads in flight a warp and a quarter of the cross-warp reductions; 128 output
+    rows an item), the default elsewhere. At expert TP the bf16 stream is at 75% of the copy
+    chained against 86% under EP, whose whole experts give each warp 512 k. The same products
+    summed in other K-slices. Not registered."""
+
+    name = "cuda.experts_slice2"
+    slice_wk = 2
+
+
+class CudaExpertsSlice1(CudaExpertsSlice2):
+    """``cuda.experts_slice2`` with one warp along K at the slice (a warp's 512 k, no
+    cross-warp reduction, 256 output rows an item). Not registered."""
+
+    name = "cuda.experts_slice1"
+    slice_wk = 1

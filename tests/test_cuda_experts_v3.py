@@ -526,3 +526,28 @@ def test_bf16_slice_variants(cls, width, intermediate):
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_early_variant(width, intermediate):
+    """_half4_early: _half4_lean's defines plus EXPERTS_EARLY, spill-free and fitting; its up
+    kernel takes one more argument, whether the routing is final (RoutedTopk.final), which
+    no other class passes."""
+    from sparkdecode.protocols import RoutedTopk
+    from sparkdecode_cuda import nvrtc
+
+    cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4Early, experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean
+    assert cls.kernel_defines(width, intermediate, 8) == {
+        **parent.kernel_defines(width, intermediate, 8),
+        "EXPERTS_EARLY": 1,
+    }
+    others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
+    assert [c for c in others if c.early] == [cls]
+    topk = RoutedTopk(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, 8))
+    assert topk.final is False and RoutedTopk(topk.ids, topk.weights, final=True).final is True
+    op = cls.__new__(cls)
+    assert [a.value for a in op._routing_args(topk._replace(final=True))] == [1]
+    assert parent.__new__(parent)._routing_args(topk) == []
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(cls.kernel_defines(width, intermediate, 8), cls)

@@ -132,10 +132,12 @@ def provider(fmt: str):
     -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
     EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN,
     "-v3halfdb": -v3halflean with EXPERTS_DB (the loads double-buffered, 2 blocks an SM),
+    "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found before the PDL wait
+    when the routing is final at launch),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _pipe, _split, _ring_slice, _half4_slice, _flow, _flow_ring,
-    _down_k1, _down_k2, the two _mask, the two _lean, _half_db and the two V3 bulk
-    unregistered)."""
+    _down_k1, _down_k2, the two _mask, the two _lean, _half_db, _half4_early and the two
+    V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -165,6 +167,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
         "nvfp4_marlin-v3halfdb": experts_mod.CudaExpertsNvfp4MarlinV3HalfDb,
+        "nvfp4_marlin-v3half4early": experts_mod.CudaExpertsNvfp4MarlinV3Half4Early,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -214,6 +217,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3halflean",
         "-v3half4lean",
         "-v3halfdb",
+        "-v3half4early",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -471,3 +475,60 @@ def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
             masked.run(ExpertsInput(x), topk, rows)
             torch.cuda.synchronize()
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_early_routing_is_half4_bit_for_bit(shape):
+    """EXPERTS_EARLY as cuda.moe runs it: the ids written on a side stream (the routing)
+    joined back by an event, so they are final when the experts launch; the up kernel reads
+    them before its PDL wait. Eagerly and over replays of one graph with new ids each time,
+    and with final False, the rows are _half4's bit for bit."""
+    spec, sharding = SHAPES[shape]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=29)
+    early = provider("nvfp4_marlin-v3half4early").build(context(spec, experts), 0)
+    plain = provider("nvfp4_marlin-v3half4").build(context(spec, experts), 0)
+    g = torch.Generator().manual_seed(31)
+    b, k = 8, spec.top_k
+    x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
+    weights = torch.ones(b, k, device="cuda")
+    source = torch.empty(b, k, dtype=torch.int32, device="cuda")
+    ids = torch.empty_like(source)
+    rows = torch.empty(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
+    side, fork, join = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
+
+    def step() -> None:
+        current = torch.cuda.current_stream()
+        fork.record(current)
+        side.wait_event(fork)
+        with torch.cuda.stream(side):
+            ids.copy_(source)  # the routing, on the side stream
+            join.record(side)
+        current.wait_event(join)
+        early.run(ExpertsInput(x), RoutedTopk(ids, weights, final=True), rows)
+
+    def check(i: int) -> None:
+        want = torch.full_like(rows, float("nan"))
+        plain.run(ExpertsInput(x), RoutedTopk(source, weights), want)
+        torch.cuda.synchronize()
+        assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
+
+    source.copy_(routing(b, k, spec.E, "distinct", g))
+    rows.fill_(float("nan"))
+    step()
+    check(-1)
+    rows.fill_(float("nan"))
+    early.run(ExpertsInput(x), RoutedTopk(source, weights), rows)  # final False: the wait first
+    check(-2)
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        step()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(10):
+        source.copy_(routing(b, k, spec.E, "distinct" if i % 2 else "duplicates", g))
+        rows.fill_(float("nan"))
+        graph.replay()
+        check(i)

@@ -100,6 +100,10 @@ class RoutedTopk(NamedTuple):
 
     ids: torch.Tensor  # int32 [b, k]
     weights: torch.Tensor  # fp32 [b, k]
+    # True when both were complete before the experts' first kernel launches (the routing
+    # behind a full dependency, not a programmatic one: cuda.moe's side stream and its
+    # join), so that kernel may read them before its PDL wait. False promises nothing.
+    final: bool = False
 
 
 class ExpertsInput(NamedTuple):

@@ -145,6 +145,9 @@ class CudaExperts(_Cuda):
     lean: ClassVar[int] = 0
     # experts.cu's EXPERTS_DB: the V3 Marlin loop's loads double-buffered in registers
     db: ClassVar[int] = 0
+    # experts.cu's EXPERTS_EARLY: the up kernel finds its experts before its PDL wait when
+    # the routing is final at launch (RoutedTopk.final)
+    early: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -204,6 +207,8 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_LEAN"] = 1
         if cls.db:
             defines["EXPERTS_DB"] = 1
+        if cls.early:
+            defines["EXPERTS_EARLY"] = 1
         return defines
 
     @classmethod
@@ -235,6 +240,11 @@ class CudaExperts(_Cuda):
             raise ValueError(f"{self.name}: rows must be contiguous bf16 [{b}, {self.top_k}, {self.width}]")
         if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
             raise ValueError(f"{self.name}: x rows must be contiguous, 8-byte aligned, row stride a multiple of 4")
+
+    def _routing_args(self, topk: RoutedTopk) -> list[Arg]:
+        """What the up kernel takes of the routing beyond its ids (EXPERTS_EARLY: whether
+        they are final at launch)."""
+        return [i32(int(topk.final))] if self.early else []
 
     def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
         """The up kernel's arguments (those of every experts kernel's up, first):
@@ -274,7 +284,8 @@ class CudaExperts(_Cuda):
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
         self._check_run(x, ids, rows)
-        self.up.launch((self.grid_up, 1, 1), (256, 1, 1), self._up_args(x, ids), shared=self.up_shared)
+        up = [*self._up_args(x, ids), *self._routing_args(topk)]
+        self.up.launch((self.grid_up, 1, 1), (256, 1, 1), up, shared=self.up_shared)
         self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(x.shape[0], ids, rows))
 
 
@@ -774,6 +785,17 @@ class CudaExpertsNvfp4MarlinV3HalfDb(CudaExpertsNvfp4MarlinV3HalfLean):
     name = "cuda.experts_nvfp4_marlin_v3_half_db"
     db = 1
     up_blocks = 2
+
+
+class CudaExpertsNvfp4MarlinV3Half4Early(CudaExpertsNvfp4MarlinV3Half4Lean):
+    """``cuda.experts_nvfp4_marlin_v3_half4_lean`` with experts.cu's EXPERTS_EARLY: when the
+    routing is final at launch (``RoutedTopk.final``: cuda.moe's side stream behind its
+    join), the up kernel finds its experts and prefetches its first item's first batch
+    into L2 before its PDL wait, beside the pre-expert norm, instead of after it. The same
+    bits as ``_half4``. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_early"
+    early = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -222,7 +222,8 @@ class CudaMoE(_Cuda):
 
     def run(self, step: Step, x: torch.Tensor) -> None:
         spec, layer, b = self.spec, self.layer, x.shape[0]
-        topk = RoutedTopk(self.ids[:b], self.weights[:b])
+        # behind the side stream's join the routing is complete when the experts launch
+        topk = RoutedTopk(self.ids[:b], self.weights[:b], final=self.side is not None)
         side, current = self.side, None
         if side is None:
             self._route(x, topk)

@@ -146,6 +146,13 @@
 // same MMAs in the same order: the same bits. About 40 more registers (2 blocks an SM;
 // the down kernel keeps the plain loop, 64 registers).
 //
+// EXPERTS_EARLY (a define, 0 when absent; EXPERTS_HALF only): the up kernel takes
+// `ids_final`; when set, the ids were complete before the kernel launched (the caller's
+// routing ran behind a full dependency, as cuda.moe's side stream and its join make it),
+// so the block finds its experts and prefetches its first item's first batch into L2
+// before its PDL wait, while the kernel before it (the pre-expert norm) still runs; x is
+// read only after the wait, as always. Unset: the order of before. The same bits.
+//
 // EXPERTS_ROUTE_MASK (a define, 0 when absent): the down kernel's epilogue finds, once an
 // item, which routes of each of a thread's two rows go to the item's slot (and, on slot
 // 0's items, which go to experts this rank does not hold) as bit masks over the top-k,
@@ -163,6 +170,9 @@
 #endif
 #ifndef EXPERTS_DB
 #define EXPERTS_DB 0
+#endif
+#ifndef EXPERTS_EARLY
+#define EXPERTS_EARLY 0
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -217,6 +227,9 @@
 #endif
 #if EXPERTS_LEAN && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_PIPE)
 #error "EXPERTS_LEAN is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_PIPE"
+#endif
+#if EXPERTS_EARLY && !EXPERTS_HALF
+#error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
 #endif
 #if EXPERTS_DB && !(EXPERTS_LEAN && EXPERTS_HALF)
 #error "EXPERTS_DB is for the lean V3 Marlin up kernel of EXPERTS_HALF (EXPERTS_LEAN)"
@@ -1021,6 +1034,22 @@ __device__ __forceinline__ bool combine_pieces(float c[NT1][4], int u, const Run
 
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
+#if EXPERTS_EARLY
+// The first batch of the block's first item (EXPERTS_HALF's warps: the gate or the up rows,
+// hk's K-slice) into L2, as the item loop prefetches each next item's.
+__device__ __forceinline__ void half_first_prefetch(const Routes& routes, const unsigned char* w13,
+                                                    const unsigned char* w13_scale, const float* w13_global) {
+  constexpr int WKH = WK1 / 2;
+  const int warp = threadIdx.x >> 5, side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
+  const int item = blockIdx.x;
+  if (item >= routes.n_slots * TILES1) return;
+  const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
+  const int row0[1] = {side ? I_LOCAL + n0 : n0};
+  prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
+                                             row0, hk * (P_DIM / WKH));
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) experts_up_kernel(
     const bf16_t* __restrict__ x, int x_stride, int b,           // [b, P]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
@@ -1033,6 +1062,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #elif EXPERTS_FLOW
     bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
     int* __restrict__ ready) {                                     // [2, MAX_ROUTES] zeroed (see the top)
+#elif EXPERTS_EARLY
+    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
+    int ids_final) {                                               // the ids complete at launch (see the top)
 #else
     bf16_t* __restrict__ act) {                                    // [slots, 8, I_LOCAL]
 #endif
@@ -1046,9 +1078,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #else
   __shared__ float red[WARPS * NT1 * 4 * 32];
 #endif
-  pdl_wait();  // x and ids come from the kernels before
-  pdl_launch_dependents();
-  find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
+#if EXPERTS_EARLY
+  if (ids_final) {
+    find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
+    half_first_prefetch(routes, w13, w13_scale, w13_global);
+    pdl_wait();  // x comes from the kernel before
+    pdl_launch_dependents();
+  } else
+#endif
+  {
+    pdl_wait();  // x and ids come from the kernels before
+    pdl_launch_dependents();
+    find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
+  }
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if EXPERTS_RING

@@ -640,13 +640,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   // The ring: step r of every batch in q[r], sc[r]; the first batch loaded here.
   uint4 q[SB][NBLK];
   uint2 sc[SB][NBLK];
-#pragma unroll
-  for (int r = 0; r < SB; ++r)
-#pragma unroll
-    for (int b = 0; b < NBLK; ++b) {
-      q[r][b] = __ldg(wp[b] + r * (N / 2));
-      sc[r][b] = __ldg(sp[b] + r * (N / 8));
-    }
+  marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
   // Every batch but the last refills the ring; the last only computes (no load past the slice).
 #pragma unroll 1
   for (int batch = 0; batch + SB < steps; batch += SB) {

@@ -127,6 +127,12 @@ def test_kernels_compile_spill_free(max_context):
     assert usage["attention_split_kernel"].registers <= 255 and usage["attention_split_kernel"].smem <= 48 * 1024
 
 
+def test_registered():
+    from sparkdecode_cuda import plugin
+
+    assert core_mod.CudaAttentionCore in plugin.PROVIDERS
+
+
 def test_unsupported_names_the_shape():
     """Off Hopper, another head_dim, more query rows a KV head than one tile of 64: a
     sentence naming it; the TP8 rank's and TP1's Muse Spark shapes at 8 rows: taken."""

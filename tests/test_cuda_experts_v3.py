@@ -485,6 +485,10 @@ def test_marlin_v3_lean_variants_add_only_their_define(cls, width, intermediate)
     assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_LEAN": 1}
     others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
     assert all(issubclass(c, LEAN) for c in others if c.lean)
+    from sparkdecode_cuda import plugin
+
+    # registered on the H200's figures: _half4_lean, not _half_lean (bench/NOTES.md v10)
+    assert (cls in plugin.PROVIDERS) == (cls is experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean)
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
@@ -515,9 +519,10 @@ def test_bf16_slice_variants(cls, width, intermediate):
     """The bf16 slice variants: cuda.experts' defines plus their warps along K for the down
     kernel at expert TP's slice (at most SLICE_WK1), cuda.experts' own elsewhere; spill-free
     and fitting 2 blocks an SM."""
-    from sparkdecode_cuda import nvrtc
+    from sparkdecode_cuda import nvrtc, plugin
 
     base = experts_mod.CudaExperts
+    assert (cls in plugin.PROVIDERS) == (cls is experts_mod.CudaExpertsSlice2)  # the one measured
     defines = cls.kernel_defines(width, intermediate, 8)
     if intermediate <= experts_mod.SLICE_WK1:
         assert defines == {**base.kernel_defines(width, intermediate, 8), "EXPERTS_DOWN_WK": cls.slice_wk}

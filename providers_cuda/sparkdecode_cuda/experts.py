@@ -750,7 +750,8 @@ class CudaExpertsNvfp4MarlinV3HalfMask(CudaExpertsNvfp4MarlinV3Half):
 
 class CudaExpertsNvfp4MarlinV3Half4Mask(CudaExpertsNvfp4MarlinV3Half4):
     """``cuda.experts_nvfp4_marlin_v3_half4`` with EXPERTS_ROUTE_MASK (as ``_half_mask``):
-    the same bits as ``_half4``. Not registered."""
+    the same bits as ``_half4``. Not registered: ``_half4_lean`` (this with EXPERTS_LEAN) is
+    faster (86.4 against 85.0 us a layer chained at expert TP on the H200)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_mask"
     route_mask = 1
@@ -768,7 +769,9 @@ class CudaExpertsNvfp4MarlinV3HalfLean(CudaExpertsNvfp4MarlinV3HalfMask):
 
 class CudaExpertsNvfp4MarlinV3Half4Lean(CudaExpertsNvfp4MarlinV3Half4Mask):
     """``cuda.experts_nvfp4_marlin_v3_half4_mask`` with EXPERTS_LEAN (as ``_half_lean``): the
-    same bits as ``_half4``. Not registered."""
+    same bits as ``_half4``. Registered: the fastest Marlin kernel at expert TP on the H200
+    (85.0 us a layer chained, 55% of the copy; ``_half4`` 87.6 us), and with
+    ``cuda.experts_slice2`` the fastest 62-layer step (bench/NOTES.md v10)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_lean"
     lean = 1
@@ -780,7 +783,8 @@ class CudaExpertsNvfp4MarlinV3HalfDb(CudaExpertsNvfp4MarlinV3HalfLean):
     a batch are in flight through the one before it, instead of issued at its start and
     waited on at its first MMA. The up kernel on 2 blocks an SM (the second set's
     registers); the down kernel as ``_half_lean``'s. The same bits as ``_half``. Not
-    registered."""
+    registered: on the H200 no faster than ``_half4`` (87.6 us a layer chained at expert TP,
+    54% of the copy; 87.5 us under EP, 46%: bench/NOTES.md v10)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half_db"
     db = 1
@@ -804,7 +808,8 @@ class CudaExpertsSlice2(_SliceDown, CudaExperts):
     times the loads in flight a warp and a quarter of the cross-warp reductions; 128 output
     rows an item), the default elsewhere. At expert TP the bf16 stream is at 75% of the copy
     chained against 86% under EP, whose whole experts give each warp 512 k. The same products
-    summed in other K-slices. Not registered."""
+    summed in other K-slices. Registered: 87% of the copy chained at expert TP on the H200
+    (193.2 us a layer; ``cuda.experts`` 229.5 us, 73%), EP unchanged (bench/NOTES.md v10)."""
 
     name = "cuda.experts_slice2"
     slice_wk = 2

@@ -198,7 +198,9 @@ class CudaExpertsNvfp4MarlinBulkV3(_MarlinV3, CudaExpertsNvfp4MarlinBulk):
     instead of 6 instructions a code, so the consumer warps, fed from the bulk-copy ring
     instead of waiting on their own loads, can keep up with the copy. The scale bytes and
     globals V3 decodes exactly (``cuda.experts_nvfp4_marlin_v3``'s check); not V3's bits
-    (this file's order of the fp32 sums), as close to the exact weights. Not registered."""
+    (this file's order of the fp32 sums), as close to the exact weights. Not registered (the
+    two-block form measured 155.5 us a layer chained at expert TP on the H200, 30% of the
+    copy, against the register loads' 85.0 us: bench/NOTES.md v10)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_bulk"
     v3 = 1

@@ -8,6 +8,7 @@ from sparkdecode.plugins import hookimpl
 
 from .all_reduce import CudaAllReduce
 from .attention import CudaAttention
+from .attention_core import CudaAttentionCore
 from .boundary import CudaAttentionBoundary, CudaBoundary, CudaFinal
 from .experts import (
     CudaExperts,
@@ -17,10 +18,12 @@ from .experts import (
     CudaExpertsNvfp4MarlinV3,
     CudaExpertsNvfp4MarlinV3Half,
     CudaExpertsNvfp4MarlinV3Half4,
+    CudaExpertsNvfp4MarlinV3Half4Lean,
     CudaExpertsNvfp4MarlinV3Occ,
     CudaExpertsNvfp4MarlinV3Ring,
     CudaExpertsNvfp4MarlinV3Slice,
     CudaExpertsNvfp4V2,
+    CudaExpertsSlice2,
 )
 from .experts_bulk import CudaExpertsNvfp4MarlinBulk
 from .linear import CudaLinear
@@ -30,6 +33,7 @@ from .moe import CudaMoE
 PROVIDERS: tuple[type, ...] = (
     CudaBoundary,
     CudaAttention,
+    CudaAttentionCore,
     CudaAttentionBoundary,
     CudaMoE,
     CudaExperts,
@@ -43,6 +47,8 @@ PROVIDERS: tuple[type, ...] = (
     CudaExpertsNvfp4MarlinV3Slice,
     CudaExpertsNvfp4MarlinV3Half,
     CudaExpertsNvfp4MarlinV3Half4,
+    CudaExpertsNvfp4MarlinV3Half4Lean,
+    CudaExpertsSlice2,
     CudaExpertsNvfp4MarlinBulk,
     CudaLinear,
     CudaFinal,

@@ -796,7 +796,8 @@ class CudaExpertsNvfp4MarlinV3Half4Early(CudaExpertsNvfp4MarlinV3Half4Lean):
     routing is final at launch (``RoutedTopk.final``: cuda.moe's side stream behind its
     join), the up kernel finds its experts and prefetches its first item's first batch
     into L2 before its PDL wait, beside the pre-expert norm, instead of after it. The same
-    bits as ``_half4``. Not registered."""
+    bits as ``_half4`` (on the H200, through a side stream's join in a graph; memcheck and
+    racecheck clean). Not registered: its gain is in the step, not yet measured there."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_early"
     early = 1
@@ -817,7 +818,8 @@ class CudaExpertsSlice2(_SliceDown, CudaExperts):
 
 class CudaExpertsSlice1(CudaExpertsSlice2):
     """``cuda.experts_slice2`` with one warp along K at the slice (a warp's 512 k, no
-    cross-warp reduction, 256 output rows an item). Not registered."""
+    cross-warp reduction, 256 output rows an item). Correct on the H200; not registered: not
+    yet timed there."""
 
     name = "cuda.experts_slice1"
     slice_wk = 1

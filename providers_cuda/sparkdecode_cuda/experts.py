@@ -591,11 +591,7 @@ class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
                 raise ValueError(f"layer {layer}: {self.name} copies 16-byte aligned tensors ({name} is not)")
         self.up_shared = ring_smem_bytes(ctx.spec.P, self.ring)
         self.up.allow_shared(self.up_shared)
-        self._prefer_shared()
-
-    def _prefer_shared(self) -> None:
-        """The largest shared-memory carveout for the up kernel, so that its 3 blocks an SM
-        (3 x 47 KB with the rings) are not cut by a smaller one."""
+        # the largest carveout, so that 3 blocks an SM (3 x 47 KB with the rings) are not cut
         prefer_max_shared(self.up, f"{self.name}: the up kernel")
 
 

@@ -793,7 +793,8 @@ class CudaExpertsNvfp4MarlinV3Half4Early(CudaExpertsNvfp4MarlinV3Half4Lean):
     join), the up kernel finds its experts and prefetches its first item's first batch
     into L2 before its PDL wait, beside the pre-expert norm, instead of after it. The same
     bits as ``_half4`` (on the H200, through a side stream's join in a graph; memcheck and
-    racecheck clean). Not registered: its gain is in the step, not yet measured there."""
+    racecheck clean). Registered: in the 62-layer step 10.35 ms against ``_half4_lean``'s
+    10.42 ms with the same pins, and the resolver's choice unpinned (bench/NOTES.md v11)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_early"
     early = 1
@@ -814,8 +815,9 @@ class CudaExpertsSlice2(_SliceDown, CudaExperts):
 
 class CudaExpertsSlice1(CudaExpertsSlice2):
     """``cuda.experts_slice2`` with one warp along K at the slice (a warp's 512 k, no
-    cross-warp reduction, 256 output rows an item). Correct on the H200; not registered: not
-    yet timed there."""
+    cross-warp reduction, 256 output rows an item). Correct on the H200; not registered:
+    slower than ``_slice2`` there (201.1 against 192.8 us a layer chained at expert TP, 83%
+    against 87% of the copy: bench/NOTES.md v11)."""
 
     name = "cuda.experts_slice1"
     slice_wk = 1

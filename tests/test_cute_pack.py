@@ -269,6 +269,30 @@ def test_tma_plans(tma, splitk):
         assert plan.splits == 1 or plan.tile_rows * plan.chunk * 2 >= tma.MIN_CTA_BYTES
 
 
+@pytest.mark.parametrize("max_rows", [1, 4, 8])
+def test_router_fits_beside_the_pooler(tma, splitk, max_rows):
+    """cute.linear_tma's router plan: every CTA on its own SM beside one of the pooler's
+    (1 an SM at Muse Spark's shapes), within the SM's shared memory; the planner's first
+    plan at 8 rows (a 64 KB chunk of x) does not fit there. The plan compiles for sm_90a."""
+    from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight
+
+    n, k, _ = TP8["pooler"]
+    pooler = TmaWeight.__new__(TmaWeight)
+    pooler.plan = tma.plan_tma(n, k, max_rows)
+    router = torch.empty(256, 8192)
+    plan = CuteLinearTma.router_plan(None, "router", router, {"pooler": pooler}, max_rows, tma.H200_SMS)
+    assert isinstance(plan, splitk.SplitKPlan) and plan.weight_fp32 and (plan.n, plan.k) == (256, 8192)
+    assert pooler.plan.resident == 1 and plan.ctas <= tma.H200_SMS
+    beside = pooler.plan.smem_bytes + plan.smem_bytes + 2 * splitk.CTA_RESERVED_BYTES
+    assert beside <= tma.SM_SMEM_BYTES, (pooler.plan, plan)
+    assert plan in splitk.splitk_plans(256, 8192, True, max_rows)
+    if max_rows == 8:
+        default = splitk.plan_splitk(256, 8192, True, 8)
+        assert pooler.plan.smem_bytes + default.smem_bytes + 2 * splitk.CTA_RESERVED_BYTES > tma.SM_SMEM_BYTES
+    assert splitk.compile_splitk(plan, "sm_90a") is not None
+    assert CuteLinearTma.router_plan(None, "router", router, {}, max_rows, tma.H200_SMS) is None
+
+
 # The o_proj of one rank of preset muse-spark-open at TP 8, 4, 2 (N 8192) and of the
 # tiny presets (tiny at TP 2; tiny-tp8 at TP 8 and 4): the shapes cute.linear_tma publishes
 # from its epilogue.

@@ -48,6 +48,7 @@ MAX_BATCH_LOADS = 8  # 16-byte weight vectors of one register buffer (two are in
 MAX_CHUNK_BYTES = 128 * 1024  # x's chunk in shared memory (fp32, max_rows rows)
 H200_SMS = 132
 MIN_BALANCE = 0.9  # mean / most CTAs per SM taken before fewer waves
+CTA_RESERVED_BYTES = 1024  # the system's share of each CTA's shared memory
 
 
 class SplitGrid:
@@ -113,6 +114,12 @@ class SplitKPlan(SplitGrid):
     @property
     def cols(self) -> int:
         return self.max_rows
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA as the kernel allocates it: x's chunk (fp32), the
+        warps' sums, and the split-K flag."""
+        return self.max_rows * self.chunk * 4 + WARPS * self.tile_rows * self.cols * 4 + (4 if self.splits > 1 else 0)
 
 
 def tiling_reason(n: int, k: int, vector: int, max_rows: int, w_stride: int, k_step: int, n_step: int) -> str | None:
@@ -189,6 +196,20 @@ def splitk_plans(
     if not ranked:
         return f"K {k}: x's chunk of {max_rows} rows does not fit {MAX_CHUNK_BYTES} bytes of shared memory"
     return best_first(ranked)
+
+
+def beside_plan(
+    n: int, k: int, weight_fp32: bool, max_rows: int, room: int, w_stride: int | None = None, sms: int = H200_SMS
+) -> SplitKPlan | None:
+    """The best of ``splitk_plans`` whose CTAs are one an SM and take at most ``room``
+    bytes of an SM's shared memory (the system's share of a CTA included): a kernel
+    whose every CTA fits on an SM beside one CTA of another that leaves ``room``. None
+    if there is none."""
+    plans = splitk_plans(n, k, weight_fp32, max_rows, w_stride, sms)
+    if isinstance(plans, str):
+        return None
+    fits = [p for p in plans if p.ctas <= sms and p.smem_bytes + CTA_RESERVED_BYTES <= room]
+    return fits[0] if fits else None
 
 
 class SplitKKernel:

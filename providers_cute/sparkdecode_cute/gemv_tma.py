@@ -61,6 +61,7 @@ from cutlass.utils import LayoutEnum
 
 from .gemv import VECTOR_BYTES, fake_pointer
 from .gemv_splitk import (
+    CTA_RESERVED_BYTES,
     H200_SMS,
     WARPS,
     SplitGrid,
@@ -85,7 +86,6 @@ MIN_CTA_BYTES = 64 * 1024  # weight one CTA streams at least (its fill and epilo
 MAX_CHUNK_BYTES = 128 * 1024  # x's chunk in shared memory (bf16, 8 rows)
 SM_SMEM_BYTES = 228 * 1024  # shared memory of an H200 SM
 CTA_SMEM_BYTES = 227 * 1024  # the most one CTA may take
-CTA_RESERVED_BYTES = 1024  # the system's share of each CTA
 BARRIER_BYTES = 2048  # the mbarriers (padded to the ring's 1024-byte alignment) and finish_tile's flag
 SUMS_BYTES = WARPS * TILE_ROWS * MMA_N * 4  # the epilogue's fp32 sums in the drained ring
 STAGING_BYTES = MMA_N * TILE_ROWS * 2  # the published epilogue's bf16 tile, after the sums

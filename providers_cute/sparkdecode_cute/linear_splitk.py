@@ -79,12 +79,24 @@ class CuteLinearSplitK(CuteLinear):
     def __init__(self, ctx: BuildContext, layer: int):
         lw = ctx.layer(layer)
         sms = torch.cuda.get_device_properties(lw.qkvg.device).multi_processor_count
-        self.weights = {}
+        built = {}
+        for name in LINEAR_WEIGHTS:  # the bf16 weights, then the fp32 ones (router_plan reads the former)
+            w = getattr(lw, name)
+            if not weight_fp32(name, w):
+                built[name] = self.bf16_weight(name, w, ctx.max_rows, sms)
         for name in LINEAR_WEIGHTS:
             w = getattr(lw, name)
-            cls = SplitKWeight if weight_fp32(name, w) else self.bf16_weight
-            self.weights[name] = cls(name, w, ctx.max_rows, sms)
+            if weight_fp32(name, w):
+                built[name] = SplitKWeight(
+                    name, w, ctx.max_rows, sms, self.router_plan(name, w, built, ctx.max_rows, sms)
+                )
+        self.weights = {name: built[name] for name in LINEAR_WEIGHTS}
         self.share_scratch(ctx)
+
+    def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
+        """The split-K plan of fp32 weight ``name`` (the router), given the built bf16
+        weights; None: the planner's."""
+        return None
 
     def share_scratch(self, ctx: BuildContext) -> None:
         """Every weight's workspace and tile counters: scratch of ``ctx`` (zeroed

@@ -3,7 +3,8 @@ bf16 dense GEMMs as gemv_tma.py's weight stream (W loaded by TMA into a ring of
 shared-memory buffers, ``wgmma.m64n8k16`` on 64 weight rows against the 8 rows of
 x staged once per CTA, the splits over K added in a fixed order by the last CTA of
 each tile), the fp32 router as cute.linear_splitk's CUDA-core stream
-(gemv_splitk.py); all launched with programmatic dependent launch.
+(gemv_splitk.py) on a plan whose CTAs fit beside the pooler's (``router_plan``); all
+launched with programmatic dependent launch.
 
 Numerics as cute.linear's: the same products (exact in fp32) accumulated in fp32 in
 another order (in the tensor cores over the CTA's chunk, then the splits in split
@@ -143,6 +144,20 @@ class CuteLinearTma(CuteLinearMma):
 
     name = "cute.linear_tma"
     bf16_weight = TmaWeight
+
+    def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
+        """The router's split-K plan whose CTAs fit on an SM beside one of the pooler's
+        (gemv_splitk's ``beside_plan``): cuda.moe runs the router on a side stream beside
+        the pooler, whose 1-CTA-an-SM tilings leave about 33 KB of an SM's shared memory,
+        and a router CTA that does not fit there holds its SM's pooler CTA back until
+        it ends. The planner's where there is no pooler plan or none fits."""
+        from . import gemv_splitk, gemv_tma
+
+        pooler = bf16.get("pooler")
+        if not isinstance(pooler, TmaWeight):
+            return None
+        room = gemv_tma.SM_SMEM_BYTES - pooler.plan.resident * (pooler.plan.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES)
+        return gemv_splitk.beside_plan(w.shape[0], w.shape[1], True, max_rows, room, w.stride(0), sms)
 
     def publish(self, name: str, mailbox: Any) -> bool:
         """Weight ``name``'s output published into ``mailbox`` by its epilogue from now

@@ -115,22 +115,28 @@ def test_kernel_constants_match():
     assert core_mod.keys_seen(32768, None, 8) == 32768 and core_mod.keys_seen(1024, 2048, 8) == 1024
 
 
+@pytest.mark.parametrize("combine_batch", [1, 8], ids=["core", "batched"])
 @pytest.mark.parametrize("max_context", [4096, 32768])
-def test_kernels_compile_spill_free(max_context):
+def test_kernels_compile_spill_free(max_context, combine_batch):
     nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     from ptxas_check import assert_spill_free
 
-    usage = assert_spill_free(core_mod.SOURCE, core_mod.kernel_defines(8, max_context), core_mod.COMPILE_OPTIONS)
+    defines = core_mod.kernel_defines(8, max_context)
+    if combine_batch > 1:
+        defines["COMBINE_BATCH"] = combine_batch
+    usage = assert_spill_free(core_mod.SOURCE, defines, core_mod.COMPILE_OPTIONS)
     assert set(usage) == {"attention_split_kernel", "attention_combine_kernel", "attention_gated_combine_kernel"}
     assert usage["attention_split_kernel"].registers <= 255 and usage["attention_split_kernel"].smem <= 48 * 1024
+    assert usage["attention_combine_kernel"].registers <= (32 if combine_batch == 1 else 128)
 
 
 def test_registered():
     from sparkdecode_cuda import plugin
 
     assert core_mod.CudaAttentionCore in plugin.PROVIDERS
+    assert core_mod.CudaAttentionCoreBatched not in plugin.PROVIDERS  # not yet run on a GPU
 
 
 def test_unsupported_names_the_shape():

@@ -34,12 +34,54 @@ pytestmark = [
     ),
 ]
 
-from sparkdecode_cuda.attention_core import CudaAttentionCore  # noqa: E402
+from sparkdecode_cuda.attention_core import CudaAttentionCore, CudaAttentionCoreBatched  # noqa: E402
 
 
 @pytest.mark.parametrize("kv_heads", [2, 16])  # a TP8 rank's and TP1's heads (GQA 8)
 def test_core_in_one_graph_over_contexts(kv_heads):
     check_core_over_contexts(CudaAttentionCore, kv_heads)
+
+
+def test_batched_core_in_one_graph_over_contexts():
+    """cuda.attention_core_batched (unregistered) against the reference as the core."""
+    check_core_over_contexts(CudaAttentionCoreBatched, 2)
+
+
+@pytest.mark.parametrize("context", [9, 700, 2100, 4096, 20000])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("max_context", [4096, MAX_CONTEXT])  # a full layer's 33 and 128 splits
+def test_batched_combine_is_the_core_bit_for_bit(max_context, rows, context):
+    """The batched combine's loads in another order, its sums in the same: run's and
+    run_gated's outputs equal the core's to the bit, on a sliding (17 splits) and a full
+    layer, at contexts from inside the first tile to past the sliding window."""
+    if context > max_context:
+        pytest.skip("past the cores' context")
+    spec = ModelSpec.preset("muse-spark-open", 2)
+    kv_heads, heads = 2, 16
+    ctx = core_context(spec, heads, kv_heads, max_context)
+    pairs = [(CudaAttentionCore.build(ctx, layer), CudaAttentionCoreBatched.build(ctx, layer)) for layer in (0, 1)]
+    cache = PagedKVCache(spec, MAX_CONTEXT // BLOCK_SIZE + 2, MAX_CONTEXT, ROWS, "cuda", num_kv_heads=kv_heads)
+    for pair in pairs:
+        for c in pair:
+            c.prepare_kv(cache.kv())
+    g = torch.Generator(device="cuda").manual_seed(rows * 100003 + context)
+    cache.begin_step(context - rows, rows)
+    write_positions(cache, 0, context, g)
+    positions = torch.arange(context - rows, context, device="cuda")
+    step = Step(rows, rows, positions, cache.kv(), False)
+    for core, batched in pairs:
+        q = torch.randn(rows, heads, 64, generator=g, device="cuda").to(torch.bfloat16)
+        gate = torch.randn(rows, heads * 64, generator=g, device="cuda").to(torch.bfloat16)
+        outs = []
+        for c in (core, batched):
+            o = torch.full_like(q, float("nan"))
+            gated = torch.full((rows, heads * 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+            c.run(step, q, o)
+            c.run_gated(step, q, gate, spec.rms_norm_eps, gated)
+            outs.append((o, gated))
+        torch.cuda.synchronize()
+        assert torch.isfinite(outs[0][0]).all() and torch.isfinite(outs[0][1]).all()
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_executor_with_cuda_core():

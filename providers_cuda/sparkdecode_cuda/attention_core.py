@@ -71,6 +71,7 @@ class CudaAttentionCore(_Cuda):
 
     block = "attention_core"
     name = "cuda.attention_core"
+    combine_batch = 1  # attention_core.cu's COMBINE_BATCH: the splits the combine loads at once
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -93,6 +94,8 @@ class CudaAttentionCore(_Cuda):
         # A sliding layer's splits cover its window, not the whole context (at 32768 a
         # window of 2048 would leave most of the context's 128 splits without a key).
         defines = kernel_defines(self.group, keys_seen(ctx.max_context, lw.window, ctx.max_rows))
+        if self.combine_batch > 1:
+            defines["COMBINE_BATCH"] = self.combine_batch
         self.splits = defines["SPLITS"]
         self.scale_log2 = ctx.spec.softmax_scale * math.log2(math.e)
         self.split = Kernel(SOURCE, "attention_split_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -198,3 +201,15 @@ class CudaAttentionCore(_Cuda):
                 ptr(self.part_ml),
             ],
         )
+
+
+class CudaAttentionCoreBatched(CudaAttentionCore):
+    """``cuda.attention_core`` whose combine loads the partials of 8 splits at once
+    (COMBINE_BATCH = 8) instead of one split's m, then its l and output, a split at a time:
+    in the core's combine (5.8-9.9 us a layer in the step against fa2's merge at 3.5-3.9,
+    bench/NOTES.md v11) a full layer's 33 splits at 4096 were 66 dependent round trips to
+    L2 a row. The same operations in the same order: the same bits as the core. Not
+    registered: not yet run on a GPU."""
+
+    name = "cuda.attention_core_batched"
+    combine_batch = 8

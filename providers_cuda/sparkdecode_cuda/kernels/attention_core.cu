@@ -42,6 +42,9 @@
 #define THREADS (WARPS * 32)
 #define KPAD 8  // bf16 of padding a shared-memory row: a 144-byte stride, conflict-free reads
 #define COMBINE_ROWS 8
+#ifndef COMBINE_BATCH
+#define COMBINE_BATCH 1  // splits whose partials the combine loads at once (1: one at a time)
+#endif
 #define NEG_INF __int_as_float(0xff800000u)
 static_assert(HEAD_DIM == 64, "one tile of 64 dims: 4 MMA steps of 16 (QK) and 8 of 8 (PV)");
 static_assert(MROWS == WARPS * 16 && MROWS % GROUP == 0, "16 query rows a warp, whole tokens");
@@ -232,13 +235,41 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_split_kernel(
 }
 
 // Row r of KV head h's tile, dims d .. d + 3: the SPLITS partials added in split order,
-// divided by the summed l, each rounded to bf16 (returned as floats).
+// divided by the summed l, each rounded to bf16 (returned as floats). With COMBINE_BATCH
+// > 1 the partials of COMBINE_BATCH splits are loaded before any is added (those of
+// splits with no key the row sees too, then left out), so their loads are in flight at
+// once instead of one split's m, then its l and output, at a time; the same operations in
+// the same order, so the same bits.
 __device__ __forceinline__ void combine_row(const float* __restrict__ part_o, const float* __restrict__ part_ml, int h,
                                             int r, int d, float o[4]) {
   const float* ml = part_ml + (long long)h * SPLITS * 2 * MROWS;
   float mmax = NEG_INF;
   for (int s = 0; s < SPLITS; ++s) mmax = fmaxf(mmax, ml[s * 2 * MROWS + r]);
   float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#if COMBINE_BATCH > 1
+  const float* po = part_o + ((long long)h * SPLITS * MROWS + r) * HEAD_DIM + d;
+  for (int s0 = 0; s0 < SPLITS; s0 += COMBINE_BATCH) {
+    float m[COMBINE_BATCH], ls[COMBINE_BATCH];
+    float4 p[COMBINE_BATCH];
+#pragma unroll
+    for (int u = 0; u < COMBINE_BATCH; ++u) {
+      const int s = s0 + u < SPLITS ? s0 + u : SPLITS - 1;
+      m[u] = ml[s * 2 * MROWS + r];
+      ls[u] = ml[s * 2 * MROWS + MROWS + r];
+      p[u] = *(const float4*)(po + (long long)s * MROWS * HEAD_DIM);
+    }
+#pragma unroll
+    for (int u = 0; u < COMBINE_BATCH; ++u) {
+      if (s0 + u >= SPLITS || m[u] == NEG_INF) continue;  // past the splits, or a split with no key this row sees
+      const float w = exp2f(m[u] - mmax);
+      l += w * ls[u];
+      acc[0] += w * p[u].x;
+      acc[1] += w * p[u].y;
+      acc[2] += w * p[u].z;
+      acc[3] += w * p[u].w;
+    }
+  }
+#else
   for (int s = 0; s < SPLITS; ++s) {
     const float m = ml[s * 2 * MROWS + r];
     if (m == NEG_INF) continue;  // a split with no key this row sees
@@ -250,6 +281,7 @@ __device__ __forceinline__ void combine_row(const float* __restrict__ part_o, co
     acc[2] += w * p.z;
     acc[3] += w * p.w;
   }
+#endif
   const float inv = 1.f / l;
 #pragma unroll
   for (int e = 0; e < 4; ++e) o[e] = bf16_to_float(float_to_bf16(acc[e] * inv));

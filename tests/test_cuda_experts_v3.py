@@ -208,44 +208,24 @@ def assert_kernels_fit(defines: dict[str, int], cls: type, up_shared: int = 0) -
         assert blocks_per_sm_smem(u.smem + shared) >= blocks, (kernel, u, shared, blocks)
 
 
-@pytest.mark.parametrize("cls_name", ["CudaExpertsNvfp4MarlinV3Occ", "CudaExpertsNvfp4MarlinV3Pipe"])
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_occupancy_variants_compile_spill_free(cls_name, width, intermediate):
-    """The Marlin V3 variants (_occ registered, _pipe not) at the TP8 rank's expert-TP slice (I 512) and
+def test_marlin_v3_occ_compiles_spill_free(width, intermediate):
+    """The Marlin V3 _occ variant (registered) at the TP8 rank's expert-TP slice (I 512) and
     EP (whole experts): no stack or spills, and registers that fit the blocks an SM each
-    kernel is launched on (down: 4 for _occ, 3 for _pipe; up: 2)."""
+    kernel is launched on (down: 4; up: 2)."""
     from sparkdecode_cuda import nvrtc, plugin
 
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    cls = getattr(experts_mod, cls_name)
-    assert (cls in plugin.PROVIDERS) == (cls.pipe == 0) and cls.variant == 2 and cls.format == "nvfp4_marlin"
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Occ
+    assert cls in plugin.PROVIDERS and cls.variant == 2 and cls.format == "nvfp4_marlin"
     assert experts_mod.shape_unsupported(width, intermediate, cls.format, 8, 8) is None
     usage = ptxas_usage(cls.kernel_defines(width, intermediate, 8))
     for kernel, blocks in (("experts_up_kernel", cls.up_blocks), ("experts_down_kernel", cls.down_blocks)):
         regs, frame, spills, _ = usage[kernel]
         assert frame == 0 and spills == 0, (kernel, usage)
         assert blocks_per_sm(regs) >= blocks, (kernel, regs, blocks)
-    assert (cls.up_blocks, cls.down_blocks) == ((2, 4) if cls.pipe == 0 else (2, 3))
-
-
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_split_compiles_spill_free(width, intermediate):
-    """The EXPERTS_SPLIT variant (unregistered) at the TP8 rank's expert-TP slice and EP: no
-    stack or spills, registers for its up kernel's 2 blocks an SM and its down kernel's 4."""
-    from sparkdecode_cuda import nvrtc, plugin
-
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Split
-    assert cls not in plugin.PROVIDERS and (cls.up_blocks, cls.down_blocks) == (2, 4)
-    defines = cls.kernel_defines(width, intermediate, 8)
-    assert defines["EXPERTS_SPLIT"] == 1 and defines["EXPERTS_V2"] == 2
-    usage = ptxas_usage(defines)
-    for kernel, blocks in (("experts_up_kernel", cls.up_blocks), ("experts_down_kernel", cls.down_blocks)):
-        regs, frame, spills, _ = usage[kernel]
-        assert frame == 0 and spills == 0, (kernel, usage)
-        assert blocks_per_sm(regs) >= blocks, (kernel, regs, blocks)
+    assert (cls.up_blocks, cls.down_blocks) == (2, 4)
 
 
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
@@ -262,7 +242,6 @@ def test_marlin_v3_ring_compiles_spill_free_and_fits(width, intermediate):
     assert cls in plugin.PROVIDERS and (cls.up_blocks, cls.down_blocks, cls.ring) == (3, 4, 4)
     defines = cls.kernel_defines(width, intermediate, 8)
     assert defines["EXPERTS_RING"] == 4 and defines["EXPERTS_V2"] == 2 and defines["EXPERTS_UP_BLOCKS"] == 3
-    assert "EXPERTS_PIPE" not in defines and "EXPERTS_SPLIT" not in defines
     dynamic = experts_mod.ring_smem_bytes(width, cls.ring)
     assert dynamic == 8 * 4 * (2 * (512 + 64) + 256) and dynamic >= 8 * 8 * 4 * 32 * 4
     assert_kernels_fit(defines, cls, dynamic)
@@ -275,83 +254,6 @@ def test_marlin_v3_ring_stages_clip_to_a_warps_steps():
     assert experts_mod.ring_smem_bytes(512, 4) == 8 * 4 * stage
     assert experts_mod.ring_smem_bytes(64, 8) == 8 * 4 * stage
     assert experts_mod.ring_smem_bytes(4096, 2) == 8 * 8 * 4 * 32 * 4  # 2 stages: the sums are larger
-
-
-def round_robin_parts(items: int, parts: int, grid: int) -> list[int]:
-    """The parts each block does when whole items go round robin (the kernels without EXPERTS_SPLIT)."""
-    return [len(range(b, items, grid)) * parts for b in range(grid)]
-
-
-@pytest.mark.parametrize("distinct", [55, 57])
-def test_marlin_v3_split_is_even_at_expert_tp(distinct):
-    """55 (57) distinct experts at the TP8 rank's expert-TP slice (I 512: 8 items an expert,
-    8 parts an item) on 132 SMs x 2 blocks: whole items round robin leave the busiest block
-    16 parts against a mean of 13.3 (13.8): 83% (86%); the split runs differ by at most a
-    part (95%+), and each block's run holds at most two pieces of items (its workspace's
-    two slots)."""
-    parts = experts_mod.up_parts(4096)
-    assert parts == 8
-    items, grid = distinct * 512 // 64, 2 * 132
-    runs = experts_mod.split_runs(items, parts, grid)
-    sizes = [end - start for start, end in runs]
-    mean = items * parts / grid
-    assert max(round_robin_parts(items, parts, grid)) / mean > 1.15
-    assert max(sizes) - min(sizes) <= 1 and max(sizes) / mean < 1.06
-    for start, end in runs:
-        whole = [u for u in range(start // parts, -(-end // parts)) if start <= u * parts and (u + 1) * parts <= end]
-        pieces = -(-end // parts) - start // parts - len(whole)
-        assert pieces <= 2, (start, end)
-
-
-@pytest.mark.parametrize("items,parts,grid", [(440, 8, 264), (1, 8, 264), (3, 2, 8), (5, 1, 8), (7, 8, 16)])
-def test_marlin_v3_split_runs_tile_the_parts(items, parts, grid):
-    """The runs cover every part once, in order; every block from an item's first block to
-    its last has a piece of it (the kernel waits for last - first + 1 pieces), found as
-    the kernel's Runs.block finds it."""
-    runs = experts_mod.split_runs(items, parts, grid)
-    total = items * parts
-    blocks = min(grid, total)
-    busy = [r for r in runs if r[1] > r[0]]
-    assert [s for s, _ in busy] == [0, *[e for _, e in busy[:-1]]] and busy[-1][1] == total
-    assert len(busy) == blocks and all(r == (0, 0) for r in runs[blocks:])
-
-    def block(p: int) -> int:  # experts.cu's Runs.block
-        return ((p + 1) * blocks - 1) // total
-
-    for p in range(total):
-        assert runs[block(p)][0] <= p < runs[block(p)][1]
-    for u in range(items):
-        first, last = block(u * parts), block((u + 1) * parts - 1)
-        for b in range(first, last + 1):
-            assert runs[b][0] < (u + 1) * parts and runs[b][1] > u * parts, (u, b)
-
-
-@pytest.mark.parametrize("cls_name", ["CudaExpertsNvfp4MarlinV3Flow", "CudaExpertsNvfp4MarlinV3FlowRing"])
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_flow_compiles_spill_free(cls_name, width, intermediate):
-    """The EXPERTS_FLOW variants (the down kernel started in the up kernel's tail; on _occ and
-    on the ring variant) at the TP8 rank's expert-TP slice and EP: no stack or spills, and
-    their blocks an SM as the variants they extend (up 2 or 3, down 4)."""
-    from sparkdecode_cuda import nvrtc
-
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    cls = getattr(experts_mod, cls_name)
-    defines = cls.kernel_defines(width, intermediate, 8)
-    assert defines["EXPERTS_FLOW"] == 1 and defines["EXPERTS_V2"] == 2 and "EXPERTS_SPLIT" not in defines
-    assert (cls.up_blocks, cls.down_blocks) == ((3, 4) if "EXPERTS_RING" in defines else (2, 4))
-    assert_kernels_fit(defines, cls, experts_mod.ring_smem_bytes(width, cls.ring) if "EXPERTS_RING" in defines else 0)
-
-
-def test_marlin_v3_flow_refuses_the_split():
-    """EXPERTS_FLOW counts whole up items: with EXPERTS_SPLIT's pieces it does not compile."""
-    from sparkdecode_cuda import nvrtc
-
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    defines = {**experts_mod.CudaExpertsNvfp4MarlinV3Split.kernel_defines(4096, 512, 8), "EXPERTS_FLOW": 1}
-    with pytest.raises(AssertionError, match="EXPERTS_FLOW is for the V3 Marlin kernels"):
-        ptxas_usage(defines)
 
 
 @pytest.mark.parametrize("wk", [1, 2])
@@ -489,25 +391,6 @@ def test_marlin_v3_lean_variants_add_only_their_define(cls, width, intermediate)
 
     # registered on the H200's figures: _half4_lean, not _half_lean (bench/NOTES.md v10)
     assert (cls in plugin.PROVIDERS) == (cls is experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean)
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(defines, cls)
-
-
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_double_buffer_variant(width, intermediate):
-    """_half_db: _half_lean's defines plus EXPERTS_DB, the up kernel built and launched for 2
-    blocks an SM (the down kernel as _half_lean's, 4), spill-free and fitting; no other
-    class sets the define."""
-    from sparkdecode_cuda import nvrtc
-
-    cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3HalfDb, experts_mod.CudaExpertsNvfp4MarlinV3HalfLean
-    defines = cls.kernel_defines(width, intermediate, 8)
-    want = {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_DB": 1}
-    want.pop("EXPERTS_UP_BLOCKS", None)  # 2 an SM, the default
-    assert defines == want and (cls.up_blocks, cls.down_blocks) == (2, 4)
-    others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    assert [c for c in others if c.db] == [cls]
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)

@@ -120,24 +120,20 @@ SHAPES = {
 def provider(fmt: str):
     """A format's provider; "bf16-slice2" / "bf16-slice1": bf16 with the down kernel on 2 / 1
     warps along K at expert TP's slice, "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
-    "-v3": its EXPERTS_V3 variant, "-v3occ" / "-v3pipe": Marlin V3 with the down kernel on
-    4 blocks an SM / with EXPERTS_PIPE, "-v3split": -v3occ with EXPERTS_SPLIT (the up kernel's
-    work cut evenly over its grid), "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads
-    through shared-memory rings, 3 blocks an SM), "-v3flow": -v3occ with EXPERTS_FLOW (the down
-    kernel started in the up kernel's tail), "-v3flowring": both, "-v3k1" / "-v3k2": -v3occ
-    with the down kernel's warps 1 / 2 along K (EXPERTS_DOWN_WK), "-v3slice": -v3k1's down
-    kernel at expert TP's slice, -v3occ's elsewhere, "-v3half": -v3occ with EXPERTS_HALF (each
-    up warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM
+    "-v3": its EXPERTS_V3 variant, "-v3occ": Marlin V3 with the down kernel on 4 blocks an
+    SM, "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads through shared-memory
+    rings, 3 blocks an SM), "-v3k1" / "-v3k2": -v3occ with the down kernel's warps 1 / 2
+    along K (EXPERTS_DOWN_WK), "-v3slice": -v3k1's down kernel at expert TP's slice, -v3occ's
+    elsewhere, "-v3half": -v3occ with EXPERTS_HALF (each up warp on the gate or the up rows, 3
+    blocks an SM), "-v3half4": the same on 4 blocks an SM,
     "-v3ringslice": -v3ring with -v3slice's down kernel, "-v3half4slice": -v3half4 with
     -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
     EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN,
-    "-v3halfdb": -v3halflean with EXPERTS_DB (the loads double-buffered, 2 blocks an SM),
     "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found before the PDL wait
     when the routing is final at launch),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
-    (the checkpoint layout's V3, _pipe, _split, _ring_slice, _half4_slice, _flow, _flow_ring,
-    _down_k1, _down_k2, the two _mask, the two _lean, _half_db, _half4_early and the two
-    V3 bulk unregistered)."""
+    (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
+    _half_lean and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -150,11 +146,7 @@ def provider(fmt: str):
         "nvfp4-v3": experts_mod.CudaExpertsNvfp4V3,
         "nvfp4_marlin-v3": experts_mod.CudaExpertsNvfp4MarlinV3,
         "nvfp4_marlin-v3occ": experts_mod.CudaExpertsNvfp4MarlinV3Occ,
-        "nvfp4_marlin-v3pipe": experts_mod.CudaExpertsNvfp4MarlinV3Pipe,
-        "nvfp4_marlin-v3split": experts_mod.CudaExpertsNvfp4MarlinV3Split,
         "nvfp4_marlin-v3ring": experts_mod.CudaExpertsNvfp4MarlinV3Ring,
-        "nvfp4_marlin-v3flow": experts_mod.CudaExpertsNvfp4MarlinV3Flow,
-        "nvfp4_marlin-v3flowring": experts_mod.CudaExpertsNvfp4MarlinV3FlowRing,
         "nvfp4_marlin-v3k1": experts_mod.CudaExpertsNvfp4MarlinV3DownK1,
         "nvfp4_marlin-v3k2": experts_mod.CudaExpertsNvfp4MarlinV3DownK2,
         "nvfp4_marlin-v3slice": experts_mod.CudaExpertsNvfp4MarlinV3Slice,
@@ -166,7 +158,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4mask": experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask,
         "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
-        "nvfp4_marlin-v3halfdb": experts_mod.CudaExpertsNvfp4MarlinV3HalfDb,
         "nvfp4_marlin-v3half4early": experts_mod.CudaExpertsNvfp4MarlinV3Half4Early,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -200,11 +191,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-bulk",
         "-v3",
         "-v3occ",
-        "-v3pipe",
-        "-v3split",
         "-v3ring",
-        "-v3flow",
-        "-v3flowring",
         "-v3k1",
         "-v3k2",
         "-v3slice",
@@ -216,7 +203,6 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4mask",
         "-v3halflean",
         "-v3half4lean",
-        "-v3halfdb",
         "-v3half4early",
         "-v3bulk",
         "-v3bulk2",
@@ -389,54 +375,6 @@ def test_experts_bulk_split_k_deterministic(fmt, shape):
         assert torch.equal(rows.view(torch.int16), once.view(torch.int16))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4_marlin-v3flow", "nvfp4_marlin-v3flowring"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_flow_is_occ_bit_for_bit_and_zeroes_its_counters(fmt, shape):
-    """EXPERTS_FLOW changes when the down kernel's items start, not their math: the rows are
-    V3 occ's bit for bit, eager and over 20 replays of one graph with new ids each time
-    (the down items waiting on the up items' counters under every routing), and the
-    counters are zero after every launch (the last down item of a slot zeroes them)."""
-    spec, sharding = SHAPES[shape]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=13)
-    occ = experts_mod.CudaExpertsNvfp4MarlinV3Occ.build(context(spec, experts), 0)
-    flow = provider(fmt).build(context(spec, experts), 0)
-    b, k = 8, spec.top_k
-    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
-    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
-    want = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    rows = torch.zeros_like(want)
-    g = torch.Generator().manual_seed(17)
-
-    def draw(i: int) -> None:
-        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
-        ids.copy_(routing(b, k, spec.E, "distinct" if i % 2 else "duplicates", g))
-
-    for i in range(4):
-        draw(i)
-        occ.run(ExpertsInput(x), topk, want)
-        flow.run(ExpertsInput(x), topk, rows)
-        torch.cuda.synchronize()
-        assert torch.equal(rows, want), i
-        assert int(flow.ready.count_nonzero()) == 0
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        flow.run(ExpertsInput(x), topk, rows)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        flow.run(ExpertsInput(x), topk, rows)
-    for i in range(20):
-        draw(i)
-        rows.fill_(float("nan"))
-        graph.replay()
-        occ.run(ExpertsInput(x), topk, want)
-        torch.cuda.synchronize()
-        assert torch.equal(rows, want), i
-        assert int(flow.ready.count_nonzero()) == 0
-
-
 @pytest.mark.parametrize(
     "fmt",
     [
@@ -444,21 +382,19 @@ def test_flow_is_occ_bit_for_bit_and_zeroes_its_counters(fmt, shape):
         "nvfp4_marlin-v3half4mask",
         "nvfp4_marlin-v3halflean",
         "nvfp4_marlin-v3half4lean",
-        "nvfp4_marlin-v3halfdb",
     ],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
     """EXPERTS_ROUTE_MASK changes how the down kernel finds a value's routes, not the
-    values, and EXPERTS_LEAN (how the Marlin loop prefetches and shifts) and EXPERTS_DB
-    (when it loads) not what it computes: the rows equal the variant without them bit for
-    bit (the EP shapes cover
+    values, and EXPERTS_LEAN (how the Marlin loop prefetches and shifts) not what it
+    computes: the rows equal the variant without them bit for bit (the EP shapes cover
     the zeros for routes to experts not held), for distinct experts, experts shared
     across rows, and a row routing twice to one expert."""
     spec, sharding = SHAPES[shape]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=19)
     masked = provider(fmt).build(context(spec, experts), 0)
-    scan = provider(fmt.removesuffix("mask").removesuffix("lean").removesuffix("db")).build(context(spec, experts), 0)
+    scan = provider(fmt.removesuffix("mask").removesuffix("lean")).build(context(spec, experts), 0)
     g = torch.Generator().manual_seed(23)
     k = spec.top_k
     for b in (1, 3, 8):

@@ -130,9 +130,8 @@ class CudaExperts(_Cuda):
     format = "bf16"
     # experts.cu's EXPERTS_V2 (0: the kernels as registered); a define, so in the compile key
     variant: ClassVar[int] = 0
-    # experts.cu's EXPERTS_PIPE, and the blocks per SM the up and down kernels are built
-    # and launched for (EXPERTS_UP_BLOCKS, EXPERTS_DOWN_BLOCKS; defined where not the default)
-    pipe: ClassVar[int] = 0
+    # the blocks per SM the up and down kernels are built and launched for
+    # (EXPERTS_UP_BLOCKS, EXPERTS_DOWN_BLOCKS; defined where not the default)
     up_blocks: ClassVar[int] = BLOCKS_PER_SM
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
     # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
@@ -143,8 +142,6 @@ class CudaExperts(_Cuda):
     route_mask: ClassVar[int] = 0
     # experts.cu's EXPERTS_LEAN: the V3 Marlin loop's prefetch pointers and shift on the FMA pipe
     lean: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DB: the V3 Marlin loop's loads double-buffered in registers
-    db: ClassVar[int] = 0
     # experts.cu's EXPERTS_EARLY: the up kernel finds its experts before its PDL wait when
     # the routing is final at launch (RoutedTopk.final)
     early: ClassVar[int] = 0
@@ -192,8 +189,6 @@ class CudaExperts(_Cuda):
         defines = {"P_DIM": width, "I_LOCAL": intermediate, "FMT": FMT[cls.format], "TOP_K": top_k}
         if cls.variant:
             defines["EXPERTS_V2"] = cls.variant
-        if cls.pipe:
-            defines["EXPERTS_PIPE"] = cls.pipe
         if cls.up_blocks != BLOCKS_PER_SM:
             defines["EXPERTS_UP_BLOCKS"] = cls.up_blocks
         if cls.down_blocks != BLOCKS_PER_SM:
@@ -205,8 +200,6 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_ROUTE_MASK"] = 1
         if cls.lean:
             defines["EXPERTS_LEAN"] = 1
-        if cls.db:
-            defines["EXPERTS_DB"] = 1
         if cls.early:
             defines["EXPERTS_EARLY"] = 1
         return defines
@@ -481,69 +474,6 @@ class CudaExpertsNvfp4MarlinV3Occ(CudaExpertsNvfp4MarlinV3):
     down_blocks = 4
 
 
-class CudaExpertsNvfp4MarlinV3Pipe(CudaExpertsNvfp4MarlinV3):
-    """``cuda.experts_nvfp4_marlin_v3`` with experts.cu's EXPERTS_PIPE: the Marlin loop's
-    loads as a ring in the same registers, each step's registers refilled with the next
-    batch's step after its MMAs, so loads stay in flight while a batch computes, and the
-    L2 prefetch a batch further ahead; the down kernel on 3 blocks an SM (at 4 its ring
-    spills). The same MMAs in the same order: the same bits as V3. Not registered: on the
-    H200 no faster than V3 (ptxas issues most refills late in the batch; bench/NOTES.md v7)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_pipe"
-    pipe = 1
-    down_blocks = 3
-
-
-def up_parts(width: int) -> int:
-    """experts.cu's UP_PARTS for the Marlin up GEMM over pooled width P: a warp's batches of
-    (up to) 4 steps of 16 k in a whole item."""
-    steps = width // _warps_k(width, CHUNK["nvfp4_marlin"]) // 16
-    return steps // min(steps, 4)
-
-
-def split_runs(items: int, parts: int, grid: int) -> list[tuple[int, int]]:
-    """experts.cu's EXPERTS_SPLIT cut (its Runs): each block's run [start, end) of the
-    items * parts parts, in item order; the first min(grid, items * parts) blocks get equal
-    runs, a part more or less, the rest none."""
-    total = items * parts
-    blocks = min(grid, total)
-    return [(b * total // blocks, (b + 1) * total // blocks) if b < blocks else (0, 0) for b in range(grid)]
-
-
-class CudaExpertsNvfp4MarlinV3Split(CudaExpertsNvfp4MarlinV3Occ):
-    """``cuda.experts_nvfp4_marlin_v3_occ`` with experts.cu's EXPERTS_SPLIT: the up kernel's
-    work cut evenly over its grid (split_runs) instead of whole items round robin, each
-    item's K in batch-sized parts, the pieces of an item that straddles blocks added in
-    block order (K order) by the last block to arrive: deterministic. Its workspace (two
-    pieces a block) and item counters (zero between launches: the last piece resets its
-    own) are allocated here. Not registered."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_split"
-
-    @classmethod
-    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
-        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_SPLIT": 1}
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        width, fmt = ctx.spec.P, self.format
-        wm = 8 // _warps_k(width, CHUNK[fmt])
-        items = min(MAX_ROUTES, ctx.max_rows * ctx.spec.top_k, self.experts.num_local) * (
-            self.intermediate // (UP_COLS[fmt] * wm)
-        )
-        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
-        self.grid_up = max(1, min(items * up_parts(width), self.up_blocks * sms))
-        piece = 2 * UP_COLS[fmt] // 16 * 4 * 32  # a warp's sums: its gate and up tiles' accumulators
-        key = f"{width}_{self.intermediate}"
-        ws_shape = (self.grid_up, 2, wm, piece)
-        self.workspace = ctx.scratch(f"cuda_experts_split_ws_{key}_{self.grid_up}", ws_shape, torch.float32)
-        self.counters = ctx.scratch(f"cuda_experts_split_counters_{key}_{items}", (max(items, 1) * wm,), torch.int32)
-        self.counters.zero_()
-
-    def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
-        return [*super()._up_args(x, ids), ptr(self.workspace), ptr(self.counters)]
-
-
 # experts.cu's EXPERTS_RING stage (RingStage): per Marlin block of 64 rows a warp's 512 bytes
 # of codes and 64 of scales for one step of 16 k, and the warp's x words (8 bytes a lane)
 RING_BLOCK_BYTES, RING_X_BYTES = 512 + 64, 32 * 8
@@ -593,42 +523,6 @@ class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
         self.up.allow_shared(self.up_shared)
         # the largest carveout, so that 3 blocks an SM (3 x 47 KB with the rings) are not cut
         prefer_max_shared(self.up, f"{self.name}: the up kernel")
-
-
-class CudaExpertsNvfp4MarlinV3Flow(CudaExpertsNvfp4MarlinV3Occ):
-    """``cuda.experts_nvfp4_marlin_v3_occ`` with experts.cu's EXPERTS_FLOW: the down kernel's
-    blocks start on the SMs the up kernel's tail leaves free instead of after its end, each
-    down item waiting for its expert's up items only (a counter per distinct-expert slot,
-    released by each up item after its store, acquired by the down item; the last down item
-    of a slot zeroes it for the next launch). The counters ([2, MAX_ROUTES] int32, zeroed
-    here) are shared by the layers: a layer's up items count only after its kernel's
-    griddepcontrol.wait, so after the kernel before it, and the kernels before that, ended.
-    The same MMAs in the same order as V3: the same bits."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_flow"
-
-    @classmethod
-    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
-        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_FLOW": 1}
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        self.ready = ctx.scratch("cuda_experts_flow_ready", (2, MAX_ROUTES), torch.int32)
-        self.ready.zero_()
-
-    def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
-        return [*super()._up_args(x, ids), ptr(self.ready)]
-
-    def _down_args(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> list[Arg]:
-        return [*super()._down_args(b, ids, rows), ptr(self.ready)]
-
-
-class CudaExpertsNvfp4MarlinV3FlowRing(CudaExpertsNvfp4MarlinV3Flow, CudaExpertsNvfp4MarlinV3Ring):
-    """``cuda.experts_nvfp4_marlin_v3_flow`` with the ring variant's up kernel (EXPERTS_RING,
-    3 blocks an SM): the down kernel in the up kernel's tail, the up kernel's loads through
-    shared-memory rings. The same bits as V3."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_flow_ring"
 
 
 class CudaExpertsNvfp4MarlinV3DownK1(CudaExpertsNvfp4MarlinV3Occ):
@@ -771,20 +665,6 @@ class CudaExpertsNvfp4MarlinV3Half4Lean(CudaExpertsNvfp4MarlinV3Half4Mask):
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_lean"
     lean = 1
-
-
-class CudaExpertsNvfp4MarlinV3HalfDb(CudaExpertsNvfp4MarlinV3HalfLean):
-    """``cuda.experts_nvfp4_marlin_v3_half_lean`` with experts.cu's EXPERTS_DB: each warp's
-    next batch loaded into a second register set before its batch's MMAs, so the loads of
-    a batch are in flight through the one before it, instead of issued at its start and
-    waited on at its first MMA. The up kernel on 2 blocks an SM (the second set's
-    registers); the down kernel as ``_half_lean``'s. The same bits as ``_half``. Not
-    registered: on the H200 no faster than ``_half4`` (87.6 us a layer chained at expert TP,
-    54% of the copy; 87.5 us under EP, 46%: bench/NOTES.md v10)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half_db"
-    db = 1
-    up_blocks = 2
 
 
 class CudaExpertsNvfp4MarlinV3Half4Early(CudaExpertsNvfp4MarlinV3Half4Lean):

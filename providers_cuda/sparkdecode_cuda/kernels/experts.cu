@@ -64,46 +64,24 @@
 // output. tests/test_cuda_experts_v3.py emulates both decodes for every code and byte.
 // The V3 Marlin loop also keeps its load pointers, advanced a batch at a time.
 //
-// EXPERTS_PIPE (a define, 0 when absent; V3 Marlin only): the loop's loads as a ring of
-// SB steps in the same registers, refilled a step at a time: after a step's MMAs its
-// registers take the loads of the step SB ahead, so the loads of the next SB - 1 steps
-// stay in flight while a step computes (without it a batch's loads all complete before
-// its first MMA and none is in flight during its MMAs: the loads' latency and the
-// decode add up instead of overlapping). The L2 prefetch runs a batch further ahead
-// (two batches of the next item). The same MMAs in the same order: the same bits.
-// (ptxas at 128 registers issues most of the up kernel's refills in the batch's last
-// third, after its decode has freed the registers: the overlap is partial.)
 // EXPERTS_UP_BLOCKS, EXPERTS_DOWN_BLOCKS (2 when absent): the blocks per SM each
 // kernel's registers are bounded for (__launch_bounds__); the provider's grid matches.
 //
-// EXPERTS_SPLIT (a define, 0 when absent; V3 Marlin only): the up kernel's work split
-// evenly over the grid instead of whole items round robin (where 456 items on 264 blocks
-// leave most blocks 2 items and the rest 1). An item's K is UP_PARTS parts, each one
-// batch of every warp; the T = items * UP_PARTS parts in item order are cut into the
-// grid's equal runs (block b: parts [b T / grid, (b + 1) T / grid), a part more or less),
-// so a block's run covers whole items in the middle and a piece of one at either end.
-// Each warp takes an equal share of a piece's K, contiguous; a piece's sums (the warps'
-// added in warp order) go to a workspace, and the last of the item's blocks to arrive (a
-// counter per item, reset by that last one for the next launch) adds them in block order,
-// which is K order, then SwiGLU. The cut depends only on the item count and the grid:
-// the same bits every run (an item done whole by one block: V3's sums exactly).
-//
-// EXPERTS_RING (a define, 0 when absent; V3 Marlin only, not with EXPERTS_PIPE or
-// EXPERTS_SPLIT): the up kernel's loads staged in shared memory instead of registers, a
-// ring of S = EXPERTS_RING stages a warp (fewer where a warp has fewer steps), a stage
-// one step of 16 k: the thread's own 16 bytes of codes a block (its A fragments, at 16 l),
-// the warp's 64 scale bytes a block (copied by lanes 0..4 NBLK - 1, 16 bytes each; read by
-// lane group g at 8 g) and the thread's own x words b0, b1. Before step s computes, the
-// copies of step s + S - 1 (cp.async, one commit group a step) go out into the stage step
-// s - 1 left, so the loads of S - 1 steps stay in flight through every step's decode and
-// MMAs, and no register holds a load in flight. cp.async.wait_group makes a thread's own
-// copies visible to it, and __syncwarp the scale lanes' copies to the warp (and every
-// lane's reads of a stage done before it is refilled). The rings take the kernel's
-// dynamic shared memory (UP_SMEM_BYTES), which the K reduction's `red` overlays: reduce_k
-// starts with a barrier after every warp's ring is drained, and one more barrier after
-// its sums are read keeps the next item's copies out until then. The same MMAs in the
-// same order as V3: the same bits.
-// EXPERTS_HALF (a define, 0 when absent; V3 Marlin only, none of PIPE, SPLIT, RING, FLOW):
+// EXPERTS_RING (a define, 0 when absent; V3 Marlin only): the up kernel's loads staged in
+// shared memory instead of registers, a ring of S = EXPERTS_RING stages a warp (fewer
+// where a warp has fewer steps), a stage one step of 16 k: the thread's own 16 bytes of
+// codes a block (its A fragments, at 16 l), the warp's 64 scale bytes a block (copied by
+// lanes 0..4 NBLK - 1, 16 bytes each; read by lane group g at 8 g) and the thread's own x
+// words b0, b1. Before step s computes, the copies of step s + S - 1 (cp.async, one
+// commit group a step) go out into the stage step s - 1 left, so the loads of S - 1 steps
+// stay in flight through every step's decode and MMAs, and no register holds a load in
+// flight. cp.async.wait_group makes a thread's own copies visible to it, and __syncwarp
+// the scale lanes' copies to the warp (and every lane's reads of a stage done before it
+// is refilled). The rings take the kernel's dynamic shared memory (UP_SMEM_BYTES), which
+// the K reduction's `red` overlays: reduce_k starts with a barrier after every warp's
+// ring is drained, and one more barrier after its sums are read keeps the next item's
+// copies out until then. The same MMAs in the same order as V3: the same bits.
+// EXPERTS_HALF (a define, 0 when absent; V3 Marlin only, not with EXPERTS_RING):
 // each warp of the up kernel takes either the gate rows or the up rows of its item (one
 // 64-row block, not both), so it holds half the accumulators and half a batch's loads and
 // the kernel fits 3 blocks an SM (EXPERTS_UP_BLOCKS = 3): half the warps along K per half
@@ -112,39 +90,13 @@
 // half's first warp, which does SwiGLU. The same products summed in other K-slices: not
 // V3's bits (the fp32 order), as close to the exact weights.
 //
-// EXPERTS_FLOW (a define, 0 when absent; V3 Marlin only, not with EXPERTS_SPLIT): the down
-// kernel starts in the up kernel's tail instead of after its end. The up kernel lets its
-// dependents launch at its start (as always), so the down kernel's blocks take the SMs the
-// up kernel's blocks leave, which happens only once every up block is resident (PDL launches
-// a dependent grid after all of the primary's blocks have triggered): a down block waiting
-// can never keep an up block from running. Per distinct-expert slot a counter `ready` (zero
-// between launches): each up item, after its act columns are stored, a barrier, then one
-// red.release.gpu add; a down item's thread 0 waits with ld.acquire.gpu for all TILES1 of its
-// slot, then a barrier, and the block reads act past L1 (ld.global.cg). The down kernel does
-// not wait for the up kernel's end (nothing else of the up kernel's it reads); the kernel after
-// it still waits for the down kernel's end, which comes after every up item's store was
-// observed. A second counter per slot counts the down items past their wait; the last one
-// zeroes both for the next launch (the next launch's up items count only after its own
-// griddepcontrol.wait, so after this down kernel's end). The same MMAs in the same order as
-// V3: the same bits.
-//
-// EXPERTS_LEAN (a define, 0 when absent; V3 Marlin, not with EXPERTS_PIPE): the Marlin
-// loop with fewer integer-pipe instructions (at most half rate on SM90, and as busy as
-// the issue slots in V3's loop: 206 of its 411 instructions a batch of 128 codes). The
-// L2 prefetch's lines are pointers set once a loop and advanced a batch at a time
-// (MarlinLines; prefetch_marlin works out every lane's step and block every batch), a
-// batch further ahead (see warp_gemm_marlin), and a word's shift by 8 is a
-// multiply-high by 2^24 (the FMA pipe). The same lines prefetched and the same words
-// decoded: the same bits.
-//
-// EXPERTS_DB (a define, 0 when absent; with EXPERTS_LEAN and EXPERTS_HALF): the up
-// kernel's Marlin loop's loads double-buffered in two register sets, batch n + 1's issued before batch
-// n's MMAs (the loop two batches a turn, so the sets alternate without copies), where the
-// plain loop issues a batch's loads at its start and waits on them at its first MMA.
-// EXPERTS_PIPE's ring refilled each step's own registers, and ptxas put most refills late
-// in the batch; two disjoint sets leave the next batch's loads nothing to wait for. The
-// same MMAs in the same order: the same bits. About 40 more registers (2 blocks an SM;
-// the down kernel keeps the plain loop, 64 registers).
+// EXPERTS_LEAN (a define, 0 when absent; V3 Marlin only): the Marlin loop with fewer
+// integer-pipe instructions (at most half rate on SM90, and as busy as the issue slots in
+// V3's loop: 206 of its 411 instructions a batch of 128 codes). The L2 prefetch's lines
+// are pointers set once a loop and advanced a batch at a time (MarlinLines;
+// prefetch_marlin works out every lane's step and block every batch), a batch further
+// ahead (see warp_gemm_marlin), and a word's shift by 8 is a multiply-high by 2^24 (the
+// FMA pipe). The same lines prefetched and the same words decoded: the same bits.
 //
 // EXPERTS_EARLY (a define, 0 when absent; EXPERTS_HALF only): the up kernel takes
 // `ids_final`; when set, the ids were complete before the kernel launched (the caller's
@@ -168,9 +120,6 @@
 #ifndef EXPERTS_LEAN
 #define EXPERTS_LEAN 0
 #endif
-#ifndef EXPERTS_DB
-#define EXPERTS_DB 0
-#endif
 #ifndef EXPERTS_EARLY
 #define EXPERTS_EARLY 0
 #endif
@@ -189,20 +138,8 @@
 #if EXPERTS_V3 && FMT == 0
 #error "EXPERTS_V2 = 2 (V3) is for the NVFP4 formats"
 #endif
-#ifndef EXPERTS_PIPE
-#define EXPERTS_PIPE 0
-#endif
-#if EXPERTS_PIPE && !(EXPERTS_V3 && FMT == 2)
-#error "EXPERTS_PIPE is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
-#endif
 #ifndef EXPERTS_UP_BLOCKS
 #define EXPERTS_UP_BLOCKS 2
-#endif
-#ifndef EXPERTS_SPLIT
-#define EXPERTS_SPLIT 0
-#endif
-#if EXPERTS_SPLIT && !(EXPERTS_V3 && FMT == 2)
-#error "EXPERTS_SPLIT is for the V3 Marlin kernels (EXPERTS_V2 = 2, FMT 2)"
 #endif
 #ifndef EXPERTS_DOWN_BLOCKS
 #define EXPERTS_DOWN_BLOCKS 2
@@ -210,45 +147,20 @@
 #ifndef EXPERTS_RING
 #define EXPERTS_RING 0
 #endif
-#if EXPERTS_RING && !(EXPERTS_RING >= 2 && EXPERTS_V3 && FMT == 2 && !EXPERTS_PIPE && !EXPERTS_SPLIT)
-#error "EXPERTS_RING (at least 2): the V3 Marlin up kernel (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_PIPE, EXPERTS_SPLIT"
-#endif
-#ifndef EXPERTS_FLOW
-#define EXPERTS_FLOW 0
+#if EXPERTS_RING && !(EXPERTS_RING >= 2 && EXPERTS_V3 && FMT == 2)
+#error "EXPERTS_RING (at least 2): the V3 Marlin up kernel (EXPERTS_V2 = 2, FMT 2)"
 #endif
 #ifndef EXPERTS_HALF
 #define EXPERTS_HALF 0
 #endif
-#if EXPERTS_HALF && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_PIPE && !EXPERTS_SPLIT && !EXPERTS_RING && !EXPERTS_FLOW)
-#error "EXPERTS_HALF is for the V3 Marlin up kernel (EXPERTS_V2 = 2, FMT 2), none of PIPE, SPLIT, RING, FLOW"
+#if EXPERTS_HALF && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_RING)
+#error "EXPERTS_HALF is for the V3 Marlin up kernel (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_RING"
 #endif
-#if EXPERTS_FLOW && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_SPLIT)
-#error "EXPERTS_FLOW is for the V3 Marlin kernels (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_SPLIT"
-#endif
-#if EXPERTS_LEAN && !(EXPERTS_V3 && FMT == 2 && !EXPERTS_PIPE)
-#error "EXPERTS_LEAN is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2), not with EXPERTS_PIPE"
+#if EXPERTS_LEAN && !(EXPERTS_V3 && FMT == 2)
+#error "EXPERTS_LEAN is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
 #endif
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
-#endif
-#if EXPERTS_DB && !(EXPERTS_LEAN && EXPERTS_HALF)
-#error "EXPERTS_DB is for the lean V3 Marlin up kernel of EXPERTS_HALF (EXPERTS_LEAN)"
-#endif
-// x (the down kernel's act) loads of the V3 Marlin loop: past L1 where the up kernel may
-// still be writing act while the down kernel runs (EXPERTS_FLOW)
-#if EXPERTS_FLOW
-#define LD_X(p) __ldcg(p)
-// The up items' release of their counts and the down items' acquire of them (see the top).
-__device__ __forceinline__ void red_release_add(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-#else
-#define LD_X(p) __ldg(p)
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -421,8 +333,8 @@ __device__ __forceinline__ void marlin_step_v3(const uint4 q[NBLK], const uint2 
                                                float c[4 * NBLK][4]) {
   u32 b0 = 0u, b1 = 0u;
   if (xrow) {
-    b0 = LD_X(xs);
-    b1 = LD_X(xs + 4);
+    b0 = __ldg(xs);
+    b1 = __ldg(xs + 4);
   }
 #pragma unroll
   for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b], sc[b], b0, b1, c + 4 * b);
@@ -461,27 +373,6 @@ __device__ __forceinline__ void marlin_batch_mma(const uint4 q[SB][NBLK], const 
 }
 #endif
 
-#if EXPERTS_PIPE
-// A batch of the V3 Marlin ring (warp_gemm_marlin): step r's MMAs from q[r], sc[r] and
-// x at xp + 8r; with REFILL, then step SB + r's loads (words wp[b], scales sp[b] at the
-// batch's first step) into q[r], sc[r], in flight while steps r + 1.. compute.
-template <int N, int NBLK, int SB, bool REFILL>
-__device__ __forceinline__ void marlin_ring_batch(uint4 q[SB][NBLK], uint2 sc[SB][NBLK], const uint4* const wp[NBLK],
-                                                  const uint2* const sp[NBLK], const u32* xp, bool xrow,
-                                                  float c[4 * NBLK][4]) {
-#pragma unroll
-  for (int r = 0; r < SB; ++r) {
-    marlin_step_v3<NBLK>(q[r], sc[r], xp + 8 * r, xrow, c);
-    if (REFILL) {
-#pragma unroll
-      for (int b = 0; b < NBLK; ++b) {
-        q[r][b] = __ldg(wp[b] + (SB + r) * (N / 2));
-        sc[r][b] = __ldg(sp[b] + (SB + r) * (N / 8));
-      }
-    }
-  }
-}
-#endif
 
 // A warp's 32 rows (two tiles of 16: rows row0[0] + 0..15, row0[1] + 0..15) over its
 // K-slice [k0, k0 + K / WK_) against B = x rows (8, row stride xs, rows >= nx read as 0).
@@ -571,10 +462,9 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
 // tiles c[4b + j]) of a GEMM of N rows over its K-slice [k0, k0 + K / WK_), against
 // B = x rows as warp_gemm. Per MMA step (16 k) a thread loads one 16-byte word run per
 // block and 8 scale bytes per block: the layout's own fragments (see the top).
-// `steps`: the steps of 16 k from k0, a multiple of the batch SB (EXPERTS_SPLIT's pieces;
-// otherwise the whole slice, STEPS).
-// DBUF: EXPERTS_DB's loop (the up kernel's, where the define is set).
-template <int K, int N, int WK_, int NBLK, bool DBUF = false>
+// `steps`: the steps of 16 k from k0, a multiple of the batch SB (the whole slice, STEPS,
+// by default).
+template <int K, int N, int WK_, int NBLK>
 __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
                                                  const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4],
                                                  int steps) {
@@ -607,55 +497,6 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   MarlinLines<N, NBLK, SB> lines(W, blk0, k0 / 16 + SB);
   lines.prefetch_and_advance(SB < steps);
 #endif
-#if EXPERTS_DB
-  if constexpr (DBUF) {
-    // Batch n + 1's loads, then the lines of batch n + 2, then batch n's MMAs (see the top).
-    uint4 qa[SB][NBLK], qb[SB][NBLK];
-    uint2 sa[SB][NBLK], sb2[SB][NBLK];
-    marlin_batch_load<N, NBLK, SB>(qa, sa, wp, sp);
-    marlin_batch_advance<N, NBLK, SB>(wp, sp);
-#pragma unroll 1
-    for (int batch = 0; batch < steps; batch += 2 * SB) {
-      const bool second = batch + SB < steps;
-      if (second) {
-        marlin_batch_load<N, NBLK, SB>(qb, sb2, wp, sp);
-        marlin_batch_advance<N, NBLK, SB>(wp, sp);
-      }
-      lines.prefetch_and_advance(batch + 2 * SB < steps);
-      marlin_batch_mma<NBLK, SB>(qa, sa, xp, xrow, c);
-      xp += SB * 8;
-      if (!second) break;
-      if (batch + 2 * SB < steps) {
-        marlin_batch_load<N, NBLK, SB>(qa, sa, wp, sp);
-        marlin_batch_advance<N, NBLK, SB>(wp, sp);
-      }
-      lines.prefetch_and_advance(batch + 3 * SB < steps);
-      marlin_batch_mma<NBLK, SB>(qb, sb2, xp, xrow, c);
-      xp += SB * 8;
-    }
-    return;
-  }
-#endif
-#if EXPERTS_PIPE
-  // The ring: step r of every batch in q[r], sc[r]; the first batch loaded here.
-  uint4 q[SB][NBLK];
-  uint2 sc[SB][NBLK];
-  marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
-  // Every batch but the last refills the ring; the last only computes (no load past the slice).
-#pragma unroll 1
-  for (int batch = 0; batch + SB < steps; batch += SB) {
-    // into L2: the batch after the one the ring loads while this one computes
-    if (batch + 2 * SB < steps) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + 2 * SB);
-    marlin_ring_batch<N, NBLK, SB, true>(q, sc, wp, sp, xp, xrow, c);
-#pragma unroll
-    for (int b = 0; b < NBLK; ++b) {
-      wp[b] += SB * (N / 2);
-      sp[b] += SB * (N / 8);
-    }
-    xp += SB * 8;
-  }
-  marlin_ring_batch<N, NBLK, SB, false>(q, sc, wp, sp, xp, xrow, c);
-#else
 #pragma unroll 1
   for (int batch = 0; batch < steps; batch += SB) {
 #if EXPERTS_LEAN
@@ -721,7 +562,6 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
     }
 #endif
   }
-#endif  // EXPERTS_PIPE
 }
 
 #if EXPERTS_RING
@@ -860,12 +700,12 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
 
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
 // rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default).
-template <int K, int N, int WK_, int NT, bool DBUF = false>
+template <int K, int N, int WK_, int NT>
 __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT / TPB], int k0,
                                             const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4],
                                             int steps = K / WK_ / 16) {
 #if FMT == 2
-  warp_gemm_marlin<K, N, WK_, NT / TPB, DBUF>(W, row0, k0, x, xs, nx, c, steps);
+  warp_gemm_marlin<K, N, WK_, NT / TPB>(W, row0, k0, x, xs, nx, c, steps);
 #else
   static_assert(NT == 2, "two tiles a warp");
   warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
@@ -879,9 +719,6 @@ __device__ __forceinline__ void prefetch_gemm(const Weights& W, const int row0[N
 #if FMT == 2
   constexpr int STEPS = K / WK_ / 16, SB = STEPS < 4 ? STEPS : 4;
   prefetch_marlin<N, NT / TPB, SB>(W, row0, k0 / 16);
-#if EXPERTS_PIPE
-  if (STEPS > SB) prefetch_marlin<N, NT / TPB, SB>(W, row0, k0 / 16 + SB);  // the ring's first refill
-#endif
 #elif FMT == 1
   constexpr int NC = K / WK_ / CHUNK_K;
   prefetch_rows<K, NC < 4 ? NC : 4>(W, row0, k0);
@@ -953,7 +790,7 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
 
 // act[slot][n][i] for the warp's columns (warp wk == 0) of an item's total sums c: a
 // macro over the kernel's W, slot, i0, g, t and act, so that each of the kernel's loops
-// compiles as if written out (the loop without EXPERTS_SPLIT to the same code as before).
+// compiles as if written out.
 #if EXPERTS_V3
 #define UP_GATE_UP(c, a, e4) \
   const float gate = round_bf16(c[a][e4] * W.global_lo), up = round_bf16(c[TPB + a][e4] * W.global_hi);
@@ -968,63 +805,6 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
     const float silu = gate / (1.0f + expf(-gate));                        \
     act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);   \
   }
-
-#if EXPERTS_SPLIT
-// EXPERTS_SPLIT (see the top): an item's K in UP_PARTS parts of a batch of every warp.
-constexpr int UP_STEPS = P_DIM / WK1 / 16;  // a warp's steps of 16 k in a whole item
-constexpr int UP_SB = UP_STEPS < 4 ? UP_STEPS : 4;
-constexpr int UP_PARTS = UP_STEPS / UP_SB;
-constexpr int PART_K = P_DIM / UP_PARTS;
-constexpr int PIECE_FLOATS = NT1 * 4 * 32;  // a warp's sums (wk == 0) of a piece
-
-// The cut of `total` parts into the runs of `blocks` = min(grid, total) blocks (a part at
-// least each, so every block between an item's first and last has a piece of it; the
-// blocks from `blocks` on have none).
-struct Runs {
-  int total, blocks;
-  // the first part of block blk's run (blk = blocks: the end)
-  __device__ __forceinline__ int start(int blk) const { return (int)((long)blk * total / blocks); }
-  // the block whose run holds part p: the last blk with start(blk) <= p
-  __device__ __forceinline__ int block(int p) const { return (int)(((long)(p + 1) * blocks - 1) / total); }
-};
-
-// Warp wk == 0's piece of item u in this block, sums c: true when c is the item's total.
-// A block's pieces go to workspace slot 0 (its run's first piece) or 1 (its last); the
-// last block of the item to arrive adds all of them in block order and resets the count.
-__device__ __forceinline__ bool combine_pieces(float c[NT1][4], int u, const Runs& runs, int wm,
-                                               float* __restrict__ ws, int* __restrict__ counters) {
-  const int lane = threadIdx.x & 31;
-  const int first = runs.block(u * UP_PARTS), last = runs.block((u + 1) * UP_PARTS - 1);
-  if (first == last) return true;  // the whole item in this block
-  auto piece = [&](int blk) {
-    const int at = runs.start(blk) >= u * UP_PARTS ? 0 : 1;
-    return ws + (((long)blk * 2 + at) * WM1 + wm) * PIECE_FLOATS + lane;
-  };
-  float* mine = piece(blockIdx.x);
-#pragma unroll
-  for (int a = 0; a < NT1; ++a)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) __stcg(mine + (a * 4 + e) * 32, c[a][e]);
-  __threadfence();
-  __syncwarp();
-  int old = 0;
-  if (lane == 0) old = atomicAdd(counters + u * WM1 + wm, 1);
-  if (__shfl_sync(0xffffffffu, old, 0) != last - first) return false;
-  __threadfence();  // every piece written before its count is read
-  for (int blk = first; blk <= last; ++blk) {
-    const float* p = piece(blk);
-#pragma unroll
-    for (int a = 0; a < NT1; ++a)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float v = __ldcg(p + (a * 4 + e) * 32);
-        c[a][e] = blk == first ? v : c[a][e] + v;
-      }
-  }
-  if (lane == 0) counters[u * WM1 + wm] = 0;  // every piece has arrived: zero for the next launch
-  return true;
-}
-#endif
 
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
@@ -1050,13 +830,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const unsigned char* __restrict__ w13,                         // [E_local, 2I, P] bf16 or [E_local, 2I, P/2]
     const unsigned char* __restrict__ w13_scale,                   // NVFP4: [E_local, 2I, P/16]
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
-#if EXPERTS_SPLIT
-    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
-    float* __restrict__ ws, int* __restrict__ counters) {          // [grid, 2, WM1, PIECE_FLOATS], [items, WM1] zeroed
-#elif EXPERTS_FLOW
-    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
-    int* __restrict__ ready) {                                     // [2, MAX_ROUTES] zeroed (see the top)
-#elif EXPERTS_EARLY
+#if EXPERTS_EARLY
     bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
     int ids_final) {                                               // the ids complete at launch (see the top)
 #else
@@ -1090,35 +864,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #if EXPERTS_RING
   const u32 ring = smem_u32(up_smem) + warp * RING_S * RingStage<UP_NBLK>::BYTES;  // the warp's, a shared address
 #endif
-#if EXPERTS_SPLIT
-  const int total = routes.n_slots * TILES1 * UP_PARTS;
-  const Runs runs = {total, min((int)gridDim.x, total)};
-  const bool busy = (int)blockIdx.x < runs.blocks;  // total = 0: no block
-  const int end = busy ? runs.start(blockIdx.x + 1) : 0;
-  for (int p = busy ? runs.start(blockIdx.x) : 0; p < end;) {
-    const int u = p / UP_PARTS, parts = min(end, (u + 1) * UP_PARTS) - p;  // this block's piece of item u
-    const int slot = u / TILES1, tile = u % TILES1;
-    const int e = routes.slot_expert[slot];
-    const int i0 = (tile * WM1 + wm) * UP_COLS;
-    const Weights W = up_weights(w13, w13_scale, w13_global, e);
-    const int row0[2] = {i0, I_LOCAL + i0};  // gate rows, up rows
-    const int k0 = p % UP_PARTS * PART_K + wk * parts * UP_SB * 16;  // the warp's share, contiguous
-    p += parts;
-    if (p < end) {  // the next piece's first batch: item p / UP_PARTS from its part 0
-      const int next = p / UP_PARTS, n0 = (next % TILES1 * WM1 + wm) * UP_COLS;
-      const int nrow0[2] = {n0, I_LOCAL + n0};
-      prefetch_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(
-          up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0,
-          wk * min(end - p, UP_PARTS) * UP_SB * 16);
-    }
-    float c[NT1][4];  // gate tiles, then up tiles
-    expert_gemm<P_DIM, 2 * I_LOCAL, WK1, NT1>(W, row0, k0, x, x_stride, b, c, parts * UP_SB);
-    reduce_k<WK1, NT1>(c, red, wm, wk);
-    if (wk == 0 && combine_pieces(c, u, runs, wm, ws, counters)) {
-      UP_STORE(c)
-    }
-  }
-#elif EXPERTS_HALF
+#if EXPERTS_HALF
   // warp = (side, hm, hk): side 0 the gate rows, 1 the up rows of the item (see the top)
   constexpr int WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;
   static_assert(WK1 >= 2, "EXPERTS_HALF: at least two warps along K");
@@ -1138,7 +884,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
           up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
     }
     float h[TPB][4];  // this side's tiles
-    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB, EXPERTS_DB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
+    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
     reduce_k<WKH, TPB>(h, red, side * WM1 + hm, hk);
     __syncthreads();  // xch read for the item before
     if (hk == 0 && side == 1) {
@@ -1190,10 +936,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     if (wk == 0) {
       UP_STORE(c)
     }
-#if EXPERTS_FLOW
-    __syncthreads();  // the item's act columns stored
-    if (threadIdx.x == 0) red_release_add(ready + slot, 1);
-#endif
   }
 #endif
 }
@@ -1206,12 +948,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]
     const unsigned char* __restrict__ w2_scale,                    // NVFP4: [E_local, P, I/16]
     const float* __restrict__ w2_global,                           // NVFP4: [E_local]
-#if EXPERTS_FLOW
-    bf16_t* __restrict__ rows,                                     // [b, TOP_K, P]
-    int* __restrict__ ready) {                                     // the up kernel's counters
-#else
     bf16_t* __restrict__ rows) {                                   // [b, TOP_K, P]
-#endif
   __shared__ Routes routes;
   __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
@@ -1239,28 +976,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
 #endif
   }
-#if EXPERTS_FLOW
-  pdl_launch_dependents();  // act comes through `ready`, not through the up kernel's end
-#else
   pdl_wait();
   pdl_launch_dependents();
-#endif
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
-#if EXPERTS_FLOW
-    if (n_slots > 0) {
-      if (threadIdx.x == 0) {
-        while (ld_acquire(ready + slot) < TILES1) __nanosleep(64);
-        // the slot's last down item past its wait: zero both counters for the next launch
-        if (atomicAdd(ready + MAX_ROUTES + slot, 1) == TILES2 - 1) {
-          ready[slot] = 0;
-          ready[MAX_ROUTES + slot] = 0;
-        }
-      }
-      __syncthreads();  // the slot's act visible to the block (thread 0's acquire)
-    }
-#endif
     float c[NT2][4];
 #if EXPERTS_V3
     float out_scale = 0.f;  // the global of the item's expert

@@ -159,6 +159,35 @@ def test_bench_cli_errors(capsys):
     assert main(["bench", "huge"]) == 2
     assert "unknown bench config" in capsys.readouterr().err
     assert main(["bench"]) == 2
+    assert main(["bench", "tiny", "--device", "cpu", "--provider", "no-colon"]) == 2
+    assert "--provider: 'no-colon' is not module:Class" in capsys.readouterr().err
+    assert main(["bench", "tiny", "--device", "cpu", "--provider", "sparkdecode.reference.providers:NoSuch"]) == 2
+    assert "--provider" in capsys.readouterr().err
+    registered = "sparkdecode.reference.providers:ReferenceLinear"
+    assert main(["bench", "tiny", "--device", "cpu", "--provider", registered, "--quiet"]) == 2
+    assert "reference.linear is already registered" in capsys.readouterr().err
+
+
+def test_an_unregistered_provider_is_offered_and_recorded(tmp_path, monkeypatch):
+    """``--provider module:Class``: a class no pack registers, pinned like a registered
+    one, and named in the record."""
+    (tmp_path / "extra_linear.py").write_text(
+        "from sparkdecode.reference.providers import ReferenceLinear\n\n\n"
+        "class ExtraLinear(ReferenceLinear):\n    name = 'extra.linear'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(
+            ["bench", "tiny", "--device", "cpu", "--context", "300", "--replays", "1", "--no-blocks"]
+            + ["--routing", "random", "--provider", "extra_linear:ExtraLinear", "--pin", "linear=extra.linear"]
+            + ["--out", str(out), "--quiet"]
+        )
+    assert code == 0
+    (path,) = out.glob("tiny_*.json")
+    executor = json.loads(path.read_text())["executor"]
+    assert executor["layout"]["linear"].startswith("extra.linear")
+    assert executor["unregistered_providers"] == {"extra.linear": "extra_linear:ExtraLinear"}
 
 
 def test_plot_from_a_record(tiny_record, tmp_path):

@@ -77,6 +77,29 @@ class Registry:
         """Pack -> distribution version, for cache keys."""
         return {p.pack: f"{p.distribution}=={p.version}" for p in self.providers}
 
+    def adding(self, classes: Sequence[type]) -> Registry:
+        """This registry with ``classes`` (providers no pack registers, named on a
+        command line: ``--provider``) added under the pack name ``command-line``; a class
+        that is no provider, or whose name is taken, raises ValueError naming it."""
+        added = Registry(list(self.providers), list(self.broken))
+        for cls in classes:
+            reason = invalid_provider(cls)
+            if reason is None and added.find(cls.name) is not None:
+                reason = f"{cls.name} is already registered"
+            if reason is not None:
+                raise ValueError(reason)
+            added.providers.append(Registered(cls, "command-line", getattr(cls, "__module__", "?"), "unregistered"))
+        return added
+
+
+def provider_class(path: str) -> type:
+    """The class at ``module:Class`` (a provider not registered yet, named on a command
+    line); ValueError, ImportError or AttributeError where there is none."""
+    module, sep, name = path.partition(":")
+    if not (sep and module and name):
+        raise ValueError(f"{path!r} is not module:Class")
+    return getattr(importlib.import_module(module), name)
+
 
 def invalid_provider(cls: object) -> str | None:
     """Why ``cls`` is not a provider class, or None."""

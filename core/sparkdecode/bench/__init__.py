@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ..plugins import discover, provider_class
 from .configs import ROUTINGS, BenchConfigError, named
 from .report import PlotUnavailableError, plot, stem, table, write
 from .runner import Progress, run
@@ -65,6 +66,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     p.add_argument("--pin", action="append", default=[], metavar="BLOCK=PROVIDER")
+    p.add_argument(
+        "--provider",
+        action="append",
+        default=[],
+        metavar="MODULE:CLASS",
+        help="step configs: a provider class no pack registers, offered to the resolver and to --pin (repeatable)",
+    )
     p.add_argument(
         "--candidates",
         choices=CANDIDATE_KINDS,
@@ -145,6 +153,15 @@ def main(args: argparse.Namespace) -> int:
         from .ranks import main as ranks_main
 
         return ranks_main(cfg, args, command)
+    try:
+        extra = tuple(provider_class(p) for p in args.provider)
+        discover().adding(extra)  # a class that is no provider, or a name taken, is named here
+    except (ValueError, ImportError, AttributeError) as e:
+        print(f"sparkdecode bench: --provider: {e}", file=sys.stderr)
+        return 2
+    if extra and cfg.all_ranks:
+        print("sparkdecode bench: --provider is for configs of one rank", file=sys.stderr)
+        return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         if cfg.layers == 0:
@@ -167,6 +184,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         pins=parse_pins(args.pin),
         candidates=tuple(dict.fromkeys(args.candidates)),
+        extra_providers=extra,
         command=command,
         progress=Progress(cfg.name, quiet=args.quiet),
     )

@@ -23,6 +23,7 @@ import torch
 
 from ..executor import DecodeConfig, SpecializedDecode
 from ..layout import measured_seconds
+from ..plugins import discover
 from ..protocols import HostStep
 from .baseline import TorchBaseline, flashinfer_version
 from .configs import ROUTINGS, ROWS, BenchConfig
@@ -149,13 +150,16 @@ def run(
     seed: int = 0,
     pins: dict[str, str] | None = None,
     candidates: tuple[str, ...] = (),
+    extra_providers: tuple[type, ...] = (),
     command: str = "",
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """The record of one config (see ``report.py`` for its form). ``candidates``: kinds
     (``attention``, ``attention_core``) whose every supported provider is timed per
-    layer, each alone in a graph (steer.candidate_blocks)."""
+    layer, each alone in a graph (steer.candidate_blocks). ``extra_providers``: classes
+    no pack registers, offered to the resolver beside the registered ones (``--provider``)."""
     progress = progress or Progress(cfg.name, quiet=True)
+    registry = discover().adding(extra_providers)
     graphs = device.type == "cuda"
     replays = replays or (100 if graphs else 3)
     block_replays = block_replays or (30 if graphs else 1)
@@ -192,7 +196,9 @@ def run(
 
         progress(f"context {context}: building the executor")
         executor = SpecializedDecode(
-            weights, DecodeConfig(q=ROWS, max_rows=ROWS, max_context=context, pins=dict(pins or {}))
+            weights,
+            DecodeConfig(q=ROWS, max_rows=ROWS, max_context=context, pins=dict(pins or {})),
+            registry=registry,
         )
         layout = {kind: f"{c.chosen.name} ({c.how})" for kind, c in executor.layout.choices.items()}
         measured[str(context)] = measured_seconds(executor.layout)
@@ -354,7 +360,13 @@ def run(
             + baseline_attention,
         },
         # The resolver's in-place layer times of each measured kind's candidates, per context.
-        "executor": {"layout": layout, "measured_seconds": measured, "notes": executor_notes},
+        "executor": {
+            "layout": layout,
+            "measured_seconds": measured,
+            "notes": executor_notes,
+            # classes no pack registers, offered with --provider: name -> module:Class
+            "unregistered_providers": {c.name: f"{c.__module__}:{c.__qualname__}" for c in extra_providers},
+        },
         "collectives_left_out": _collectives(cfg),
         "runs": runs,
         # Per context: every supported provider of the asked kinds, per layer, alone

@@ -579,24 +579,13 @@ def report(config: str, copy: float, record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def provider_class(path: str) -> type:
-    """The provider class at ``module:Class`` (``--linear-provider``,
-    ``--experts-provider``: one not registered yet, measured beside the registered ones)."""
-    import importlib
-
-    module, sep, name = path.partition(":")
-    if not (sep and module and name):
-        raise ValueError(f"{path!r} is not module:Class")
-    return getattr(importlib.import_module(module), name)
-
-
 def main(args: argparse.Namespace) -> int:
     """``sparkdecode bench streams-...``: needs a GPU."""
     import datetime
     import sys
 
     from ..deployment import detect
-    from ..plugins import discover
+    from ..plugins import discover, provider_class
     from ..spec import ModelSpec
 
     if args.config not in SHAPES:

@@ -32,8 +32,10 @@ def test_regions_refused_by_name():
         prefetch.table([prefetch.Region(w, 100)])
     with pytest.raises(ValueError, match="past the tensor"):
         prefetch.table([prefetch.Region(w, 2048, rows=65, stride=2048)])
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="contiguous rows"):
         prefetch.whole(w.t())
+    view = prefetch.whole(w[:, 256:768])  # rows of a wider weight: a run a row
+    assert (view.nbytes, view.rows, view.stride) == (1024, 64, 2048) and view.reason() is None
     assert prefetch.Region(w, 2048, rows=64, stride=2048).reason() is None
 
 

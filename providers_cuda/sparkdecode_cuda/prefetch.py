@@ -48,10 +48,14 @@ class Region:
 
 
 def whole(t: torch.Tensor) -> Region:
-    """All of a contiguous tensor as one run."""
-    if not t.is_contiguous():
-        raise ValueError(f"a whole-tensor prefetch takes a contiguous tensor, strides {t.stride()}")
-    return Region(t, t.numel() * t.element_size())
+    """All of a tensor: one run where it is contiguous, else a run a row of a 2-D tensor
+    whose rows are contiguous (a view of a wider weight)."""
+    size = t.element_size()
+    if t.is_contiguous():
+        return Region(t, t.numel() * size)
+    if t.dim() == 2 and t.stride(1) == 1:
+        return Region(t, t.shape[1] * size, t.shape[0], t.stride(0) * size)
+    raise ValueError(f"a whole-tensor prefetch takes contiguous rows, not strides {t.stride()}")
 
 
 def table(regions: list[Region]) -> tuple[list[list[int]], int]:

@@ -39,18 +39,21 @@ def test_regions_refused_by_name():
     assert prefetch.Region(w, 2048, rows=64, stride=2048).reason() is None
 
 
-def test_kernel_compiles_spill_free():
+def test_prefetching_blocks_are_not_registered():
+    from sparkdecode_cuda import attention, moe, plugin
+
+    for cls in (attention.CudaAttentionPrefetch, attention.CudaAttentionPrefetchPooler):
+        assert cls not in plugin.PROVIDERS and issubclass(cls, attention.CudaAttention)
+    for cls in (moe.CudaMoEPrefetch, moe.CudaMoEPrefetchNormal):
+        assert cls not in plugin.PROVIDERS and issubclass(cls, moe.CudaMoE)
+
+
+@pytest.mark.parametrize("evict_last", [0, 1])
+def test_kernel_compiles_with_either_policy(evict_last):
     nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     from ptxas_check import assert_spill_free
 
-    usage = assert_spill_free(prefetch.SOURCE, {"CHUNK": prefetch.CHUNK}, ())
+    usage = assert_spill_free(prefetch.SOURCE, {"CHUNK": prefetch.CHUNK, "EVICT_LAST": evict_last}, ())
     assert set(usage) == {"l2_prefetch_kernel"}
-
-
-def test_prefetching_attention_is_not_registered():
-    from sparkdecode_cuda import attention, plugin
-
-    for cls in (attention.CudaAttentionPrefetch, attention.CudaAttentionPrefetchPooler):
-        assert cls not in plugin.PROVIDERS and issubclass(cls, attention.CudaAttention)

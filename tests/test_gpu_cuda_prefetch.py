@@ -1,10 +1,9 @@
-"""The L2 prefetch beside the attention core (providers_cuda prefetch.py, marker gpu):
-cuda.attention_prefetch and cuda.attention_prefetch_pooler (not registered) against
-cuda.attention on a Hopper GPU. A prefetch writes nothing, so the block's o_proj
-partial and its K/V writes must equal cuda.attention's to the bit, in a CUDA graph (the
-side stream's fork and join captured), at a TP-8 rank's shapes on a sliding and a full
-layer, with cute.linear_tma as the linear sub-op (its ``read_first`` gives the pooler's
-runs)."""
+"""The L2 prefetches (providers_cuda prefetch.py, marker gpu) on a Hopper GPU:
+cuda.attention_prefetch and _prefetch_pooler against cuda.attention, cuda.moe_prefetch
+and _prefetch_normal against cuda.moe (none registered). A prefetch writes nothing, so
+the block's outputs must equal the plain block's to the bit, in a CUDA graph (the side
+stream's fork and join captured), at a TP-8 rank's shapes, with cute.linear_tma as the
+linear sub-op (its ``read_first`` gives the pooler's and the unpooler's runs)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import torch
 
 from sparkdecode.bench.timing import Timer
 from sparkdecode.executor import DecodeConfig, SpecializedDecode
-from sparkdecode.plugins import Registered, discover
+from sparkdecode.plugins import discover
 from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.spec import ModelSpec
 from sparkdecode.weights import Sharding, random_weights
@@ -26,30 +25,41 @@ pytestmark = [
 ]
 
 attention = pytest.importorskip("sparkdecode_cuda.attention")
+moe = pytest.importorskip("sparkdecode_cuda.moe")
 pytest.importorskip("sparkdecode_cute.linear_tma")
 
 PINS = {"linear": "cute.linear_tma", "attention_core": "cuda.attention_core"}
 MAX_CONTEXT = 4096
 
 
-def _executor(weights, attention_name: str) -> SpecializedDecode:
+VARIANTS = (
+    attention.CudaAttentionPrefetch,
+    attention.CudaAttentionPrefetchPooler,
+    moe.CudaMoEPrefetch,
+    moe.CudaMoEPrefetchNormal,
+)
+
+
+def _pair(layers: int, seed: int, block: str, plain: str, variant: type) -> tuple:
+    """(spec, weights, the executors with ``plain`` and with ``variant`` pinned for
+    ``block``, the variant's layer-0 block) at a TP-8 rank's shapes."""
+    spec = ModelSpec.preset("muse-spark-open", layers)
+    weights = random_weights(spec, seed=seed, device="cuda", sharding=Sharding(8, 0, "tp"))
     registry = discover()
-    for cls in (attention.CudaAttentionPrefetch, attention.CudaAttentionPrefetchPooler):
-        if registry.find(cls.name) is None:
-            registry.providers.append(Registered(cls, "test", "test", "0"))
-    pins = {**PINS, "attention": attention_name}
-    executor = SpecializedDecode(weights, DecodeConfig(max_context=MAX_CONTEXT, pins=pins), registry=registry)
-    assert executor.layout.choices["attention"].chosen.name == attention_name
-    return executor
+    registry = registry.adding([cls for cls in VARIANTS if registry.find(cls.name) is None])
+    executors = []
+    for name in (plain, variant.name):
+        config = DecodeConfig(max_context=MAX_CONTEXT, pins={**PINS, block: name})
+        executors.append(SpecializedDecode(weights, config, registry=registry))
+        assert executors[-1].layout.choices[block].chosen.name == name
+    provider = getattr(executors[1].layers[0], block)
+    assert isinstance(provider, variant)
+    return spec, weights, executors, provider
 
 
 @pytest.mark.parametrize("variant", [attention.CudaAttentionPrefetch, attention.CudaAttentionPrefetchPooler])
 def test_prefetch_changes_no_bit(variant):
-    spec = ModelSpec.preset("muse-spark-open", 2)
-    weights = random_weights(spec, seed=3, device="cuda", sharding=Sharding(8, 0, "tp"))
-    executors = [_executor(weights, "cuda.attention"), _executor(weights, variant.name)]
-    block = executors[1].layers[0].attention
-    assert isinstance(block, variant)
+    spec, weights, executors, block = _pair(2, 3, "attention", "cuda.attention", variant)
     lw = weights.layers[0]
     runs = block.linear.read_first("pooler", variant.pooler_head) if variant.pooler_head else []
     assert bool(runs) == bool(variant.pooler_head)
@@ -86,3 +96,24 @@ def test_prefetch_changes_no_bit(variant):
         assert torch.isfinite(a).all() and torch.equal(a, b)
     for a, b in zip(c0, c1, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", [moe.CudaMoEPrefetch, moe.CudaMoEPrefetchNormal])
+def test_moe_prefetch_changes_no_bit(variant):
+    spec, _, executors, block = _pair(1, 1, "moe", "cuda.moe", variant)
+    assert block.prefetch is not None
+    assert block.prefetch.evict_last == variant.evict_last
+    runs = block.linear.read_first("unpooler", variant.unpooler_head)
+    assert block.prefetch.nbytes == sum(n * rows for _, n, rows, _ in runs) > 0
+    x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    outs = []
+    for executor in executors:
+        provider, mailbox = executor.layers[0].moe, executor.mailboxes[0]
+        graph = Timer(torch.device("cuda")).capture(lambda provider=provider: provider.run(None, x))
+        mailbox.publish(8).fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append([mailbox.gather(8).clone(), provider.ids[:8].clone(), provider.weights[:8].clone()])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    assert torch.isfinite(outs[0][0]).all()

@@ -74,9 +74,11 @@ def table(regions: list[Region]) -> tuple[list[list[int]], int]:
 
 
 class L2Prefetch:
-    """The prefetch of ``regions`` (kept alive here: the table holds their addresses)."""
+    """The prefetch of ``regions`` (kept alive here: the table holds their addresses);
+    ``evict_last``: under an evict-last L2 policy, so the weights streamed between the
+    prefetch and the kernel that reads the lines (normal priority) are evicted first."""
 
-    def __init__(self, device: torch.device, regions: list[Region]):
+    def __init__(self, device: torch.device, regions: list[Region], evict_last: bool = False):
         if not regions:
             raise ValueError("L2 prefetch: no regions")
         self.regions = regions
@@ -84,7 +86,8 @@ class L2Prefetch:
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         self.nbytes = sum(r.nbytes * r.rows for r in regions)
         self.blocks = min(MAX_BLOCKS, -(-self.chunks // THREADS))
-        self.kernel = Kernel(SOURCE, "l2_prefetch_kernel", device, {"CHUNK": CHUNK}, ())
+        self.evict_last = evict_last
+        self.kernel = Kernel(SOURCE, "l2_prefetch_kernel", device, {"CHUNK": CHUNK, "EVICT_LAST": int(evict_last)}, ())
 
     def launch(self) -> None:
         """The prefetches, on the current stream (no PDL: nothing it reads is written in

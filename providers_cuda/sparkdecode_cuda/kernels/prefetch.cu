@@ -13,10 +13,17 @@
 #ifndef CHUNK
 #define CHUNK 16384
 #endif
+#ifndef EVICT_LAST
+#define EVICT_LAST 0  // 1: the lines under an evict-last L2 policy, kept before lines streamed past them
+#endif
 static_assert(CHUNK % 16 == 0, "bulk prefetches take multiples of 16 bytes");
 
 extern "C" __global__ void l2_prefetch_kernel(const long long* __restrict__ table, int regions, long long chunks) {
   const long long threads = (long long)gridDim.x * blockDim.x;
+#if EVICT_LAST && __CUDA_ARCH__ >= 900
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+#endif
   int r = 0;
   for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += threads) {
     while (r + 1 < regions && c >= table[(r + 1) * 6 + 5]) ++r;  // chunks ascend, so r only grows
@@ -26,7 +33,10 @@ extern "C" __global__ void l2_prefetch_kernel(const long long* __restrict__ tabl
     const long long left = t[2] - at;
     const unsigned size = (unsigned)(left < CHUNK ? left : CHUNK);
     const char* address = (const char*)t[0] + row * t[1] + at;
-#if __CUDA_ARCH__ >= 900
+#if EVICT_LAST && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(address), "r"(size), "l"(policy)
+                 : "memory");
+#elif __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(size) : "memory");
 #endif
   }

@@ -32,6 +32,7 @@ import torch
 
 from expert_check import assert_experts_close, assert_experts_close_exact, exact_weights
 from marlin_pack import random_marlin
+from sparkdecode.bench.timing import Timer
 from sparkdecode.nvfp4_marlin import marlin_form
 from sparkdecode.protocols import BuildContext, ExpertsInput, RoutedTopk
 from sparkdecode.reference import functional as fn
@@ -455,14 +456,7 @@ def test_early_routing_is_half4_bit_for_bit(shape):
     rows.fill_(float("nan"))
     early.run(ExpertsInput(x), RoutedTopk(source, weights), rows)  # final False: the wait first
     check(-2)
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        step()
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = Timer(torch.device("cuda")).capture(step)  # warm-ups on a side stream, then the capture
     for i in range(10):
         source.copy_(routing(b, k, spec.E, "distinct" if i % 2 else "duplicates", g))
         rows.fill_(float("nan"))

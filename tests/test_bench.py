@@ -166,6 +166,8 @@ def test_bench_cli_errors(capsys):
     registered = "sparkdecode.reference.providers:ReferenceLinear"
     assert main(["bench", "tiny", "--device", "cpu", "--provider", registered, "--quiet"]) == 2
     assert "reference.linear is already registered" in capsys.readouterr().err
+    assert main(["bench", "tiny-tp2-nvfp4-marlin", "--provider", registered]) == 2
+    assert "--provider is for configs of one rank, not tiny-tp2-nvfp4-marlin" in capsys.readouterr().err
 
 
 def test_an_unregistered_provider_is_offered_and_recorded(tmp_path, monkeypatch):

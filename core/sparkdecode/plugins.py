@@ -23,6 +23,7 @@ from .protocols import ALL_KINDS
 
 PROJECT = "sparkdecode"
 GROUP = "sparkdecode.providers"
+COMMAND_LINE = "command-line"  # the pack name of providers added by Registry.adding
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -79,7 +80,7 @@ class Registry:
 
     def adding(self, classes: Sequence[type]) -> Registry:
         """This registry with ``classes`` (providers no pack registers, named on a
-        command line: ``--provider``) added under the pack name ``command-line``; a class
+        command line: ``--provider``) added under the pack name ``COMMAND_LINE``; a class
         that is no provider, or whose name is taken, raises ValueError naming it."""
         added = Registry(list(self.providers), list(self.broken))
         for cls in classes:
@@ -88,8 +89,12 @@ class Registry:
                 reason = f"{cls.name} is already registered"
             if reason is not None:
                 raise ValueError(reason)
-            added.providers.append(Registered(cls, "command-line", getattr(cls, "__module__", "?"), "unregistered"))
+            added.providers.append(Registered(cls, COMMAND_LINE, getattr(cls, "__module__", "?"), "unregistered"))
         return added
+
+    def unregistered(self) -> dict[str, str]:
+        """The providers ``adding`` took: name -> ``module:Class``."""
+        return {p.name: f"{p.cls.__module__}:{p.cls.__qualname__}" for p in self.providers if p.pack == COMMAND_LINE}
 
 
 def provider_class(path: str) -> type:

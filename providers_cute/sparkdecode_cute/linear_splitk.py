@@ -97,7 +97,7 @@ class CuteLinearSplitK(CuteLinear):
         """What weight ``name``'s kernel reads first, about ``budget`` bytes of it: runs
         (offset, bytes, rows, stride in bytes from the weight's first byte) of the first
         bytes of every row in each of its splits of K, whose CTAs all start at once and
-        stream their chunk from its start; for an L2 prefetch ahead of the kernel. None
+        stream their chunk from its start; for an L2 prefetch ahead of the kernel. No runs
         where a split's run would be under 16 bytes."""
         weight = self.weights[name]
         p, w = weight.plan, weight.w

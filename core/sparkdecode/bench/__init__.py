@@ -144,6 +144,8 @@ def main(args: argparse.Namespace) -> int:
         cfg = named(args.config)
         if not cfg.all_ranks and (args.one_gpu or args.backend):
             raise BenchConfigError(f"--one-gpu and --backend are for configs of every rank, not {cfg.name}")
+        if cfg.all_ranks and args.provider:
+            raise BenchConfigError(f"--provider is for configs of one rank, not {cfg.name}")
     except BenchConfigError as e:
         print(f"sparkdecode bench: {e}", file=sys.stderr)
         return 2
@@ -154,13 +156,9 @@ def main(args: argparse.Namespace) -> int:
 
         return ranks_main(cfg, args, command)
     try:
-        extra = tuple(provider_class(p) for p in args.provider)
-        discover().adding(extra)  # a class that is no provider, or a name taken, is named here
-    except (ValueError, ImportError, AttributeError) as e:
+        registry = discover().adding([provider_class(p) for p in args.provider])
+    except (ValueError, ImportError, AttributeError) as e:  # no class there, no provider, or a name taken
         print(f"sparkdecode bench: --provider: {e}", file=sys.stderr)
-        return 2
-    if extra and cfg.all_ranks:
-        print("sparkdecode bench: --provider is for configs of one rank", file=sys.stderr)
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
@@ -184,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         pins=parse_pins(args.pin),
         candidates=tuple(dict.fromkeys(args.candidates)),
-        extra_providers=extra,
+        registry=registry,
         command=command,
         progress=Progress(cfg.name, quiet=args.quiet),
     )

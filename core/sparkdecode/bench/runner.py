@@ -23,7 +23,7 @@ import torch
 
 from ..executor import DecodeConfig, SpecializedDecode
 from ..layout import measured_seconds
-from ..plugins import discover
+from ..plugins import Registry, discover
 from ..protocols import HostStep
 from .baseline import TorchBaseline, flashinfer_version
 from .configs import ROUTINGS, ROWS, BenchConfig
@@ -150,16 +150,16 @@ def run(
     seed: int = 0,
     pins: dict[str, str] | None = None,
     candidates: tuple[str, ...] = (),
-    extra_providers: tuple[type, ...] = (),
+    registry: Registry | None = None,
     command: str = "",
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """The record of one config (see ``report.py`` for its form). ``candidates``: kinds
     (``attention``, ``attention_core``) whose every supported provider is timed per
-    layer, each alone in a graph (steer.candidate_blocks). ``extra_providers``: classes
-    no pack registers, offered to the resolver beside the registered ones (``--provider``)."""
+    layer, each alone in a graph (steer.candidate_blocks). ``registry``: the providers
+    offered to the resolver (default: the discovered ones; ``--provider`` adds to them)."""
     progress = progress or Progress(cfg.name, quiet=True)
-    registry = discover().adding(extra_providers)
+    registry = registry if registry is not None else discover()
     graphs = device.type == "cuda"
     replays = replays or (100 if graphs else 3)
     block_replays = block_replays or (30 if graphs else 1)
@@ -365,7 +365,7 @@ def run(
             "measured_seconds": measured,
             "notes": executor_notes,
             # classes no pack registers, offered with --provider: name -> module:Class
-            "unregistered_providers": {c.name: f"{c.__module__}:{c.__qualname__}" for c in extra_providers},
+            "unregistered_providers": registry.unregistered(),
         },
         "collectives_left_out": _collectives(cfg),
         "runs": runs,

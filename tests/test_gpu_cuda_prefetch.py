@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_check import assert_same_bits, attention_blocks_in_graph, executor_pair
 
 from sparkdecode.bench.timing import Timer
-from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.plugins import discover
-from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.spec import ModelSpec
 from sparkdecode.weights import Sharding, random_weights
 
@@ -30,6 +29,7 @@ pytest.importorskip("sparkdecode_cute.linear_tma")
 
 PINS = {"linear": "cute.linear_tma", "attention_core": "cuda.attention_core"}
 MAX_CONTEXT = 4096
+REPLAYS = 8
 
 
 VARIANTS = (
@@ -42,16 +42,13 @@ VARIANTS = (
 
 def _pair(layers: int, seed: int, block: str, plain: str, variant: type) -> tuple:
     """(spec, weights, the executors with ``plain`` and with ``variant`` pinned for
-    ``block``, the variant's layer-0 block) at a TP-8 rank's shapes."""
+    ``block`` and every other kind as the first chose, the variant's layer-0 block) at a
+    TP-8 rank's shapes."""
     spec = ModelSpec.preset("muse-spark-open", layers)
     weights = random_weights(spec, seed=seed, device="cuda", sharding=Sharding(8, 0, "tp"))
     registry = discover()
     registry = registry.adding([cls for cls in VARIANTS if registry.find(cls.name) is None])
-    executors = []
-    for name in (plain, variant.name):
-        config = DecodeConfig(max_context=MAX_CONTEXT, pins={**PINS, block: name})
-        executors.append(SpecializedDecode(weights, config, registry=registry))
-        assert executors[-1].layout.choices[block].chosen.name == name
+    executors = executor_pair(weights, MAX_CONTEXT, PINS, block, (plain, variant.name), registry)
     provider = getattr(executors[1].layers[0], block)
     assert isinstance(provider, variant)
     return spec, weights, executors, provider
@@ -67,35 +64,35 @@ def test_prefetch_changes_no_bit(variant):
     assert pooler_head <= max(variant.pooler_head, 0)
     assert block.prefetch.nbytes == lw.o_proj.numel() * 2 + lw.router.numel() * 4 + pooler_head
     first = 3000 - 8 - 3000 % 16 + 5  # rows crossing a page edge, past the window
-    positions = torch.arange(first, first + 8, device="cuda")
-    x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
-    outs = []
-    for executor in executors:
-        cache = PagedKVCache(spec, 300, MAX_CONTEXT, 8, "cuda", num_kv_heads=lw.num_kv_heads)
-        g = torch.Generator(device="cuda").manual_seed(9)
-        for t in cache.tensors:
-            t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
-        host = cache.begin_step(first, 8)
-        executor.prepare_kv(cache.kv())
-        step = executor.plan(positions)
-        executor.prepare_step(host)
-        partials = [torch.full((8, spec.H), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    plain, prefetched = (attention_blocks_in_graph(executor, first, seed=9) for executor in executors)
+    assert_same_bits(plain, prefetched)
 
-        def both(step=step, executor=executor, partials=partials) -> None:
-            for i in range(2):
-                executor.layers[i].attention.run(step, x, partials[i])
 
-        graph = Timer(torch.device("cuda")).capture(both)  # warm-ups on a side stream, then the capture
-        for p in partials:
-            p.fill_(float("nan"))
+def _replayed(graph, outputs, refill, replays: int = REPLAYS) -> list[dict[str, torch.Tensor]]:
+    """``outputs()`` (named clones) after each of ``replays`` replays of ``graph``, with
+    ``refill()`` (NaNs into the outputs) before each."""
+    runs = []
+    for _ in range(replays):
+        refill()
         graph.replay()
         torch.cuda.synchronize()
-        outs.append((partials, [t.clone() for t in cache.tensors]))
-    (p0, c0), (p1, c1) = outs
-    for a, b in zip(p0, p1, strict=True):
-        assert torch.isfinite(a).all() and torch.equal(a, b)
-    for a, b in zip(c0, c1, strict=True):
-        assert torch.equal(a, b)
+        runs.append(outputs())
+    return runs
+
+
+def _same_bits(plain: list[dict[str, torch.Tensor]], variant: list[dict[str, torch.Tensor]]) -> None:
+    """Each block's replays agree with its first, then the variant's first with the plain
+    block's, naming the tensor and the replays that differ."""
+    for which, runs in (("plain", plain), ("variant", variant)):
+        for name, first in runs[0].items():
+            differ = [i for i, run in enumerate(runs) if not torch.equal(run[name], first)]
+            assert not differ, f"the {which} block's {name}: replays {differ} differ from replay 0"
+    for name, first in plain[0].items():
+        a, b = first, variant[0][name]
+        where = (a != b) & ~(a.isnan() & b.isnan())
+        assert not where.any(), (
+            f"{name}: {int(where.sum())} elements differ, the first at {where.nonzero()[0].tolist()}"
+        )
 
 
 @pytest.mark.parametrize("variant", [moe.CudaMoEPrefetch, moe.CudaMoEPrefetchNormal])
@@ -106,14 +103,21 @@ def test_moe_prefetch_changes_no_bit(variant):
     runs = block.linear.read_first("unpooler", variant.unpooler_head)
     assert block.prefetch.nbytes == sum(n * rows for _, n, rows, _ in runs) > 0
     x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
-    outs = []
+    results = []
     for executor in executors:
         provider, mailbox = executor.layers[0].moe, executor.mailboxes[0]
         graph = Timer(torch.device("cuda")).capture(lambda provider=provider: provider.run(None, x))
-        mailbox.publish(8).fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        outs.append([mailbox.gather(8).clone(), provider.ids[:8].clone(), provider.weights[:8].clone()])
-    for a, b in zip(*outs, strict=True):
-        assert torch.equal(a, b)
-    assert torch.isfinite(outs[0][0]).all()
+
+        def refill(provider=provider, mailbox=mailbox) -> None:
+            for t in (mailbox.publish(8), provider.logits, provider.weights):
+                t.fill_(float("nan"))
+            provider.ids.fill_(-1)
+
+        def outputs(provider=provider, mailbox=mailbox) -> dict[str, torch.Tensor]:
+            named = {"out": mailbox.gather(8), "logits": provider.logits, "ids": provider.ids}
+            named |= {"weights": provider.weights, "pooled": provider.pooled, "h": provider.h, "m": provider.m}
+            return {name: t[:8].clone() for name, t in named.items()}
+
+        results.append(_replayed(graph, outputs, refill))
+    _same_bits(*results)
+    assert torch.isfinite(results[0][0]["out"]).all()

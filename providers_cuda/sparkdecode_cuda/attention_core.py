@@ -72,6 +72,12 @@ class CudaAttentionCore(_Cuda):
     block = "attention_core"
     name = "cuda.attention_core"
     combine_batch = 1  # attention_core.cu's COMBINE_BATCH: the splits the combine loads at once
+    early_kv = False  # attention_core.cu's EARLY_KV: the keys written before the step read before the PDL wait
+
+    @classmethod
+    def combine_batch_for(cls, splits: int) -> int:
+        """COMBINE_BATCH at ``splits`` splits."""
+        return cls.combine_batch
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -94,8 +100,11 @@ class CudaAttentionCore(_Cuda):
         # A sliding layer's splits cover its window, not the whole context (at 32768 a
         # window of 2048 would leave most of the context's 128 splits without a key).
         defines = kernel_defines(self.group, keys_seen(ctx.max_context, lw.window, ctx.max_rows))
-        if self.combine_batch > 1:
-            defines["COMBINE_BATCH"] = self.combine_batch
+        batch = self.combine_batch_for(defines["SPLITS"])
+        if batch > 1:
+            defines["COMBINE_BATCH"] = batch
+        if self.early_kv:
+            defines["EARLY_KV"] = 1
         self.splits = defines["SPLITS"]
         self.scale_log2 = ctx.spec.softmax_scale * math.log2(math.e)
         self.split = Kernel(SOURCE, "attention_split_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -213,3 +222,27 @@ class CudaAttentionCoreBatched(CudaAttentionCore):
 
     name = "cuda.attention_core_batched"
     combine_batch = 8
+
+
+class CudaAttentionCoreEarly(CudaAttentionCore):
+    """``cuda.attention_core`` whose split kernel reads, before its PDL wait, what was
+    written before the step (EARLY_KV): the block table, the sequence length and the
+    keys below the step's first position, its first tile's into registers and its later
+    tiles' into L2, while the QKV front and the qkvg GEMM before it run; after the wait it
+    adds the first tile's keys of this step and reads q. In the step the core's split
+    kernel ends 9-11 us after the QKV front, fa2's prefill 5.9 (bench/NOTES.md v12). Its
+    combine loads the partials of all the splits at once, in as few even batches of at
+    most ``MAX_BATCH`` (17 a batch at a full layer's 33 splits and at a sliding layer's
+    17): after the maxima, two round trips to L2 a row at 33 splits and one at 17, where
+    the core's combine makes 66 and 34. The same
+    loads into the same registers, the same sums in the same order: the core's bits.
+    Not registered: not yet run on a GPU."""
+
+    name = "cuda.attention_core_early"
+    early_kv = True
+    MAX_BATCH = 32  # float4 partials held at once: 128 registers of a combine thread
+
+    @classmethod
+    def combine_batch_for(cls, splits: int) -> int:
+        rounds = -(-splits // cls.MAX_BATCH)
+        return -(-splits // rounds)

@@ -131,11 +131,10 @@ def provider(fmt: str):
     -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
     EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN,
     "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found before the PDL wait
-    when the routing is final at launch), "-v3half4next": -v3half4early with
-    EXPERTS_DOWN_NEXT (the down kernel's next item prefetched into L2),
+    when the routing is final at launch),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
-    _half_lean, _half4_next and the two V3 bulk unregistered)."""
+    _half_lean and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -161,7 +160,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
         "nvfp4_marlin-v3half4early": experts_mod.CudaExpertsNvfp4MarlinV3Half4Early,
-        "nvfp4_marlin-v3half4next": experts_mod.CudaExpertsNvfp4MarlinV3Half4Next,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -207,7 +205,6 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3halflean",
         "-v3half4lean",
         "-v3half4early",
-        "-v3half4next",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -380,26 +377,25 @@ def test_experts_bulk_split_k_deterministic(fmt, shape):
 
 
 @pytest.mark.parametrize(
-    "fmt,base",
+    "fmt",
     [
-        ("nvfp4_marlin-v3halfmask", "nvfp4_marlin-v3half"),
-        ("nvfp4_marlin-v3half4mask", "nvfp4_marlin-v3half4"),
-        ("nvfp4_marlin-v3halflean", "nvfp4_marlin-v3half"),
-        ("nvfp4_marlin-v3half4lean", "nvfp4_marlin-v3half4"),
-        ("nvfp4_marlin-v3half4next", "nvfp4_marlin-v3half4early"),
+        "nvfp4_marlin-v3halfmask",
+        "nvfp4_marlin-v3half4mask",
+        "nvfp4_marlin-v3halflean",
+        "nvfp4_marlin-v3half4lean",
     ],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_route_mask_is_the_scan_bit_for_bit(fmt, base, shape):
+def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
     """EXPERTS_ROUTE_MASK changes how the down kernel finds a value's routes, not the
-    values, EXPERTS_LEAN (how the Marlin loop prefetches and shifts) not what it
-    computes, and EXPERTS_DOWN_NEXT only what is in L2: the rows equal the variant without
-    them bit for bit (the EP shapes cover the zeros for routes to experts not held), for
-    distinct experts, experts shared across rows, and a row routing twice to one expert."""
+    values, and EXPERTS_LEAN (how the Marlin loop prefetches and shifts) not what it
+    computes: the rows equal the variant without them bit for bit (the EP shapes cover
+    the zeros for routes to experts not held), for distinct experts, experts shared
+    across rows, and a row routing twice to one expert."""
     spec, sharding = SHAPES[shape]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=19)
     masked = provider(fmt).build(context(spec, experts), 0)
-    scan = provider(base).build(context(spec, experts), 0)
+    scan = provider(fmt.removesuffix("mask").removesuffix("lean")).build(context(spec, experts), 0)
     g = torch.Generator().manual_seed(23)
     k = spec.top_k
     for b in (1, 3, 8):

@@ -145,8 +145,6 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_EARLY: the up kernel finds its experts before its PDL wait when
     # the routing is final at launch (RoutedTopk.final)
     early: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_NEXT: the down kernel prefetches its next item's weights into L2
-    down_next: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -204,8 +202,6 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_LEAN"] = 1
         if cls.early:
             defines["EXPERTS_EARLY"] = 1
-        if cls.down_next:
-            defines["EXPERTS_DOWN_NEXT"] = 1
         return defines
 
     @classmethod
@@ -682,19 +678,6 @@ class CudaExpertsNvfp4MarlinV3Half4Early(CudaExpertsNvfp4MarlinV3Half4Lean):
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_early"
     early = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4Next(CudaExpertsNvfp4MarlinV3Half4Early):
-    """``cuda.experts_nvfp4_marlin_v3_half4_early`` with experts.cu's EXPERTS_DOWN_NEXT: each
-    down item starts by prefetching into L2 all the weights of the block's next item (32 KB
-    at expert TP's slice), as the first item's are warmed before the wait. In the step the
-    down kernel streams its 62 MB (expert TP, random routing) in 27-36 us after the up
-    kernel ends, 1.7-2.3 TB/s, where the up kernel reaches 2.8 (bench/NOTES.md v12); an item
-    is about 3 of a block's, each behind a K reduction through shared memory and an
-    epilogue. The same bits as ``_half4_early``. Not registered: not yet run on a GPU."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_next"
-    down_next = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

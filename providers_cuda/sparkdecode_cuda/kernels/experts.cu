@@ -111,11 +111,6 @@
 // and stores each output value to those routes only; without it every value scans the
 // row's TOP_K routes in shared memory (about a fifth of the down kernel's instructions
 // at 8 rows x top-8). The same values stored to the same places: the same bits.
-//
-// EXPERTS_DOWN_NEXT (a define, 0 when absent): the down kernel prefetches into L2, as each
-// item starts, all of the weights of the block's next item (as the first item's are
-// warmed before the wait), so that its loads find them in L2 across the item's K
-// reduction and epilogue. Nothing else changes: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -127,9 +122,6 @@
 #endif
 #ifndef EXPERTS_EARLY
 #define EXPERTS_EARLY 0
-#endif
-#ifndef EXPERTS_DOWN_NEXT
-#define EXPERTS_DOWN_NEXT 0
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -950,33 +942,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
-// Into L2: the weights of down item ITEM (its expert's DOWN_ROWS * WM2 output rows over the
-// I-slice), a 128-byte line a thread at a time; in the down kernel (routes, w2 and
-// EXPERT_BYTES in scope). A macro so that the kernel's code is the same text with and
-// without EXPERTS_DOWN_NEXT.
-#if FMT == 2
-// Marlin: the item's rows are a run of 8 bytes a row in each of the I / 16 rows of tiles.
-#define WARM_DOWN_ITEM(ITEM)                                                                       \
-  do {                                                                                             \
-    const int e = routes.slot_expert[(ITEM) / TILES2];                                             \
-    const int p0 = ((ITEM) % TILES2) * WM2 * DOWN_ROWS;                                            \
-    constexpr int RUN = 8 * WM2 * DOWN_ROWS;                                                       \
-    const unsigned char* base = w2 + e * EXPERT_BYTES + (long)p0 * 8;                              \
-    for (int off = threadIdx.x * 128; off < (I_LOCAL / 16) * RUN; off += NTHREADS * 128)           \
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (long)(off / RUN) * 8 * P_DIM + off % RUN)); \
-  } while (0)
-#else
-#define WARM_DOWN_ITEM(ITEM)                                                                       \
-  do {                                                                                             \
-    const int e = routes.slot_expert[(ITEM) / TILES2];                                             \
-    const int p0 = ((ITEM) % TILES2) * WM2 * DOWN_ROWS;                                            \
-    constexpr int ROW_BYTES = FMT == 1 ? I_LOCAL / 2 : I_LOCAL * 2;                                \
-    const unsigned char* base = w2 + e * EXPERT_BYTES + (long)p0 * ROW_BYTES;                      \
-    for (int off = threadIdx.x * 128; off < WM2 * 32 * ROW_BYTES; off += NTHREADS * 128)           \
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));                                  \
-  } while (0)
-#endif
-
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_kernel(
     const bf16_t* __restrict__ act, int b,                         // [slots, 8, I_LOCAL]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K]
@@ -995,13 +960,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   const int items = (n_slots > 0 ? n_slots : 1) * TILES2;
   constexpr long EXPERT_BYTES = (long)P_DIM * (FMT >= 1 ? I_LOCAL / 2 : I_LOCAL * 2);
   // Warm the first item's weights into L2 before waiting for act.
-  if (n_slots > 0 && (int)blockIdx.x < items) WARM_DOWN_ITEM(blockIdx.x);
+  if (n_slots > 0 && (int)blockIdx.x < items) {
+    const int e = routes.slot_expert[blockIdx.x / TILES2];
+    const int p0 = (blockIdx.x % TILES2) * WM2 * DOWN_ROWS;
+#if FMT == 2
+    // Marlin: the item's rows are a run of 8 bytes a row in each of the I / 16 rows of tiles.
+    constexpr int RUN = 8 * WM2 * DOWN_ROWS;
+    const unsigned char* base = w2 + e * EXPERT_BYTES + (long)p0 * 8;
+    for (int off = threadIdx.x * 128; off < (I_LOCAL / 16) * RUN; off += NTHREADS * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (long)(off / RUN) * 8 * P_DIM + off % RUN));
+#else
+    constexpr int ROW_BYTES = FMT == 1 ? I_LOCAL / 2 : I_LOCAL * 2;
+    const unsigned char* base = w2 + e * EXPERT_BYTES + (long)p0 * ROW_BYTES;
+    for (int off = threadIdx.x * 128; off < WM2 * 32 * ROW_BYTES; off += NTHREADS * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
+#endif
+  }
   pdl_wait();
   pdl_launch_dependents();
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-#if EXPERTS_DOWN_NEXT
-    if (n_slots > 0 && item + (int)gridDim.x < items) WARM_DOWN_ITEM(item + (int)gridDim.x);
-#endif
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
     float c[NT2][4];

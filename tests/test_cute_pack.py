@@ -293,27 +293,6 @@ def test_router_fits_beside_the_pooler(tma, splitk, max_rows):
     assert CuteLinearTma.router_plan(None, "router", router, {}, max_rows, tma.H200_SMS) is None
 
 
-def test_read_first_runs_of_each_split(tma):
-    """``read_first``: the first bytes of every row in each K-split (what every CTA of the
-    pooler's TMA plan streams first), about the budget in all, within the chunks."""
-    from types import SimpleNamespace
-
-    from sparkdecode_cute.linear_tma import CuteLinearTma
-
-    n, k, _ = TP8["pooler"]
-    plan = tma.plan_tma(n, k, 8)
-    linear = CuteLinearTma.__new__(CuteLinearTma)
-    linear.weights = {"pooler": SimpleNamespace(plan=plan, w=torch.empty(n, k, dtype=torch.bfloat16))}
-    runs = linear.read_first("pooler", 16 * 1024 * 1024)
-    assert plan.splits == 2 and len(runs) == plan.splits
-    assert [r[0] for r in runs] == [s * plan.chunk * 2 for s in range(plan.splits)]
-    assert all(r[1:] == (2048, n, k * 2) for r in runs)
-    assert sum(r[1] * r[2] for r in runs) == 16 * 1024 * 1024
-    whole = linear.read_first("pooler", 1 << 40)
-    assert all(r[1] == plan.chunk * 2 for r in whole)  # never past a split's chunk
-    assert linear.read_first("pooler", 1000) == []
-
-
 # The o_proj of one rank of preset muse-spark-open at TP 8, 4, 2 (N 8192) and of the
 # tiny presets (tiny at TP 2; tiny-tp8 at TP 8 and 4): the shapes cute.linear_tma publishes
 # from its epilogue.

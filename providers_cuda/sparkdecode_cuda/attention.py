@@ -88,17 +88,10 @@ class CudaAttention(_Cuda):
         if hook is not None:
             hook(host)
 
-    def fork(self) -> None:
-        """After the QKV+gate GEMM: work beside the attention core (none here)."""
-
-    def join(self) -> None:
-        """After the o_proj: the end of what ``fork`` started (none here)."""
-
     def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
         b, kv = x.shape[0], step.kv[self.index]
         qkvg, q, o, gated = self.qkvg[:b], self.q[:b], self.o[:b], self.gated[:b]
         self.linear.run("qkvg", x, qkvg)
-        self.fork()
         s0, s1, s2, _ = kv.k.stride()
         self.front.launch(
             (b, self.heads + 2 * self.kv_heads, 1),
@@ -123,69 +116,20 @@ class CudaAttention(_Cuda):
         )
         if self.gated_core is not None:
             self.gated_core(step, q, qkvg[:, self.gate_offset :], self.spec.rms_norm_eps, gated)
-        else:
-            self.core.run(step, q, o)
-            self.gate.launch(
-                (b, self.heads, 1),
-                (32, 1, 1),
-                [
-                    ptr(o),
-                    ptr(qkvg),
-                    i32(qkvg.stride(0)),
-                    i32(self.gate_offset),
-                    ptr(gated),
-                    i32(self.heads),
-                    f32(self.spec.rms_norm_eps),
-                ],
-            )
+            self.linear.run("o_proj", gated, partial)
+            return
+        self.core.run(step, q, o)
+        self.gate.launch(
+            (b, self.heads, 1),
+            (32, 1, 1),
+            [
+                ptr(o),
+                ptr(qkvg),
+                i32(qkvg.stride(0)),
+                i32(self.gate_offset),
+                ptr(gated),
+                i32(self.heads),
+                f32(self.spec.rms_norm_eps),
+            ],
+        )
         self.linear.run("o_proj", gated, partial)
-        self.join()
-
-
-class CudaAttentionPrefetch(CudaAttention):
-    """``cuda.attention`` that, after its QKV+gate GEMM, forks a side stream that
-    prefetches into L2 (prefetch.py) the weights read next: its own o_proj and the
-    layer's router, whole, and with ``pooler_head`` bytes the first bytes of the pooler
-    its ``linear`` provider reads (``read_first``, where the provider has it), while the
-    attention core's kernels leave the memory idle (about 12 us a layer at a TP-8 rank,
-    bench/NOTES.md v11); joined after the o_proj. A prefetch writes nothing: the same
-    results as ``cuda.attention``. Not registered: not yet run on a GPU."""
-
-    name = "cuda.attention_prefetch"
-    pooler_head = 0  # bytes of the pooler's first reads prefetched with the o_proj and router
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        from .prefetch import L2Prefetch, Region, whole
-
-        lw = self.layer
-        regions = [whole(lw.o_proj), whole(lw.router)]
-        read_first = getattr(self.linear, "read_first", None)
-        if self.pooler_head and read_first is not None:
-            regions += [
-                Region(lw.pooler, n, rows, stride, offset)
-                for offset, n, rows, stride in read_first("pooler", self.pooler_head)
-            ]
-        self.prefetch = L2Prefetch(ctx.device, regions)
-        self.side = torch.cuda.Stream(ctx.device)
-        self.forked, self.done = torch.cuda.Event(), torch.cuda.Event()
-
-    def fork(self) -> None:
-        current = torch.cuda.current_stream(self.prefetch.table.device)
-        self.forked.record(current)
-        self.side.wait_event(self.forked)
-        with torch.cuda.stream(self.side):
-            self.prefetch.launch()
-            self.done.record(self.side)
-
-    def join(self) -> None:
-        torch.cuda.current_stream(self.prefetch.table.device).wait_event(self.done)
-
-
-class CudaAttentionPrefetchPooler(CudaAttentionPrefetch):
-    """``cuda.attention_prefetch`` with the first 16 MB the pooler's provider reads of it
-    (about 41 MB with the o_proj and router at a TP-8 rank, of the H200's 50 MB of L2).
-    Not registered: not yet run on a GPU."""
-
-    name = "cuda.attention_prefetch_pooler"
-    pooler_head = 16 * 1024 * 1024

@@ -234,7 +234,6 @@ class CudaMoE(_Cuda):
             with torch.cuda.stream(side):
                 self._route(x, topk)
                 self.join.record(side)
-                self.beside_experts()
         pooled = self.pooled[:b]
         self.linear.run("pooler", x, pooled)
         if pooled.shape[1] != spec.P:  # a column-sharded pooler
@@ -257,55 +256,3 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
-        if current is not None:
-            self.rejoin(current)
-
-    def beside_experts(self) -> None:
-        """On the side stream after the routing and its join's event: work that runs
-        beside the pooler's end and the experts (none here)."""
-
-    def rejoin(self, current: torch.cuda.Stream) -> None:
-        """After the unpooler: the current stream waits for what ``beside_experts`` started
-        (nothing here)."""
-
-
-class CudaMoEPrefetch(CudaMoE):
-    """``cuda.moe`` that, on its side stream after the routing (outside the join the
-    experts wait on), prefetches into L2 (prefetch.py) the first 24 MB its ``linear``
-    provider reads of the unpooler (``read_first``), while the experts leave about 45% of
-    the memory idle (55% of the copy at expert TP, bench/NOTES.md v11), under an evict-last
-    policy so the experts streamed after it do not evict it; rejoined after the unpooler.
-    A prefetch writes nothing: the same results as ``cuda.moe``. Not registered: not yet
-    run on a GPU."""
-
-    name = "cuda.moe_prefetch"
-    unpooler_head = 24 * 1024 * 1024
-    evict_last = True
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        from .prefetch import L2Prefetch, Region
-
-        read_first = getattr(self.linear, "read_first", None)
-        runs = read_first("unpooler", self.unpooler_head) if read_first is not None else []
-        unpooler = self.layer.unpooler
-        regions = [Region(unpooler, n, rows, stride, offset) for offset, n, rows, stride in runs]
-        self.prefetch = L2Prefetch(ctx.device, regions, evict_last=self.evict_last) if regions and self.side else None
-        self.prefetched = torch.cuda.Event() if self.prefetch is not None else None
-
-    def beside_experts(self) -> None:
-        if self.prefetch is not None:
-            self.prefetch.launch()
-            self.prefetched.record(self.side)
-
-    def rejoin(self, current: torch.cuda.Stream) -> None:
-        if self.prefetched is not None:
-            current.wait_event(self.prefetched)
-
-
-class CudaMoEPrefetchNormal(CudaMoEPrefetch):
-    """``cuda.moe_prefetch`` with the unpooler's lines prefetched at normal priority (the
-    experts streamed after them may evict them). Not registered: not yet run on a GPU."""
-
-    name = "cuda.moe_prefetch_normal"
-    evict_last = False

@@ -93,20 +93,6 @@ class CuteLinearSplitK(CuteLinear):
         self.weights = {name: built[name] for name in LINEAR_WEIGHTS}
         self.share_scratch(ctx)
 
-    def read_first(self, name: str, budget: int) -> list[tuple[int, int, int, int]]:
-        """What weight ``name``'s kernel reads first, about ``budget`` bytes of it: runs
-        (offset, bytes, rows, stride in bytes from the weight's first byte) of the first
-        bytes of every row in each of its splits of K, whose CTAs all start at once and
-        stream their chunk from its start; for an L2 prefetch ahead of the kernel. No runs
-        where a split's run would be under 16 bytes."""
-        weight = self.weights[name]
-        p, w = weight.plan, weight.w
-        size, row = w.element_size(), w.stride(0) * w.element_size()
-        run = min(p.chunk * size, budget // (w.shape[0] * p.splits) // 16 * 16)
-        if run < 16:
-            return []
-        return [(s * p.chunk * size, run, w.shape[0], row) for s in range(p.splits)]
-
     def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
         """The split-K plan of fp32 weight ``name`` (the router), given the built bf16
         weights; None: the planner's."""

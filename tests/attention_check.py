@@ -27,7 +27,6 @@ from types import SimpleNamespace
 
 import torch
 
-from sparkdecode.bench.timing import Timer
 from sparkdecode.deployment import detect
 from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.harness import DecodeHarness
@@ -181,63 +180,3 @@ def check_executor_with_core(cls: type, pins: dict[str, str] | None = None) -> N
         err = row_errors(r.executor_hidden, r.stock_hidden)
         assert err.max() < 3e-2, err
     assert harness.position >= 70 + 16
-
-
-def attention_blocks_in_graph(executor: SpecializedDecode, first: int, seed: int, layers: int = 2) -> dict:
-    """The attention blocks of ``executor``'s first ``layers`` layers (a TP-8 rank's
-    shapes, ``MAX_CONTEXT``-long cache filled with random values) for the 8 rows at
-    ``first`` .. ``first`` + 7, in one CUDA graph: the QKV front writes the step's keys
-    in the graph, over random values that a read before it would see. Their partial
-    outputs (NaN before the replay) and the cache after it, by name."""
-    spec, lw = executor.spec, executor.weights.layers[0]
-    cache = PagedKVCache(spec, 300, executor.config.max_context, ROWS, "cuda", num_kv_heads=lw.num_kv_heads)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for t in cache.tensors:
-        t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
-    x = torch.randn(ROWS, spec.H, generator=g, device="cuda").to(torch.bfloat16)
-    host = cache.begin_step(first, ROWS)
-    executor.prepare_kv(cache.kv())
-    step = executor.plan(torch.arange(first, first + ROWS, device="cuda"))
-    executor.prepare_step(host)
-    partials = [torch.full((ROWS, spec.H), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
-
-    def blocks() -> None:
-        for i in range(layers):
-            executor.layers[i].attention.run(step, x, partials[i])
-
-    graph = Timer(torch.device("cuda")).capture(blocks)  # warm-ups on a side stream, then the capture
-    for p in partials:
-        p.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    return {f"partial {i}": p for i, p in enumerate(partials)} | {
-        f"cache {i}": t.clone() for i, t in enumerate(cache.tensors)
-    }
-
-
-def assert_same_bits(plain: dict, variant: dict) -> None:
-    """Every named tensor of ``variant`` equal to the bit to ``plain``'s (NaN where it is
-    NaN), the partials finite."""
-    for name, a in plain.items():
-        b = variant[name]
-        if name.startswith("partial"):
-            assert torch.isfinite(a).all(), name
-        where = (a != b) & ~(a.isnan() & b.isnan())
-        assert not where.any(), (
-            f"{name}: {int(where.sum())} elements differ, the first at {where.nonzero()[0].tolist()}"
-        )
-
-
-def executor_pair(weights, max_context: int, pins: dict[str, str], kind: str, names: tuple[str, str], registry):
-    """Two executors that differ in ``kind`` alone: the first with ``pins`` and
-    ``names[0]`` pinned for it, the second with every other kind pinned to the first's
-    choice (measured unpinned, a kind could go another way under other pins, and its
-    bits with it) and ``names[1]`` for ``kind``."""
-    first = SpecializedDecode(
-        weights, DecodeConfig(max_context=max_context, pins={**pins, kind: names[0]}), registry=registry
-    )
-    same = {k: choice.chosen.name for k, choice in first.layout.choices.items()} | {kind: names[1]}
-    second = SpecializedDecode(weights, DecodeConfig(max_context=max_context, pins=same), registry=registry)
-    for executor, name in zip((first, second), names, strict=True):
-        assert executor.layout.choices[kind].chosen.name == name
-    return first, second

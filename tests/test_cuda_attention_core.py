@@ -117,7 +117,7 @@ def test_kernel_constants_match():
 
 @pytest.mark.parametrize(
     "variant",
-    [core_mod.CudaAttentionCore, core_mod.CudaAttentionCoreBatched, core_mod.CudaAttentionCoreEarly],
+    [core_mod.CudaAttentionCore, core_mod.CudaAttentionCoreBatched],
     ids=lambda c: c.name,
 )
 @pytest.mark.parametrize("max_context", [2056, 4096, 32768])  # 17, 33 and 128 splits
@@ -131,8 +131,6 @@ def test_kernels_compile_spill_free(max_context, variant):
     batch = variant.combine_batch_for(defines["SPLITS"])
     if batch > 1:
         defines["COMBINE_BATCH"] = batch
-    if variant.early_kv:
-        defines["EARLY_KV"] = 1
     usage = assert_spill_free(core_mod.SOURCE, defines, core_mod.COMPILE_OPTIONS)
     assert set(usage) == {"attention_split_kernel", "attention_combine_kernel", "attention_gated_combine_kernel"}
     assert usage["attention_split_kernel"].registers <= 255 and usage["attention_split_kernel"].smem <= 48 * 1024
@@ -143,15 +141,13 @@ def test_registered():
     from sparkdecode_cuda import plugin
 
     assert core_mod.CudaAttentionCore in plugin.PROVIDERS
-    assert core_mod.CudaAttentionCoreBatched not in plugin.PROVIDERS  # slower than fa2 in the step
-    assert core_mod.CudaAttentionCoreEarly not in plugin.PROVIDERS  # not yet run on a GPU
+    assert core_mod.CudaAttentionCoreBatched not in plugin.PROVIDERS  # no faster than fa2 in the layer
 
 
-def test_early_combine_batches():
-    """The early core's combine: all the splits in as few even batches of at most 32."""
-    batches = {s: core_mod.CudaAttentionCoreEarly.combine_batch_for(s) for s in (16, 17, 32, 33, 128)}
+def test_batched_combine_batches():
+    """The batched combine: all the splits in as few even batches of at most 32."""
+    batches = {s: core_mod.CudaAttentionCoreBatched.combine_batch_for(s) for s in (16, 17, 32, 33, 128)}
     assert batches == {16: 16, 17: 17, 32: 32, 33: 17, 128: 32}
-    assert core_mod.CudaAttentionCoreBatched.combine_batch_for(33) == 8
     assert core_mod.CudaAttentionCore.combine_batch_for(33) == 1
 
 

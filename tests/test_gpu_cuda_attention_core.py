@@ -18,19 +18,14 @@ from attention_check import (
     MAX_CONTEXT,
     ROWS,
     PagedKVCache,
-    assert_same_bits,
-    attention_blocks_in_graph,
     check_core_over_contexts,
     check_executor_with_core,
     core_context,
-    executor_pair,
     write_positions,
 )
 
-from sparkdecode.plugins import discover
 from sparkdecode.protocols import Step
 from sparkdecode.spec import ModelSpec
-from sparkdecode.weights import Sharding, random_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,13 +34,7 @@ pytestmark = [
     ),
 ]
 
-from sparkdecode_cuda.attention_core import (  # noqa: E402
-    CudaAttentionCore,
-    CudaAttentionCoreBatched,
-    CudaAttentionCoreEarly,
-)
-
-VARIANTS = (CudaAttentionCoreBatched, CudaAttentionCoreEarly)  # built, not registered
+from sparkdecode_cuda.attention_core import CudaAttentionCore, CudaAttentionCoreBatched  # noqa: E402
 
 
 @pytest.mark.parametrize("kv_heads", [2, 16])  # a TP8 rank's and TP1's heads (GQA 8)
@@ -53,18 +42,16 @@ def test_core_in_one_graph_over_contexts(kv_heads):
     check_core_over_contexts(CudaAttentionCore, kv_heads)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda c: c.name)
-def test_variant_core_in_one_graph_over_contexts(variant):
-    """The unregistered variants against the reference as the core."""
-    check_core_over_contexts(variant, 2)
+def test_batched_core_in_one_graph_over_contexts():
+    """cuda.attention_core_batched (unregistered) against the reference as the core."""
+    check_core_over_contexts(CudaAttentionCoreBatched, 2)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda c: c.name)
 @pytest.mark.parametrize("context", [9, 700, 2100, 4096, 20000])
 @pytest.mark.parametrize("rows", [1, 5, 8])
 @pytest.mark.parametrize("max_context", [4096, MAX_CONTEXT])  # a full layer's 33 and 128 splits
-def test_variant_is_the_core_bit_for_bit(max_context, rows, context, variant):
-    """A variant's loads earlier or in another order, its sums in the same: run's and
+def test_batched_combine_is_the_core_bit_for_bit(max_context, rows, context):
+    """The batched combine's loads in another order, its sums in the same: run's and
     run_gated's outputs equal the core's to the bit, on a sliding (17 splits) and a full
     layer, at contexts from inside the first tile to past the sliding window."""
     if context > max_context:
@@ -72,7 +59,7 @@ def test_variant_is_the_core_bit_for_bit(max_context, rows, context, variant):
     spec = ModelSpec.preset("muse-spark-open", 2)
     kv_heads, heads = 2, 16
     ctx = core_context(spec, heads, kv_heads, max_context)
-    pairs = [(CudaAttentionCore.build(ctx, layer), variant.build(ctx, layer)) for layer in (0, 1)]
+    pairs = [(CudaAttentionCore.build(ctx, layer), CudaAttentionCoreBatched.build(ctx, layer)) for layer in (0, 1)]
     cache = PagedKVCache(spec, MAX_CONTEXT // BLOCK_SIZE + 2, MAX_CONTEXT, ROWS, "cuda", num_kv_heads=kv_heads)
     for pair in pairs:
         for c in pair:
@@ -104,29 +91,6 @@ def test_executor_with_cuda_core():
 def test_executor_with_cuda_attention_and_core():
     """cuda.attention with this core: the o-norm and gate in the core's combine."""
     check_executor_with_core(CudaAttentionCore, pins={"attention": "cuda.attention"})
-
-
-def test_executor_with_cuda_attention_and_early_core():
-    """cuda.attention with cuda.attention_core_early (unregistered): the step's keys
-    written by the QKV front in the graph, over rejected slots and released pages, read
-    after the wait."""
-    check_executor_with_core(CudaAttentionCoreEarly, pins={"attention": "cuda.attention"})
-
-
-@pytest.mark.parametrize("first", [0, 100, 2989, 4088])  # one tile; page edges; past the window; the end
-def test_early_core_in_the_block_is_the_core_bit_for_bit(first):
-    """cuda.attention_core_early in cuda.attention, two layers (sliding, full) of a TP-8
-    rank in one graph, the step's keys written there by the QKV front over random values
-    that a read before its wait would see: the core's bits, the partials and the cache."""
-    spec = ModelSpec.preset("muse-spark-open", 2)
-    weights = random_weights(spec, seed=3, device="cuda", sharding=Sharding(8, 0, "tp"))
-    registry = discover().adding([CudaAttentionCoreEarly])
-    pins = {"attention": "cuda.attention"}
-    names = ("cuda.attention_core", CudaAttentionCoreEarly.name)
-    executors = executor_pair(weights, 4096, pins, "attention_core", names, registry)
-    assert isinstance(executors[1].layers[0].attention.core, CudaAttentionCoreEarly)
-    plain, early = (attention_blocks_in_graph(executor, first, seed=first + 9) for executor in executors)
-    assert_same_bits(plain, early)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8])

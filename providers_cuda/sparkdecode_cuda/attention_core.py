@@ -71,13 +71,12 @@ class CudaAttentionCore(_Cuda):
 
     block = "attention_core"
     name = "cuda.attention_core"
-    combine_batch = 1  # attention_core.cu's COMBINE_BATCH: the splits the combine loads at once
-    early_kv = False  # attention_core.cu's EARLY_KV: the keys written before the step read before the PDL wait
 
     @classmethod
     def combine_batch_for(cls, splits: int) -> int:
-        """COMBINE_BATCH at ``splits`` splits."""
-        return cls.combine_batch
+        """attention_core.cu's COMBINE_BATCH at ``splits`` splits: the splits whose partials
+        the combine loads at once (1: one at a time)."""
+        return 1
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -103,8 +102,6 @@ class CudaAttentionCore(_Cuda):
         batch = self.combine_batch_for(defines["SPLITS"])
         if batch > 1:
             defines["COMBINE_BATCH"] = batch
-        if self.early_kv:
-            defines["EARLY_KV"] = 1
         self.splits = defines["SPLITS"]
         self.scale_log2 = ctx.spec.softmax_scale * math.log2(math.e)
         self.split = Kernel(SOURCE, "attention_split_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -213,33 +210,17 @@ class CudaAttentionCore(_Cuda):
 
 
 class CudaAttentionCoreBatched(CudaAttentionCore):
-    """``cuda.attention_core`` whose combine loads the partials of 8 splits at once
-    (COMBINE_BATCH = 8) instead of one split's m, then its l and output, a split at a time:
-    in the core's combine (5.8-9.9 us a layer in the step against fa2's merge at 3.5-3.9,
-    bench/NOTES.md v11) a full layer's 33 splits at 4096 were 66 dependent round trips to
-    L2 a row. The same operations in the same order: the same bits as the core. Not
-    registered: not yet run on a GPU."""
+    """``cuda.attention_core`` whose combine loads the partials of all the splits at once,
+    in as few even batches of at most ``MAX_BATCH`` as there are (COMBINE_BATCH: 17 at a
+    full layer's 33 splits at 4096 and at a sliding layer's 17), instead of one split's m,
+    then its l and output, a split at a time (66 dependent round trips to L2 a row at 33
+    splits). The same operations in the same order: the same bits as the core. On the
+    H200, in the 6-layer step beside cuda.attention: the gated combine ends 2.6-2.8 us after
+    the split kernel, against 4.1-4.3 with batches of 8 and the core's 5.8-9.9; the layer
+    is level with fa2's (bench/NOTES.md v12). Not registered: the core it speeds up is no
+    faster than fa2 in the layer."""
 
     name = "cuda.attention_core_batched"
-    combine_batch = 8
-
-
-class CudaAttentionCoreEarly(CudaAttentionCore):
-    """``cuda.attention_core`` whose split kernel reads, before its PDL wait, what was
-    written before the step (EARLY_KV): the block table, the sequence length and the
-    keys below the step's first position, its first tile's into registers and its later
-    tiles' into L2, while the QKV front and the qkvg GEMM before it run; after the wait it
-    adds the first tile's keys of this step and reads q. In the step the core's split
-    kernel ends 9-11 us after the QKV front, fa2's prefill 5.9 (bench/NOTES.md v12). Its
-    combine loads the partials of all the splits at once, in as few even batches of at
-    most ``MAX_BATCH`` (17 a batch at a full layer's 33 splits and at a sliding layer's
-    17): after the maxima, two round trips to L2 a row at 33 splits and one at 17, where
-    the core's combine makes 66 and 34. The same
-    loads into the same registers, the same sums in the same order: the core's bits.
-    Not registered: not yet run on a GPU."""
-
-    name = "cuda.attention_core_early"
-    early_kv = True
     MAX_BATCH = 32  # float4 partials held at once: 128 registers of a combine thread
 
     @classmethod

@@ -25,14 +25,6 @@
 // PDL: both kernels let their dependents launch at their start and wait (griddepcontrol)
 // before any read of what the kernels before wrote (q, the cache and its metadata, the
 // workspace) and before any write.
-//
-// EARLY_KV (split kernel): the keys before the step's first position, and the block table
-// and sequence length, are written before the step (earlier steps' caches, metadata
-// refilled outside the step's graph), so a block reads them before its wait: its first
-// tile's keys below the first position into registers, its later tiles' into L2
-// (prefetch.global.L2, a key's 128-byte K or V row a thread), while the kernels before it
-// (the QKV front, the qkvg GEMM it waits on) run. After the wait it adds the first tile's
-// keys of this step and reads q. The same loads into the same registers: the same bits.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -52,9 +44,6 @@
 #define COMBINE_ROWS 8
 #ifndef COMBINE_BATCH
 #define COMBINE_BATCH 1  // splits whose partials the combine loads at once (1: one at a time)
-#endif
-#ifndef EARLY_KV
-#define EARLY_KV 0  // 1: the keys written before the step read before the PDL wait
 #endif
 #define NEG_INF __int_as_float(0xff800000u)
 static_assert(HEAD_DIM == 64, "one tile of 64 dims: 4 MMA steps of 16 (QK) and 8 of 8 (PV)");
@@ -84,39 +73,6 @@ __device__ __forceinline__ void load_tile(uint4 (&kr)[4], uint4 (&vr)[4], const 
   }
 }
 
-#if EARLY_KV
-// load_tile's chunks of the keys lo .. hi only, the others left as they are.
-__device__ __forceinline__ void load_keys(uint4 (&kr)[4], uint4 (&vr)[4], const bf16_t* __restrict__ k,
-                                          const bf16_t* __restrict__ v, const int* __restrict__ table,
-                                          int page_size, long long kv_page, long long kv_token,
-                                          long long head_off, int kbase, int lo, int hi) {
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int idx = threadIdx.x + c * THREADS, key = idx >> 3, chunk = idx & 7;
-    const int kp = kbase + key;
-    if (kp >= lo && kp <= hi) {
-      const long long at =
-          (long long)table[kp / page_size] * kv_page + (long long)(kp % page_size) * kv_token + head_off + chunk * 8;
-      kr[c] = *(const uint4*)(k + at);
-      vr[c] = *(const uint4*)(v + at);
-    }
-  }
-}
-
-// Into L2: the K row (even threads) or V row (odd) of key kbase + tid / 2 of a tile, if it
-// is among lo .. hi.
-__device__ __forceinline__ void prefetch_tile(const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
-                                              const int* __restrict__ table, int page_size, long long kv_page,
-                                              long long kv_token, long long head_off, int kbase, int lo, int hi) {
-  static_assert(THREADS == 2 * TILE && HEAD_DIM * 2 == 128, "a thread a key's K or V row of 128 bytes");
-  const int kp = kbase + (threadIdx.x >> 1);
-  if (kp >= lo && kp <= hi) {
-    const long long at = (long long)table[kp / page_size] * kv_page + (long long)(kp % page_size) * kv_token + head_off;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(((threadIdx.x & 1) ? v : k) + at));
-  }
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(THREADS) attention_split_kernel(
     const bf16_t* __restrict__ q, long long q_row, long long q_head,  // [b, Hq, d] (d contiguous)
     const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,        // [pages, page_size, Hkv, d]
@@ -130,27 +86,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_split_kernel(
   const int h = blockIdx.y, split = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   pdl_launch_dependents();
-#if !EARLY_KV
   pdl_wait();
-#endif
 
   const int seq = seq_lens[0], first = seq - rows, hi = seq - 1;
   const int lo = window > 0 ? max(first - window + 1, 0) : 0;
   const int base0 = lo & ~(TILE - 1);
   const int tiles = (hi - base0) / TILE + 1;
   const int t0 = split * tiles / SPLITS, t1 = (split + 1) * tiles / SPLITS;
-#if EARLY_KV
-  const long long head_off = (long long)h * kv_head;
-  uint4 kr[4], vr[4];
-  // Before the wait: the keys below the step's first position (written by earlier steps).
-  if (t0 < t1) load_tile(kr, vr, k, v, table, page_size, kv_page, kv_token, head_off, base0 + t0 * TILE, lo, first - 1);
-  for (int tile = t0 + 1; tile < t1; ++tile)
-    prefetch_tile(k, v, table, page_size, kv_page, kv_token, head_off, base0 + tile * TILE, lo, first - 1);
-  pdl_wait();
-  // After it: this step's keys of the first tile (the QKV front wrote them).
-  if (t0 < t1 && base0 + t0 * TILE + TILE > first)
-    load_keys(kr, vr, k, v, table, page_size, kv_page, kv_token, head_off, base0 + t0 * TILE, max(lo, first), hi);
-#endif
 
   // This lane's two query rows (g and g + 8 of the warp's 16), their tokens and ranges.
   const int r0 = warp * 16 + g, r1 = r0 + 8;
@@ -179,11 +121,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_split_kernel(
 #pragma unroll
   for (int dt = 0; dt < 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
 
-#if !EARLY_KV
   const long long head_off = (long long)h * kv_head;
   uint4 kr[4], vr[4];
   if (t0 < t1) load_tile(kr, vr, k, v, table, page_size, kv_page, kv_token, head_off, base0 + t0 * TILE, lo, hi);
-#endif
   for (int tile = t0; tile < t1; ++tile) {
     const int kbase = base0 + tile * TILE;
     __syncthreads();  // the previous tile's reads are done

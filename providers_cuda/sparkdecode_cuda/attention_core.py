@@ -215,10 +215,11 @@ class CudaAttentionCoreBatched(CudaAttentionCore):
     full layer's 33 splits at 4096 and at a sliding layer's 17), instead of one split's m,
     then its l and output, a split at a time (66 dependent round trips to L2 a row at 33
     splits). The same operations in the same order: the same bits as the core. On the
-    H200, in the 6-layer step beside cuda.attention: the gated combine ends 2.6-2.8 us after
-    the split kernel, against 4.1-4.3 with batches of 8 and the core's 5.8-9.9; the layer
-    is level with fa2's (bench/NOTES.md v12). Not registered: the core it speeds up is no
-    faster than fa2 in the layer."""
+    H200, in the 6-layer step beside cuda.attention, this combine (its kernels' SASS, as a
+    since-removed variant of the core built them) ends 2.6-2.8 us after the split kernel,
+    against 4.1-4.3 with batches of 8 and the core's 5.8-9.9; the layer is level with
+    fa2's (bench/NOTES.md v12). Not registered: the core it speeds up is no faster than fa2
+    in the layer."""
 
     name = "cuda.attention_core_batched"
     MAX_BATCH = 32  # float4 partials held at once: 128 registers of a combine thread

@@ -53,7 +53,7 @@ def test_parse_reads_the_listing_back():
     kernel_rows = trace.rows([(0.0, 2.5, "qkv_front_kernel"), (1.0, 9.0, FA2), (8.5, 12.0, CUTE)])
     listing = "\n".join(
         ["step: median 1.0 us", trace.HEADER]
-        + [f"{k.start_us:9.1f} {k.duration_us:7.1f} {k.after_us:7.1f}  {k.name[:90]}" for k in kernel_rows]
+        + [trace.format_row(k) for k in kernel_rows]
         + ["", "by layer (cut at qkv_front): ..."]
     )
     assert trace.parse(listing) == kernel_rows

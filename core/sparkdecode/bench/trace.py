@@ -81,6 +81,11 @@ def format_layers(layers: list[Layer]) -> str:
     )
 
 
+def format_row(row: KernelRow) -> str:
+    """A row as the listing after ``HEADER`` prints it (``parse`` reads it back)."""
+    return f"{row.start_us:9.1f} {row.duration_us:7.1f} {row.after_us:7.1f}  {row.name[:90]}"
+
+
 def parse(text: str) -> list[KernelRow]:
     """The kernel rows of profile-step's listing (the lines after ``HEADER``)."""
     if HEADER not in text:
@@ -95,4 +100,4 @@ def parse(text: str) -> list[KernelRow]:
     return out
 
 
-__all__ = ["HEADER", "KernelRow", "Layer", "by_layer", "format_layers", "parse", "rows", "short"]
+__all__ = ["HEADER", "KernelRow", "Layer", "by_layer", "format_layers", "format_row", "parse", "rows", "short"]

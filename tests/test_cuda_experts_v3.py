@@ -454,8 +454,14 @@ def test_marlin_v3_spread_variant(width, intermediate):
         "EXPERTS_SPREAD": 1,
     }
     others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    assert [c for c in others if c.spread] == [cls]
+    eight = experts_mod.CudaExpertsNvfp4MarlinV3Half4Spread8
+    assert [c for c in others if c.spread] == [cls, eight]
+    assert eight.kernel_defines(width, intermediate, 8) == {
+        **cls.kernel_defines(width, intermediate, 8),
+        "EXPERTS_SPREAD_K": 8,
+    }
     assert parent.__new__(parent)._spread_args() == []
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(cls.kernel_defines(width, intermediate, 8), cls)
+    for c in (cls, eight):
+        assert_kernels_fit(c.kernel_defines(width, intermediate, 8), c)

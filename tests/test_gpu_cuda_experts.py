@@ -133,6 +133,7 @@ def provider(fmt: str):
     "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found before the PDL wait
     when the routing is final at launch), "-v3half4spread": -v3half4early with EXPERTS_SPREAD
     (the up kernel's work a warp at a time, the K-slices added by the last to arrive),
+    "-v3half4spread8": the same with 8 K-slices a side,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
     _half_lean and the two V3 bulk unregistered)."""
@@ -162,6 +163,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
         "nvfp4_marlin-v3half4early": experts_mod.CudaExpertsNvfp4MarlinV3Half4Early,
         "nvfp4_marlin-v3half4spread": experts_mod.CudaExpertsNvfp4MarlinV3Half4Spread,
+        "nvfp4_marlin-v3half4spread8": experts_mod.CudaExpertsNvfp4MarlinV3Half4Spread8,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -208,6 +210,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4lean",
         "-v3half4early",
         "-v3half4spread",
+        "-v3half4spread8",
         "-v3bulk",
         "-v3bulk2",
     )

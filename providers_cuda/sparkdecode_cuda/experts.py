@@ -150,6 +150,9 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_SPREAD: the up kernel's work dealt out a warp at a time, the
     # K-slices added by the last to arrive
     spread: ClassVar[int] = 0
+    # experts.cu's EXPERTS_SPREAD_K: a unit's side cut into this many K-slices (0: the
+    # EXPERTS_HALF warps along K, WK1 / 2)
+    spread_k: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -186,10 +189,12 @@ class CudaExperts(_Cuda):
         tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // self.down_warps_k(spec.P, self.intermediate)))
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
         if self.spread:  # a unit a warp: as many blocks as fit, each within one unit of the others
-            units = max(slots, 1) * tiles_up * WARPS
+            wk1 = _warps_k(spec.P, chunk)
+            per_item = 2 * (WARPS // wk1) * (self.spread_k or wk1 // 2)  # experts.cu's UPI
+            units = max(slots, 1) * tiles_up * per_item
             self.grid_up = max(1, min(units, self.up_blocks * sms))
             self.part = ctx.scratch(f"cuda_experts_spread_part_{units}", (units, 32, SPREAD_FLOATS), torch.float32)
-            self.arrivals = ctx.scratch(f"cuda_experts_spread_arrivals_{units}", (units // WARPS,), torch.int32)
+            self.arrivals = ctx.scratch(f"cuda_experts_spread_arrivals_{units}", (units // per_item,), torch.int32)
             self.arrivals.zero_()  # the kernel leaves them zero after every launch
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
@@ -215,6 +220,8 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_EARLY"] = 1
         if cls.spread:
             defines["EXPERTS_SPREAD"] = 1
+        if cls.spread_k:
+            defines["EXPERTS_SPREAD_K"] = cls.spread_k
         return defines
 
     @classmethod
@@ -730,3 +737,14 @@ class CudaExpertsNvfp4MarlinV3Half4Spread(CudaExpertsNvfp4MarlinV3Half4Early):
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_spread"
     spread = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4Spread8(CudaExpertsNvfp4MarlinV3Half4Spread):
+    """``cuda.experts_nvfp4_marlin_v3_half4_spread`` with each side of an item cut into 8
+    K-slices (EXPERTS_SPREAD_K = 8) instead of 4: twice the units, each half as long, so at
+    expert TP's 414-odd items every warp of the 528 blocks has work and a warp's chain of
+    batches is 8 to 16 long instead of 16. The same products summed in other K-slices: not
+    ``_half4``'s bits, as close to the exact weights."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_spread8"
+    spread_k = 8

@@ -822,6 +822,16 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
     act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);   \
   }
 
+#if EXPERTS_SPREAD
+// EXPERTS_SPREAD_K (WK1 / 2 when absent): a unit's side cut into SKS K-slices (EXPERTS_HALF's
+// warps along K by default, whose sums are then _half4's bits); UPI units an item.
+#ifndef EXPERTS_SPREAD_K
+#define EXPERTS_SPREAD_K (WK1 / 2)
+#endif
+constexpr int SKS = EXPERTS_SPREAD_K, UPI = 2 * WM1 * SKS;
+static_assert(P_DIM % (SKS * CHUNK_K) == 0, "EXPERTS_SPREAD_K: whole batches a unit");
+#endif
+
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
 #if EXPERTS_EARLY
@@ -832,26 +842,32 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
   constexpr int WKH = WK1 / 2;
 #if EXPERTS_SPREAD
   const int unit = blockIdx.x + gridDim.x * (threadIdx.x >> 5);  // the warp's first unit
-  const int item = unit / WARPS, role = unit % WARPS;
+  const int item = unit / UPI, role = unit % UPI;
+  const int side = role / (UPI / 2), hw = role % (UPI / 2), hm = hw / SKS, hk = hw % SKS;
+  if (item >= routes.n_slots * TILES1) return;
+  const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
+  const int row0[1] = {side ? I_LOCAL + n0 : n0};
+  prefetch_gemm<P_DIM, 2 * I_LOCAL, SKS, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
+                                             row0, hk * (P_DIM / SKS));
 #else
   const int item = blockIdx.x, role = threadIdx.x >> 5;
-#endif
   const int side = role / (WARPS / 2), hw = role % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
   if (item >= routes.n_slots * TILES1) return;
   const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
   const int row0[1] = {side ? I_LOCAL + n0 : n0};
   prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
                                              row0, hk * (P_DIM / WKH));
+#endif
 }
 #endif
 
 #if EXPERTS_SPREAD
-// The sum of a side's WK1 / 2 K-slices of one float4 of a lane's sums (units' float4s
+// The sum of a side's SKS K-slices of one float4 of a lane's sums (units' float4s
 // 32 * TPB apart), in warp order: reduce_k's adds.
 __device__ __forceinline__ float4 spread_sum(const float4* p) {
   float4 v = __ldcg(p);
 #pragma unroll
-  for (int k = 1; k < WK1 / 2; ++k) {
+  for (int k = 1; k < SKS; ++k) {
     const float4 w = __ldcg(p + (long)k * 32 * TPB);
     v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
   }
@@ -912,43 +928,43 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   __shared__ float xch[WM1 * HALF_FLOATS];  // the up side's sums, for the gate side
 #if EXPERTS_SPREAD
   (void)side, (void)hm, (void)hk, (void)xch;
-  const int units = routes.n_slots * TILES1 * WARPS, stride = gridDim.x * WARPS;
+  const int units = routes.n_slots * TILES1 * UPI, stride = gridDim.x * WARPS;
   for (int unit = blockIdx.x + gridDim.x * warp; unit < units; unit += stride) {
-    const int item = unit / WARPS, role = unit % WARPS;
-    const int uside = role / (WARPS / 2), uhw = role % (WARPS / 2), uhm = uhw / WKH, uhk = uhw % WKH;
+    const int item = unit / UPI, role = unit % UPI;
+    const int uside = role / (UPI / 2), uhw = role % (UPI / 2), uhm = uhw / SKS, uhk = uhw % SKS;
     const int slot = item / TILES1, tile = item % TILES1;
     const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
     const int u0 = (tile * WM1 + uhm) * UP_COLS;
     const int row0[1] = {uside ? I_LOCAL + u0 : u0};
     if (unit + stride < units) {  // the next unit's first batch
-      const int next = unit + stride, nitem = next / WARPS, nrole = next % WARPS;
-      const int nside = nrole / (WARPS / 2), nhw = nrole % (WARPS / 2);
-      const int n0 = (nitem % TILES1 * WM1 + nhw / WKH) * UP_COLS;
+      const int next = unit + stride, nitem = next / UPI, nrole = next % UPI;
+      const int nside = nrole / (UPI / 2), nhw = nrole % (UPI / 2);
+      const int n0 = (nitem % TILES1 * WM1 + nhw / SKS) * UP_COLS;
       const int nrow0[1] = {nside ? I_LOCAL + n0 : n0};
-      prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
+      prefetch_gemm<P_DIM, 2 * I_LOCAL, SKS, TPB>(
           up_weights(w13, w13_scale, w13_global, routes.slot_expert[nitem / TILES1]), nrow0,
-          (nhw % WKH) * (P_DIM / WKH));
+          (nhw % SKS) * (P_DIM / SKS));
     }
     float h[TPB][4];
-    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, uhk * (P_DIM / WKH), x, x_stride, b, h);
+    expert_gemm<P_DIM, 2 * I_LOCAL, SKS, TPB>(W, row0, uhk * (P_DIM / SKS), x, x_stride, b, h);
     float4* const mine = reinterpret_cast<float4*>(part) + ((long)unit * 32 + lane) * TPB;
 #pragma unroll
     for (int a = 0; a < TPB; ++a) mine[a] = make_float4(h[a][0], h[a][1], h[a][2], h[a][3]);
     __threadfence();  // the sums visible to the unit that arrives last
     __syncwarp();
     int last = 0;
-    if (lane == 0) last = atomicAdd(&arrivals[item], 1) == WARPS - 1;
+    if (lane == 0) last = atomicAdd(&arrivals[item], 1) == UPI - 1;
     if (__shfl_sync(0xffffffffu, last, 0)) {
       __threadfence();
-      const float4* const sums = reinterpret_cast<const float4*>(part) + ((long)item * WARPS * 32 + lane) * TPB;
+      const float4* const sums = reinterpret_cast<const float4*>(part) + ((long)item * UPI * 32 + lane) * TPB;
 #pragma unroll 1
       for (int hm2 = 0; hm2 < WM1; ++hm2) {
         const int i0 = (tile * WM1 + hm2) * UP_COLS;
 #pragma unroll 1
         for (int a = 0; a < TPB; ++a) {
           // each side's K-slices in warp order (reduce_k's), then UP_STORE's SwiGLU
-          const float4 gate4 = spread_sum(sums + (long)(hm2 * WKH) * 32 * TPB + a);
-          const float4 up4 = spread_sum(sums + (long)(WARPS / 2 + hm2 * WKH) * 32 * TPB + a);
+          const float4 gate4 = spread_sum(sums + (long)(hm2 * SKS) * 32 * TPB + a);
+          const float4 up4 = spread_sum(sums + (long)(UPI / 2 + hm2 * SKS) * 32 * TPB + a);
           const float gs[4] = {gate4.x, gate4.y, gate4.z, gate4.w}, us[4] = {up4.x, up4.y, up4.z, up4.w};
 #pragma unroll
           for (int e4 = 0; e4 < 4; ++e4) {

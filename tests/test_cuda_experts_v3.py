@@ -430,7 +430,7 @@ def test_marlin_v3_early_variant(width, intermediate):
         "EXPERTS_EARLY": 1,
     }
     others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    assert [c for c in others if c.early and not c.spread] == [cls]
+    assert [c for c in others if c.early] == [cls]
     topk = RoutedTopk(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, 8))
     assert topk.final is False and RoutedTopk(topk.ids, topk.weights, final=True).final is True
     op = cls.__new__(cls)
@@ -439,29 +439,3 @@ def test_marlin_v3_early_variant(width, intermediate):
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(cls.kernel_defines(width, intermediate, 8), cls)
-
-
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
-def test_marlin_v3_spread_variant(width, intermediate):
-    """_half4_spread: _half4_early's defines plus EXPERTS_SPREAD, spill-free and fitting its
-    4 blocks an SM; the up kernel takes the workspace (the units' sums, the items' arrival
-    counts) after the routing's argument, which no other class passes."""
-    from sparkdecode_cuda import nvrtc
-
-    cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4Spread, experts_mod.CudaExpertsNvfp4MarlinV3Half4Early
-    assert cls.kernel_defines(width, intermediate, 8) == {
-        **parent.kernel_defines(width, intermediate, 8),
-        "EXPERTS_SPREAD": 1,
-    }
-    others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    eight = experts_mod.CudaExpertsNvfp4MarlinV3Half4Spread8
-    assert [c for c in others if c.spread] == [cls, eight]
-    assert eight.kernel_defines(width, intermediate, 8) == {
-        **cls.kernel_defines(width, intermediate, 8),
-        "EXPERTS_SPREAD_K": 8,
-    }
-    assert parent.__new__(parent)._spread_args() == []
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    for c in (cls, eight):
-        assert_kernels_fit(c.kernel_defines(width, intermediate, 8), c)

@@ -131,9 +131,7 @@ def provider(fmt: str):
     -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
     EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN,
     "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found before the PDL wait
-    when the routing is final at launch), "-v3half4spread": -v3half4early with EXPERTS_SPREAD
-    (the up kernel's work a warp at a time, the K-slices added by the last to arrive),
-    "-v3half4spread8": the same with 8 K-slices a side,
+    when the routing is final at launch),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
     _half_lean and the two V3 bulk unregistered)."""
@@ -162,8 +160,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
         "nvfp4_marlin-v3half4early": experts_mod.CudaExpertsNvfp4MarlinV3Half4Early,
-        "nvfp4_marlin-v3half4spread": experts_mod.CudaExpertsNvfp4MarlinV3Half4Spread,
-        "nvfp4_marlin-v3half4spread8": experts_mod.CudaExpertsNvfp4MarlinV3Half4Spread8,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -209,8 +205,6 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3halflean",
         "-v3half4lean",
         "-v3half4early",
-        "-v3half4spread",
-        "-v3half4spread8",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -468,50 +462,3 @@ def test_early_routing_is_half4_bit_for_bit(shape):
         rows.fill_(float("nan"))
         graph.replay()
         check(i)
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_spread_is_half4_bit_for_bit(shape):
-    """EXPERTS_SPREAD deals the up kernel's work out a warp at a time and adds an item's
-    K-slices where its last unit arrives, in reduce_k's order: the rows equal _half4's bit
-    for bit, eagerly (distinct experts, experts shared across rows, a row routing twice to
-    one expert) and over replays of one graph with new ids each time, so the arrival counts
-    are back at zero after every launch."""
-    spec, sharding = SHAPES[shape]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
-    spread = provider("nvfp4_marlin-v3half4spread").build(context(spec, experts), 0)
-    plain = provider("nvfp4_marlin-v3half4").build(context(spec, experts), 0)
-    g = torch.Generator().manual_seed(41)
-    k = spec.top_k
-
-    def draw(b: int, kind: str) -> torch.Tensor:
-        if kind == "twice":  # each row's routes over k / 2 experts, each of them twice
-            return routing(b, k // 2, spec.E, "distinct", g).repeat(1, 2)
-        return routing(b, k, spec.E, kind, g)
-
-    def same(rows: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, what: object) -> None:
-        want = torch.full_like(rows, float("nan"))
-        plain.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(*ids.shape, device="cuda")), want)
-        torch.cuda.synchronize()
-        assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), what
-        assert int(spread.arrivals.count_nonzero()) == 0, what
-
-    for b in (1, 3, 8):
-        for kind in ("distinct", "duplicates", "twice"):
-            x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
-            ids = draw(b, kind)
-            rows = torch.full((b, k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
-            spread.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(b, k, device="cuda")), rows)
-            same(rows, x, ids, (b, kind))
-    b = 8
-    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
-    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
-    graph = Timer(torch.device("cuda")).capture(lambda: spread.run(ExpertsInput(x), topk, rows))
-    for i in range(8):
-        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
-        ids.copy_(draw(b, ("distinct", "duplicates", "twice")[i % 3]))
-        rows.fill_(float("nan"))
-        graph.replay()
-        same(rows, x, ids, i)

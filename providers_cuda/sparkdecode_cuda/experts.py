@@ -53,8 +53,6 @@ FMT = {"bf16": 0, "nvfp4": 1, "nvfp4_marlin": 2}
 UP_COLS = {"bf16": 16, "nvfp4": 16, "nvfp4_marlin": 64}
 DOWN_ROWS = {"bf16": 32, "nvfp4": 32, "nvfp4_marlin": 64}
 BLOCKS_PER_SM = 2  # the kernels' 256 threads fit twice on an SM
-WARPS = 8  # a block's warps (experts.cu's WARPS)
-SPREAD_FLOATS = 16  # EXPERTS_SPREAD: a unit's fp32 sums a lane (4 tiles of a Marlin block, 4 each)
 # dequantization is exact while scale * global * 2^126 stays finite (experts.cu)
 MAX_BLOCK_SCALE = 4.0
 
@@ -147,12 +145,6 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_EARLY: the up kernel finds its experts before its PDL wait when
     # the routing is final at launch (RoutedTopk.final)
     early: ClassVar[int] = 0
-    # experts.cu's EXPERTS_SPREAD: the up kernel's work dealt out a warp at a time, the
-    # K-slices added by the last to arrive
-    spread: ClassVar[int] = 0
-    # experts.cu's EXPERTS_SPREAD_K: a unit's side cut into this many K-slices (0: the
-    # EXPERTS_HALF warps along K, WK1 / 2)
-    spread_k: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -188,14 +180,6 @@ class CudaExperts(_Cuda):
         tiles_up = self.intermediate // (UP_COLS[self.format] * (8 // _warps_k(spec.P, chunk)))
         tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // self.down_warps_k(spec.P, self.intermediate)))
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
-        if self.spread:  # a unit a warp: as many blocks as fit, each within one unit of the others
-            wk1 = _warps_k(spec.P, chunk)
-            per_item = 2 * (WARPS // wk1) * (self.spread_k or wk1 // 2)  # experts.cu's UPI
-            units = max(slots, 1) * tiles_up * per_item
-            self.grid_up = max(1, min(units, self.up_blocks * sms))
-            self.part = ctx.scratch(f"cuda_experts_spread_part_{units}", (units, 32, SPREAD_FLOATS), torch.float32)
-            self.arrivals = ctx.scratch(f"cuda_experts_spread_arrivals_{units}", (units // per_item,), torch.int32)
-            self.arrivals.zero_()  # the kernel leaves them zero after every launch
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
 
@@ -218,10 +202,6 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_LEAN"] = 1
         if cls.early:
             defines["EXPERTS_EARLY"] = 1
-        if cls.spread:
-            defines["EXPERTS_SPREAD"] = 1
-        if cls.spread_k:
-            defines["EXPERTS_SPREAD_K"] = cls.spread_k
         return defines
 
     @classmethod
@@ -258,10 +238,6 @@ class CudaExperts(_Cuda):
         """What the up kernel takes of the routing beyond its ids (EXPERTS_EARLY: whether
         they are final at launch)."""
         return [i32(int(topk.final))] if self.early else []
-
-    def _spread_args(self) -> list[Arg]:
-        """EXPERTS_SPREAD's workspace: the units' sums and the items' arrival counts."""
-        return [ptr(self.part), ptr(self.arrivals)] if self.spread else []
 
     def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
         """The up kernel's arguments (those of every experts kernel's up, first):
@@ -301,7 +277,7 @@ class CudaExperts(_Cuda):
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
         self._check_run(x, ids, rows)
-        up = [*self._up_args(x, ids), *self._routing_args(topk), *self._spread_args()]
+        up = [*self._up_args(x, ids), *self._routing_args(topk)]
         self.up.launch((self.grid_up, 1, 1), (256, 1, 1), up, shared=self.up_shared)
         self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(x.shape[0], ids, rows))
 
@@ -725,26 +701,3 @@ class CudaExpertsSlice1(CudaExpertsSlice2):
 
     name = "cuda.experts_slice1"
     slice_wk = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4Spread(CudaExpertsNvfp4MarlinV3Half4Early):
-    """``cuda.experts_nvfp4_marlin_v3_half4_early`` with experts.cu's EXPERTS_SPREAD: the up
-    kernel's work dealt out a warp at a time (a unit: one warp's share of an item, its side
-    and K-slice) instead of an item a block. At expert TP's 456-odd items on 528 blocks of 4
-    an SM, an item a block leaves some SMs 4 items and others 3; a unit a warp gives every
-    block 6 or 7 of its 8 warps' worth. The units' fp32 sums meet in a workspace, added by
-    the last to arrive in reduce_k's order: ``_half4``'s bits."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_spread"
-    spread = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4Spread8(CudaExpertsNvfp4MarlinV3Half4Spread):
-    """``cuda.experts_nvfp4_marlin_v3_half4_spread`` with each side of an item cut into 8
-    K-slices (EXPERTS_SPREAD_K = 8) instead of 4: twice the units, each half as long, so at
-    expert TP's 414-odd items every warp of the 528 blocks has work and a warp's chain of
-    batches is 8 to 16 long instead of 16. The same products summed in other K-slices: not
-    ``_half4``'s bits, as close to the exact weights."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_spread8"
-    spread_k = 8

@@ -105,16 +105,6 @@
 // before its PDL wait, while the kernel before it (the pre-expert norm) still runs; x is
 // read only after the wait, as always. Unset: the order of before. The same bits.
 //
-// EXPERTS_SPREAD (a define, 0 when absent; EXPERTS_HALF only): the up kernel's work dealt
-// out a warp at a time instead of an item (8 warps) a block. A unit is one warp's share of
-// an item as EXPERTS_HALF cuts it (its side, column group and K-slice); unit u goes to block
-// u mod grid, warp u / grid of it, so the blocks' counts differ by at most one unit and every
-// SM holds about the same work whichever blocks it was given (an item a block leaves the
-// 456-odd items of expert TP at 4 blocks on some SMs and 3 on others of the 528). Each unit
-// writes its fp32 sums to `part` (a unit's 16 floats a lane), then counts itself in
-// `arrivals[item]` after a fence; the unit that arrives last adds the item's K-slices in
-// warp order, as reduce_k does, applies SwiGLU and zeroes the count for the next launch.
-// The same per-warp sums added in the same order: the bits of EXPERTS_HALF.
 // EXPERTS_ROUTE_MASK (a define, 0 when absent): the down kernel's epilogue finds, once an
 // item, which routes of each of a thread's two rows go to the item's slot (and, on slot
 // 0's items, which go to experts this rank does not hold) as bit masks over the top-k,
@@ -132,9 +122,6 @@
 #endif
 #ifndef EXPERTS_EARLY
 #define EXPERTS_EARLY 0
-#endif
-#ifndef EXPERTS_SPREAD
-#define EXPERTS_SPREAD 0
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -174,9 +161,6 @@
 #endif
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
-#endif
-#if EXPERTS_SPREAD && !EXPERTS_HALF
-#error "EXPERTS_SPREAD is for the EXPERTS_HALF up kernel"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -822,16 +806,6 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
     act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);   \
   }
 
-#if EXPERTS_SPREAD
-// EXPERTS_SPREAD_K (WK1 / 2 when absent): a unit's side cut into SKS K-slices (EXPERTS_HALF's
-// warps along K by default, whose sums are then _half4's bits); UPI units an item.
-#ifndef EXPERTS_SPREAD_K
-#define EXPERTS_SPREAD_K (WK1 / 2)
-#endif
-constexpr int SKS = EXPERTS_SPREAD_K, UPI = 2 * WM1 * SKS;
-static_assert(P_DIM % (SKS * CHUNK_K) == 0, "EXPERTS_SPREAD_K: whole batches a unit");
-#endif
-
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
 #if EXPERTS_EARLY
@@ -840,38 +814,13 @@ static_assert(P_DIM % (SKS * CHUNK_K) == 0, "EXPERTS_SPREAD_K: whole batches a u
 __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const unsigned char* w13,
                                                     const unsigned char* w13_scale, const float* w13_global) {
   constexpr int WKH = WK1 / 2;
-#if EXPERTS_SPREAD
-  const int unit = blockIdx.x + gridDim.x * (threadIdx.x >> 5);  // the warp's first unit
-  const int item = unit / UPI, role = unit % UPI;
-  const int side = role / (UPI / 2), hw = role % (UPI / 2), hm = hw / SKS, hk = hw % SKS;
-  if (item >= routes.n_slots * TILES1) return;
-  const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
-  const int row0[1] = {side ? I_LOCAL + n0 : n0};
-  prefetch_gemm<P_DIM, 2 * I_LOCAL, SKS, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
-                                             row0, hk * (P_DIM / SKS));
-#else
-  const int item = blockIdx.x, role = threadIdx.x >> 5;
-  const int side = role / (WARPS / 2), hw = role % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
+  const int warp = threadIdx.x >> 5, side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
+  const int item = blockIdx.x;
   if (item >= routes.n_slots * TILES1) return;
   const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
   const int row0[1] = {side ? I_LOCAL + n0 : n0};
   prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
                                              row0, hk * (P_DIM / WKH));
-#endif
-}
-#endif
-
-#if EXPERTS_SPREAD
-// The sum of a side's SKS K-slices of one float4 of a lane's sums (units' float4s
-// 32 * TPB apart), in warp order: reduce_k's adds.
-__device__ __forceinline__ float4 spread_sum(const float4* p) {
-  float4 v = __ldcg(p);
-#pragma unroll
-  for (int k = 1; k < SKS; ++k) {
-    const float4 w = __ldcg(p + (long)k * 32 * TPB);
-    v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
-  }
-  return v;
 }
 #endif
 
@@ -881,17 +830,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const unsigned char* __restrict__ w13,                         // [E_local, 2I, P] bf16 or [E_local, 2I, P/2]
     const unsigned char* __restrict__ w13_scale,                   // NVFP4: [E_local, 2I, P/16]
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
-    bf16_t* __restrict__ act                                       // [slots, 8, I_LOCAL]
 #if EXPERTS_EARLY
-    ,
-    int ids_final  // the ids complete at launch (see the top)
+    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
+    int ids_final) {                                               // the ids complete at launch (see the top)
+#else
+    bf16_t* __restrict__ act) {                                    // [slots, 8, I_LOCAL]
 #endif
-#if EXPERTS_SPREAD
-    ,
-    float* __restrict__ part,  // [units, 32, TPB * 4]: each unit's sums (see the top)
-    int* __restrict__ arrivals  // [items]: zeros between launches
-#endif
-) {
   __shared__ Routes routes;
 #if EXPERTS_RING
   extern __shared__ uint4 up_smem[];  // UP_SMEM_BYTES: the warps' rings, red over them (see the top)
@@ -926,59 +870,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   static_assert(WK1 >= 2, "EXPERTS_HALF: at least two warps along K");
   const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
   __shared__ float xch[WM1 * HALF_FLOATS];  // the up side's sums, for the gate side
-#if EXPERTS_SPREAD
-  (void)side, (void)hm, (void)hk, (void)xch;
-  const int units = routes.n_slots * TILES1 * UPI, stride = gridDim.x * WARPS;
-  for (int unit = blockIdx.x + gridDim.x * warp; unit < units; unit += stride) {
-    const int item = unit / UPI, role = unit % UPI;
-    const int uside = role / (UPI / 2), uhw = role % (UPI / 2), uhm = uhw / SKS, uhk = uhw % SKS;
-    const int slot = item / TILES1, tile = item % TILES1;
-    const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
-    const int u0 = (tile * WM1 + uhm) * UP_COLS;
-    const int row0[1] = {uside ? I_LOCAL + u0 : u0};
-    if (unit + stride < units) {  // the next unit's first batch
-      const int next = unit + stride, nitem = next / UPI, nrole = next % UPI;
-      const int nside = nrole / (UPI / 2), nhw = nrole % (UPI / 2);
-      const int n0 = (nitem % TILES1 * WM1 + nhw / SKS) * UP_COLS;
-      const int nrow0[1] = {nside ? I_LOCAL + n0 : n0};
-      prefetch_gemm<P_DIM, 2 * I_LOCAL, SKS, TPB>(
-          up_weights(w13, w13_scale, w13_global, routes.slot_expert[nitem / TILES1]), nrow0,
-          (nhw % SKS) * (P_DIM / SKS));
-    }
-    float h[TPB][4];
-    expert_gemm<P_DIM, 2 * I_LOCAL, SKS, TPB>(W, row0, uhk * (P_DIM / SKS), x, x_stride, b, h);
-    float4* const mine = reinterpret_cast<float4*>(part) + ((long)unit * 32 + lane) * TPB;
-#pragma unroll
-    for (int a = 0; a < TPB; ++a) mine[a] = make_float4(h[a][0], h[a][1], h[a][2], h[a][3]);
-    __threadfence();  // the sums visible to the unit that arrives last
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(&arrivals[item], 1) == UPI - 1;
-    if (__shfl_sync(0xffffffffu, last, 0)) {
-      __threadfence();
-      const float4* const sums = reinterpret_cast<const float4*>(part) + ((long)item * UPI * 32 + lane) * TPB;
-#pragma unroll 1
-      for (int hm2 = 0; hm2 < WM1; ++hm2) {
-        const int i0 = (tile * WM1 + hm2) * UP_COLS;
-#pragma unroll 1
-        for (int a = 0; a < TPB; ++a) {
-          // each side's K-slices in warp order (reduce_k's), then UP_STORE's SwiGLU
-          const float4 gate4 = spread_sum(sums + (long)(hm2 * SKS) * 32 * TPB + a);
-          const float4 up4 = spread_sum(sums + (long)(UPI / 2 + hm2 * SKS) * 32 * TPB + a);
-          const float gs[4] = {gate4.x, gate4.y, gate4.z, gate4.w}, us[4] = {up4.x, up4.y, up4.z, up4.w};
-#pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4) {
-            const int i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
-            const float gate = round_bf16(gs[e4] * W.global_lo), up = round_bf16(us[e4] * W.global_hi);
-            const float silu = gate / (1.0f + expf(-gate));
-            act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);
-          }
-        }
-      }
-      if (lane == 0) arrivals[item] = 0;  // for the next launch
-    }
-  }
-#else
   const int items = routes.n_slots * TILES1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / TILES1, tile = item % TILES1;
@@ -1015,7 +906,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
       UP_STORE(c)
     }
   }
-#endif  // EXPERTS_SPREAD
 #else
   const int items = routes.n_slots * TILES1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {

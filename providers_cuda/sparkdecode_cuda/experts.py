@@ -53,6 +53,7 @@ FMT = {"bf16": 0, "nvfp4": 1, "nvfp4_marlin": 2}
 UP_COLS = {"bf16": 16, "nvfp4": 16, "nvfp4_marlin": 64}
 DOWN_ROWS = {"bf16": 32, "nvfp4": 32, "nvfp4_marlin": 64}
 BLOCKS_PER_SM = 2  # the kernels' 256 threads fit twice on an SM
+WARPS = 8  # a block's warps (experts.cu's WARPS)
 # dequantization is exact while scale * global * 2^126 stays finite (experts.cu)
 MAX_BLOCK_SCALE = 4.0
 
@@ -136,6 +137,8 @@ class CudaExperts(_Cuda):
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
     # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
     up_shared: int = 0
+    # the up kernel's threads a block (8 warps; EXPERTS_PRODUCER's: and a producer warp)
+    up_threads: ClassVar[int] = WARPS * 32
     # experts.cu's EXPERTS_DOWN_WK: the down kernel's warps along K (0: _warps_k's choice)
     down_wk: ClassVar[int] = 0
     # experts.cu's EXPERTS_ROUTE_MASK: the down kernel's epilogue over per-row route masks
@@ -274,11 +277,15 @@ class CudaExperts(_Cuda):
             ptr(rows),
         ]
 
+    def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
+        """The up kernel alone (x -> act), as ``run`` launches it."""
+        up = [*self._up_args(x, topk.ids), *self._routing_args(topk)]
+        self.up.launch((self.grid_up, 1, 1), (self.up_threads, 1, 1), up, shared=self.up_shared)
+
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
         self._check_run(x, ids, rows)
-        up = [*self._up_args(x, ids), *self._routing_args(topk)]
-        self.up.launch((self.grid_up, 1, 1), (256, 1, 1), up, shared=self.up_shared)
+        self.launch_up(x, topk)
         self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(x.shape[0], ids, rows))
 
 
@@ -701,3 +708,36 @@ class CudaExpertsSlice1(CudaExpertsSlice2):
 
     name = "cuda.experts_slice1"
     slice_wk = 1
+
+
+class CudaExpertsNvfp4MarlinV3Producer(CudaExpertsNvfp4MarlinV3Half4Early):
+    """``cuda.experts_nvfp4_marlin_v3_half4_early`` whose up kernel is experts.cu's
+    experts_up_producer_kernel (EXPERTS_PRODUCER): the EXPERTS_HALF consumer warps decode and
+    multiply from shared-memory rings that a producer warp a block fills with cp.async.bulk
+    copies of their codes and scale bytes, so the warps that decode never wait on their own
+    loads (bench/NOTES.md v13: with the loads in the working warps the memory time and the
+    issue time add up). 3 stages of 4 steps a consumer, 3 blocks an SM. The same MMAs in the
+    same order and the same K reduction: ``_half4``'s bits. Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_producer"
+    producer_stages: ClassVar[int] = 3
+    up_blocks = 3
+    up_threads = (WARPS + 1) * 32
+
+    @classmethod
+    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
+        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_PRODUCER": cls.producer_stages}
+
+    @classmethod
+    def producer_smem_bytes(cls) -> int:
+        """experts.cu's PRODUCER_SMEM_BYTES: 8 consumers' rings of 4 steps of 512 code and 64
+        scale bytes a stage."""
+        return WARPS * cls.producer_stages * 4 * (512 + 64)
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        super().__init__(ctx, layer)
+        defines = self.kernel_defines(ctx.spec.P, self.intermediate, ctx.spec.top_k)
+        self.up = Kernel(SOURCE, "experts_up_producer_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        self.up_shared = self.producer_smem_bytes()
+        self.up.allow_shared(self.up_shared)
+        prefer_max_shared(self.up, f"{self.name}: the up kernel")

@@ -182,12 +182,15 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
             count.zero_()
             self.workspace[kernel] = (ws, count)
 
+    def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
+        ws, count = self.workspace["up"]
+        up = [*self._up_args(x, topk.ids), ptr(ws), ptr(count)]
+        self.up.launch((self.grid, 1, 1), (THREADS, 1, 1), up, shared=self.smem)
+
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
         self._check_run(x, ids, rows)
-        ws, count = self.workspace["up"]
-        up = [*self._up_args(x, ids), ptr(ws), ptr(count)]
-        self.up.launch((self.grid, 1, 1), (THREADS, 1, 1), up, shared=self.smem)
+        self.launch_up(x, topk)
         ws, count = self.workspace["down"]
         down = [*self._down_args(x.shape[0], ids, rows), ptr(ws), ptr(count)]
         self.down.launch((self.grid, 1, 1), (THREADS, 1, 1), down, shared=self.smem)

@@ -105,6 +105,19 @@
 // before its PDL wait, while the kernel before it (the pre-expert norm) still runs; x is
 // read only after the wait, as always. Unset: the order of before. The same bits.
 //
+// EXPERTS_PRODUCER (a define, 0 when absent; EXPERTS_HALF only): experts_up_producer_kernel,
+// the EXPERTS_HALF up kernel with its weight loads moved off the warps that decode. A block
+// is WARPS consumer warps (EXPERTS_HALF's: each an item's gate or up rows over its K-slice)
+// and one producer warp, which copies each consumer's codes and scale bytes, PSB steps a
+// stage, with cp.async.bulk (512 and 64 contiguous bytes a step: Marlin's own fragments of a
+// 64-row block, experts.cu's header) into that consumer's ring of EXPERTS_PRODUCER stages in
+// shared memory, counted on the stage's full mbarrier, and refills a stage when the consumer
+// arrives on its empty mbarrier. The producer runs ahead over the block's items (and, when
+// the ids are final at launch, before the PDL wait: the weights are constants of the step);
+// the consumers read a stage's fragments from shared memory, release it, and decode and
+// multiply as warp_gemm_marlin's V3 loop does, x from global memory after the PDL wait. The
+// same MMAs in the same order and the same K reduction (through named barriers among the
+// consumers only): EXPERTS_HALF's bits.
 // EXPERTS_ROUTE_MASK (a define, 0 when absent): the down kernel's epilogue finds, once an
 // item, which routes of each of a thread's two rows go to the item's slot (and, on slot
 // 0's items, which go to experts this rank does not hold) as bit masks over the top-k,
@@ -122,6 +135,9 @@
 #endif
 #ifndef EXPERTS_EARLY
 #define EXPERTS_EARLY 0
+#endif
+#ifndef EXPERTS_PRODUCER
+#define EXPERTS_PRODUCER 0
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -161,6 +177,9 @@
 #endif
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
+#endif
+#if EXPERTS_PRODUCER && !EXPERTS_HALF
+#error "EXPERTS_PRODUCER is for the EXPERTS_HALF up kernel"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -939,6 +958,197 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   }
 #endif
 }
+
+#if EXPERTS_PRODUCER
+// experts_up_producer_kernel (EXPERTS_PRODUCER, see the top).
+#define PSB 4                                // steps of 16 k a stage
+#define PSTAGES EXPERTS_PRODUCER             // stages a consumer's ring
+#define PTHREADS (NTHREADS + 32)             // the consumers, then the producer warp
+constexpr int PSTEP_BYTES = 512 + 64;        // a step of a 64-row block: codes, then scale bytes
+constexpr int PSTAGE_BYTES = PSB * PSTEP_BYTES;
+constexpr int PRING_BYTES = PSTAGES * PSTAGE_BYTES;
+// The up kernel's dynamic shared memory: the consumers' rings.
+constexpr int PRODUCER_SMEM_BYTES = WARPS * PRING_BYTES;
+constexpr int PWKH = WK1 / 2, PSTEPS = P_DIM / PWKH / 16;  // a consumer's K-slice: its steps
+static_assert(PSTAGES >= 2 && PSTEPS % PSB == 0, "EXPERTS_PRODUCER: at least 2 stages, whole stages a slice");
+static_assert(WARPS * PSB == 32 && TPB == 4, "a producer lane a consumer's step; a Marlin block a consumer");
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{.reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// The consumers' barrier (the producer warp never joins it).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(NTHREADS) : "memory"); }
+
+// Consumer (warp) w's rows of an item: the first row of its Marlin block and its K-slice's
+// first step (EXPERTS_HALF's roles: side, column group hm, K-slice hk).
+__device__ __forceinline__ void producer_role(int item, int w, int& row0, int& kt0) {
+  const int side = w / (WARPS / 2), hw = w % (WARPS / 2), hm = hw / PWKH, hk = hw % PWKH;
+  const int i0 = (item % TILES1 * WM1 + hm) * UP_COLS;
+  row0 = side ? I_LOCAL + i0 : i0;
+  kt0 = hk * PSTEPS;
+}
+
+extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_UP_BLOCKS) experts_up_producer_kernel(
+    const bf16_t* __restrict__ x, int x_stride, int b,           // [b, P]
+    const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
+    const unsigned char* __restrict__ w13,                         // Marlin's int32 [E_local, P / 16, 4I]
+    const unsigned char* __restrict__ w13_scale,                   // Marlin's bytes [E_local, P / 16, 2I]
+    const float* __restrict__ w13_global,                          // [E_local]
+    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
+    int ids_final) {                                               // the ids complete at launch
+  extern __shared__ __align__(128) unsigned char rings[];          // PRODUCER_SMEM_BYTES
+  __shared__ Routes routes;
+  __shared__ __align__(8) unsigned long long bars[2 * WARPS * PSTAGES];  // full, then empty
+  __shared__ float red[WARPS * TPB * 4 * 32];
+  constexpr int HALF_FLOATS = TPB * 4 * 32;
+  __shared__ float xch[WM1 * HALF_FLOATS];
+  u32 smem_bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+  if (smem_bytes < PRODUCER_SMEM_BYTES) __trap();  // launched without the rings' shared memory
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const u32 full = smem_addr(bars), empty = full + 8 * WARPS * PSTAGES;
+  if (threadIdx.x < WARPS * PSTAGES) {
+    mbar_init(full + 8 * threadIdx.x, 1);
+    mbar_init(empty + 8 * threadIdx.x, 1);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  if (ids_final) {
+    find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);  // its barriers publish the mbarriers
+  } else {
+    pdl_wait();  // the ids come from the kernels before
+    find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
+  }
+  const int items = routes.n_slots * TILES1;
+  constexpr long EXPERT_CODES = (long)2 * I_LOCAL * (P_DIM / 2), EXPERT_SCALES = (long)2 * I_LOCAL * (P_DIM / 16);
+  constexpr int N = 2 * I_LOCAL;  // W13's rows
+  if (warp == WARPS) {
+    // The producer: lane (c, s) copies consumer c's step s of every stage, in the block's
+    // item order; the stage's first lane of each consumer sets the bytes its copies bring.
+    pdl_launch_dependents();  // the next kernel still waits for this one's end in its own wait
+    const int c = lane / PSB, s = lane % PSB;
+    const u32 ring = smem_addr(rings) + c * PRING_BYTES + s * PSTEP_BYTES;
+    int it = 0;  // the stage sequence, the same for every consumer
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const long e = routes.slot_expert[item / TILES1];
+      int row0, kt0;
+      producer_role(item, c, row0, kt0);
+      const unsigned char* code = w13 + e * EXPERT_CODES + ((long)(kt0 + s) * 2 * N + 2 * row0) * 4;
+      const unsigned char* scale = w13_scale + e * EXPERT_SCALES + (long)(kt0 + s) * N + row0;
+      for (int st = 0; st < PSTEPS / PSB; ++st, ++it) {
+        const int slot = it % PSTAGES;
+        const u32 f = full + 8 * (c * PSTAGES + slot);
+        if (it >= PSTAGES) mbar_wait(empty + 8 * (c * PSTAGES + slot), ((it / PSTAGES) - 1) & 1);
+        if (s == 0) mbar_expect_tx(f, PSTAGE_BYTES);
+        __syncwarp();
+        const u32 dst = ring + slot * PSTAGE_BYTES;
+        bulk_copy(dst, code + (long)st * PSB * 2 * N * 4, 512, f);
+        bulk_copy(dst + 512, scale + (long)st * PSB * N, 64, f);
+      }
+    }
+    return;
+  }
+  if (ids_final) pdl_wait();  // x comes from the kernel before
+  pdl_launch_dependents();
+  const int g = lane >> 2, t = lane & 3;
+  const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / PWKH, hk = hw % PWKH;
+  const unsigned char* ring = rings + warp * PRING_BYTES;
+  const bool xrow = g < b;
+  int it = 0;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int slot = item / TILES1, tile = item % TILES1;
+    const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
+    float h[TPB][4];  // this side's tiles, as warp_gemm_marlin's V3 loop computes them
+#pragma unroll
+    for (int a = 0; a < TPB; ++a)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) h[a][e4] = 0.f;
+    const u32* xp = reinterpret_cast<const u32*>(x + (long)g * x_stride + hk * (P_DIM / PWKH) + 2 * t);
+#pragma unroll 1
+    for (int st = 0; st < PSTEPS / PSB; ++st, ++it) {
+      const int rs = it % PSTAGES;
+      mbar_wait(full + 8 * (warp * PSTAGES + rs), (it / PSTAGES) & 1);
+      uint4 q[PSB][1];
+      uint2 sc[PSB][1];
+#pragma unroll
+      for (int sb = 0; sb < PSB; ++sb) {
+        const unsigned char* step = ring + rs * PSTAGE_BYTES + sb * PSTEP_BYTES;
+        q[sb][0] = *reinterpret_cast<const uint4*>(step + 16 * lane);
+        sc[sb][0] = *reinterpret_cast<const uint2*>(step + 512 + 8 * g);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + 8 * (warp * PSTAGES + rs));  // the reads above come first
+      marlin_batch_mma<1, PSB>(q, sc, xp, xrow, h);
+      xp += PSB * 8;
+    }
+    // reduce_k (per half) and the halves' exchange, with the consumers' barrier
+    consumers_sync();  // red may still be read from the previous item
+    float* mine = red + ((side * WM1 + hm) * PWKH + hk) * HALF_FLOATS;
+#pragma unroll
+    for (int a = 0; a < TPB; ++a)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) mine[(a * 4 + e4) * 32 + lane] = h[a][e4];
+    consumers_sync();
+    if (hk == 0) {
+      const float* base = red + ((side * WM1 + hm) * PWKH) * HALF_FLOATS;
+#pragma unroll
+      for (int a = 0; a < TPB; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          float v = base[(a * 4 + e4) * 32 + lane];
+          for (int k2 = 1; k2 < PWKH; ++k2) v += base[k2 * HALF_FLOATS + (a * 4 + e4) * 32 + lane];
+          h[a][e4] = v;
+        }
+      if (side == 1) {
+#pragma unroll
+        for (int a = 0; a < TPB; ++a)
+#pragma unroll
+          for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
+      }
+    }
+    consumers_sync();
+    if (hk == 0 && side == 0) {
+      float c[NT1][4];  // gate tiles, then up tiles
+#pragma unroll
+      for (int a = 0; a < TPB; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          c[a][e4] = h[a][e4];
+          c[TPB + a][e4] = xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane];
+        }
+      const int i0 = (tile * WM1 + hm) * UP_COLS;
+      UP_STORE(c)
+    }
+  }
+}
+#endif
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.

@@ -444,27 +444,29 @@ def test_marlin_v3_early_variant(width, intermediate):
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
 def test_marlin_v3_producer_variant(width, intermediate):
     """cuda.experts_nvfp4_marlin_v3_producer: _half4_early's defines plus EXPERTS_PRODUCER (its
-    stages); the producer up kernel (8 consumer warps and a producer warp) spill-free, fitting
-    its blocks an SM in registers and in shared memory (static, plus the rings), the down
-    kernel as _half4_early's; the rings' size as experts.cu lays them out."""
+    stages) at 3 blocks an SM; both producer kernels (8 consumer warps and a producer warp)
+    spill-free, fitting their blocks an SM in registers and in shared memory (static, plus
+    the rings); the rings' size as experts.cu lays them out."""
     from sparkdecode_cuda import nvrtc
 
     cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3Producer, experts_mod.CudaExpertsNvfp4MarlinV3Half4Early
     assert cls.kernel_defines(width, intermediate, 8) == {
         **parent.kernel_defines(width, intermediate, 8),
         "EXPERTS_UP_BLOCKS": cls.up_blocks,
+        "EXPERTS_DOWN_BLOCKS": cls.down_blocks,
         "EXPERTS_PRODUCER": cls.producer_stages,
     }
     assert cls.producer_smem_bytes() == 8 * cls.producer_stages * 4 * 576
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     usage = ptxas_usage(cls.kernel_defines(width, intermediate, 8))
-    up, down = usage["experts_up_producer_kernel"], usage["experts_down_kernel"]
+    up, down = usage["experts_up_producer_kernel"], usage["experts_down_producer_kernel"]
     for u in (up, down):
         assert u.stack == 0 and u.spills == 0, usage
     assert blocks_per_sm(up.registers, threads=9 * 32) >= cls.up_blocks, up
-    # at the real widths (one column group a block: WM1 = 1) the rings fit 3 blocks an SM; at
-    # the test width's two groups the exchange buffer doubles and 2 fit (slower, as correct)
+    assert blocks_per_sm(down.registers, threads=9 * 32) >= cls.down_blocks, down
+    # at the real widths (one column group a block: WM1 = 1) the up rings fit 3 blocks an SM;
+    # at the test width's two groups the exchange buffer doubles and 2 fit (slower, as correct)
     blocks = cls.up_blocks if width >= 4096 else 2
     assert blocks_per_sm_smem(up.smem + cls.producer_smem_bytes()) >= blocks, up
-    assert blocks_per_sm(down.registers) >= cls.down_blocks and blocks_per_sm_smem(down.smem) >= cls.down_blocks, down
+    assert blocks_per_sm_smem(down.smem + cls.producer_smem_bytes()) >= cls.down_blocks, down

@@ -137,8 +137,11 @@ class CudaExperts(_Cuda):
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
     # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
     up_shared: int = 0
-    # the up kernel's threads a block (8 warps; EXPERTS_PRODUCER's: and a producer warp)
+    # the kernels' threads a block (8 warps; EXPERTS_PRODUCER's: and a producer warp) and
+    # the down kernel's dynamic shared memory
     up_threads: ClassVar[int] = WARPS * 32
+    down_threads: ClassVar[int] = WARPS * 32
+    down_shared: int = 0
     # experts.cu's EXPERTS_DOWN_WK: the down kernel's warps along K (0: _warps_k's choice)
     down_wk: ClassVar[int] = 0
     # experts.cu's EXPERTS_ROUTE_MASK: the down kernel's epilogue over per-row route masks
@@ -286,7 +289,8 @@ class CudaExperts(_Cuda):
         x, ids = inputs.x, topk.ids
         self._check_run(x, ids, rows)
         self.launch_up(x, topk)
-        self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(x.shape[0], ids, rows))
+        down = self._down_args(x.shape[0], ids, rows)
+        self.down.launch((self.grid_down, 1, 1), (self.down_threads, 1, 1), down, shared=self.down_shared)
 
 
 class CudaExpertsNvfp4(CudaExperts):
@@ -711,18 +715,20 @@ class CudaExpertsSlice1(CudaExpertsSlice2):
 
 
 class CudaExpertsNvfp4MarlinV3Producer(CudaExpertsNvfp4MarlinV3Half4Early):
-    """``cuda.experts_nvfp4_marlin_v3_half4_early`` whose up kernel is experts.cu's
-    experts_up_producer_kernel (EXPERTS_PRODUCER): the EXPERTS_HALF consumer warps decode and
-    multiply from shared-memory rings that a producer warp a block fills with cp.async.bulk
-    copies of their codes and scale bytes, so the warps that decode never wait on their own
-    loads (bench/NOTES.md v13: with the loads in the working warps the memory time and the
-    issue time add up). 3 stages of 4 steps a consumer, 3 blocks an SM. The same MMAs in the
-    same order and the same K reduction: ``_half4``'s bits. Not registered."""
+    """``cuda.experts_nvfp4_marlin_v3_half4_early`` on experts.cu's producer kernels
+    (EXPERTS_PRODUCER): in both the up and the down kernel the 8 warps decode and multiply
+    from shared-memory rings that a ninth, producer warp a block fills with cp.async.bulk
+    copies of their codes and scale bytes, running ahead over the block's items (the down
+    kernel's from its start, before its PDL wait), so the warps that decode never wait on
+    their own loads (bench/NOTES.md v13: with the loads in the working warps the memory time
+    and the issue time add up). 3 stages of 4 steps a warp, 3 blocks an SM. The same MMAs in
+    the same order and the same K reductions: ``_half4``'s bits. Not registered."""
 
     name = "cuda.experts_nvfp4_marlin_v3_producer"
     producer_stages: ClassVar[int] = 3
     up_blocks = 3
-    up_threads = (WARPS + 1) * 32
+    down_blocks = 3
+    up_threads = down_threads = (WARPS + 1) * 32
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
@@ -730,7 +736,7 @@ class CudaExpertsNvfp4MarlinV3Producer(CudaExpertsNvfp4MarlinV3Half4Early):
 
     @classmethod
     def producer_smem_bytes(cls) -> int:
-        """experts.cu's PRODUCER_SMEM_BYTES: 8 consumers' rings of 4 steps of 512 code and 64
+        """experts.cu's PRODUCER_SMEM_BYTES: 8 warps' rings of 4 steps of 512 code and 64
         scale bytes a stage."""
         return WARPS * cls.producer_stages * 4 * (512 + 64)
 
@@ -738,6 +744,8 @@ class CudaExpertsNvfp4MarlinV3Producer(CudaExpertsNvfp4MarlinV3Half4Early):
         super().__init__(ctx, layer)
         defines = self.kernel_defines(ctx.spec.P, self.intermediate, ctx.spec.top_k)
         self.up = Kernel(SOURCE, "experts_up_producer_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        self.up_shared = self.producer_smem_bytes()
-        self.up.allow_shared(self.up_shared)
-        prefer_max_shared(self.up, f"{self.name}: the up kernel")
+        self.down = Kernel(SOURCE, "experts_down_producer_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        self.up_shared = self.down_shared = self.producer_smem_bytes()
+        for kernel, which in ((self.up, "up"), (self.down, "down")):
+            kernel.allow_shared(self.up_shared)
+            prefer_max_shared(kernel, f"{self.name}: the {which} kernel")

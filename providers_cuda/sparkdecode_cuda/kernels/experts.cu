@@ -1007,6 +1007,81 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 // The consumers' barrier (the producer warp never joins it).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(NTHREADS) : "memory"); }
 
+// The producer lanes' part of one consumer slice of `stages` stages (the block's stage
+// sequence `it`, the same for every consumer): lane s of the consumer's group copies step s
+// of each stage, `code` and `scale` at that step's 512 and 64 bytes, a stage PSB steps
+// (code_stride, scale_stride bytes a step) further; the group's lane 0 sets the stage's bytes.
+__device__ __forceinline__ void produce_slice(u32 lane_ring, u32 full_c, u32 empty_c, int& it, int stages, int s,
+                                              const unsigned char* code, long code_stride, const unsigned char* scale,
+                                              long scale_stride) {
+  for (int st = 0; st < stages; ++st, ++it) {
+    const int slot = it % PSTAGES;
+    const u32 f = full_c + 8 * slot;
+    if (it >= PSTAGES) mbar_wait(empty_c + 8 * slot, ((it / PSTAGES) - 1) & 1);
+    if (s == 0) mbar_expect_tx(f, PSTAGE_BYTES);
+    __syncwarp();
+    const u32 dst = lane_ring + slot * PSTAGE_BYTES;
+    bulk_copy(dst, code + (long)st * PSB * code_stride, 512, f);
+    bulk_copy(dst + 512, scale + (long)st * PSB * scale_stride, 64, f);
+  }
+}
+
+// A consumer's slice: `stages` stages of its ring (the stage sequence `it`), each read,
+// released and run through warp_gemm_marlin's V3 batch (its MMAs in its order) into c,
+// x's words from xp (8 a step; rows past nx as zeros: xrow false).
+__device__ __forceinline__ void consume_slice(const unsigned char* ring, u32 full_w, u32 empty_w, int& it,
+                                              int stages, const u32* xp, bool xrow, float c[TPB][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+#pragma unroll
+  for (int a = 0; a < TPB; ++a)
+#pragma unroll
+    for (int e4 = 0; e4 < 4; ++e4) c[a][e4] = 0.f;
+#pragma unroll 1
+  for (int st = 0; st < stages; ++st, ++it) {
+    const int rs = it % PSTAGES;
+    mbar_wait(full_w + 8 * rs, (it / PSTAGES) & 1);
+    uint4 q[PSB][1];
+    uint2 sc[PSB][1];
+#pragma unroll
+    for (int sb = 0; sb < PSB; ++sb) {
+      const unsigned char* step = ring + rs * PSTAGE_BYTES + sb * PSTEP_BYTES;
+      q[sb][0] = *reinterpret_cast<const uint4*>(step + 16 * lane);
+      sc[sb][0] = *reinterpret_cast<const uint2*>(step + 512 + 8 * g);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty_w + 8 * rs);  // the reads above come first
+    marlin_batch_mma<1, PSB>(q, sc, xp, xrow, c);
+    xp += PSB * 8;
+  }
+}
+
+// reduce_k over the consumers' barrier: the warps' sums in warp order (warp wm * WK_ + wk;
+// each HF floats of `red`), the total in warp wk == 0's c.
+template <int WK_>
+__device__ __forceinline__ void consumers_reduce(float c[TPB][4], float* red, int wm, int wk) {
+  constexpr int HF = TPB * 4 * 32;
+  const int lane = threadIdx.x & 31;
+  if (WK_ == 1) return;
+  consumers_sync();  // red may still be read from the item before
+  float* mine = red + (wm * WK_ + wk) * HF;
+#pragma unroll
+  for (int a = 0; a < TPB; ++a)
+#pragma unroll
+    for (int e4 = 0; e4 < 4; ++e4) mine[(a * 4 + e4) * 32 + lane] = c[a][e4];
+  consumers_sync();
+  if (wk == 0) {
+    const float* base = red + (wm * WK_) * HF;
+#pragma unroll
+    for (int a = 0; a < TPB; ++a)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) {
+        float v = base[(a * 4 + e4) * 32 + lane];
+        for (int k2 = 1; k2 < WK_; ++k2) v += base[k2 * HF + (a * 4 + e4) * 32 + lane];
+        c[a][e4] = v;
+      }
+  }
+}
+
 // Consumer (warp) w's rows of an item: the first row of its Marlin block and its K-slice's
 // first step (EXPERTS_HALF's roles: side, column group hm, K-slice hk).
 __device__ __forceinline__ void producer_role(int item, int w, int& row0, int& kt0) {
@@ -1051,27 +1126,18 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_UP_BLOCKS) expert
   constexpr int N = 2 * I_LOCAL;  // W13's rows
   if (warp == WARPS) {
     // The producer: lane (c, s) copies consumer c's step s of every stage, in the block's
-    // item order; the stage's first lane of each consumer sets the bytes its copies bring.
+    // item order.
     pdl_launch_dependents();  // the next kernel still waits for this one's end in its own wait
     const int c = lane / PSB, s = lane % PSB;
-    const u32 ring = smem_addr(rings) + c * PRING_BYTES + s * PSTEP_BYTES;
-    int it = 0;  // the stage sequence, the same for every consumer
+    const u32 lane_ring = smem_addr(rings) + c * PRING_BYTES + s * PSTEP_BYTES;
+    int it = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const long e = routes.slot_expert[item / TILES1];
       int row0, kt0;
       producer_role(item, c, row0, kt0);
-      const unsigned char* code = w13 + e * EXPERT_CODES + ((long)(kt0 + s) * 2 * N + 2 * row0) * 4;
-      const unsigned char* scale = w13_scale + e * EXPERT_SCALES + (long)(kt0 + s) * N + row0;
-      for (int st = 0; st < PSTEPS / PSB; ++st, ++it) {
-        const int slot = it % PSTAGES;
-        const u32 f = full + 8 * (c * PSTAGES + slot);
-        if (it >= PSTAGES) mbar_wait(empty + 8 * (c * PSTAGES + slot), ((it / PSTAGES) - 1) & 1);
-        if (s == 0) mbar_expect_tx(f, PSTAGE_BYTES);
-        __syncwarp();
-        const u32 dst = ring + slot * PSTAGE_BYTES;
-        bulk_copy(dst, code + (long)st * PSB * 2 * N * 4, 512, f);
-        bulk_copy(dst + 512, scale + (long)st * PSB * N, 64, f);
-      }
+      produce_slice(lane_ring, full + 8 * c * PSTAGES, empty + 8 * c * PSTAGES, it, PSTEPS / PSB, s,
+                    w13 + e * EXPERT_CODES + ((long)(kt0 + s) * 2 * N + 2 * row0) * 4, 2 * N * 4,
+                    w13_scale + e * EXPERT_SCALES + (long)(kt0 + s) * N + row0, N);
     }
     return;
   }
@@ -1080,58 +1146,19 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_UP_BLOCKS) expert
   const int g = lane >> 2, t = lane & 3;
   const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / PWKH, hk = hw % PWKH;
   const unsigned char* ring = rings + warp * PRING_BYTES;
-  const bool xrow = g < b;
   int it = 0;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / TILES1, tile = item % TILES1;
     const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
     float h[TPB][4];  // this side's tiles, as warp_gemm_marlin's V3 loop computes them
-#pragma unroll
-    for (int a = 0; a < TPB; ++a)
-#pragma unroll
-      for (int e4 = 0; e4 < 4; ++e4) h[a][e4] = 0.f;
     const u32* xp = reinterpret_cast<const u32*>(x + (long)g * x_stride + hk * (P_DIM / PWKH) + 2 * t);
-#pragma unroll 1
-    for (int st = 0; st < PSTEPS / PSB; ++st, ++it) {
-      const int rs = it % PSTAGES;
-      mbar_wait(full + 8 * (warp * PSTAGES + rs), (it / PSTAGES) & 1);
-      uint4 q[PSB][1];
-      uint2 sc[PSB][1];
-#pragma unroll
-      for (int sb = 0; sb < PSB; ++sb) {
-        const unsigned char* step = ring + rs * PSTAGE_BYTES + sb * PSTEP_BYTES;
-        q[sb][0] = *reinterpret_cast<const uint4*>(step + 16 * lane);
-        sc[sb][0] = *reinterpret_cast<const uint2*>(step + 512 + 8 * g);
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + 8 * (warp * PSTAGES + rs));  // the reads above come first
-      marlin_batch_mma<1, PSB>(q, sc, xp, xrow, h);
-      xp += PSB * 8;
-    }
-    // reduce_k (per half) and the halves' exchange, with the consumers' barrier
-    consumers_sync();  // red may still be read from the previous item
-    float* mine = red + ((side * WM1 + hm) * PWKH + hk) * HALF_FLOATS;
-#pragma unroll
-    for (int a = 0; a < TPB; ++a)
-#pragma unroll
-      for (int e4 = 0; e4 < 4; ++e4) mine[(a * 4 + e4) * 32 + lane] = h[a][e4];
-    consumers_sync();
-    if (hk == 0) {
-      const float* base = red + ((side * WM1 + hm) * PWKH) * HALF_FLOATS;
+    consume_slice(ring, full + 8 * warp * PSTAGES, empty + 8 * warp * PSTAGES, it, PSTEPS / PSB, xp, g < b, h);
+    consumers_reduce<PWKH>(h, red, side * WM1 + hm, hk);  // per half, as reduce_k
+    if (hk == 0 && side == 1) {
 #pragma unroll
       for (int a = 0; a < TPB; ++a)
 #pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) {
-          float v = base[(a * 4 + e4) * 32 + lane];
-          for (int k2 = 1; k2 < PWKH; ++k2) v += base[k2 * HALF_FLOATS + (a * 4 + e4) * 32 + lane];
-          h[a][e4] = v;
-        }
-      if (side == 1) {
-#pragma unroll
-        for (int a = 0; a < TPB; ++a)
-#pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
-      }
+        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
     }
     consumers_sync();
     if (hk == 0 && side == 0) {
@@ -1263,3 +1290,98 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       }
   }
 }
+
+#if EXPERTS_PRODUCER
+// experts_down_producer_kernel (EXPERTS_PRODUCER): experts_down_kernel's items and math, its
+// warps (wm, wk) fed as the up producer kernel's are; the producer fills the rings from the
+// kernel's start (the ids were final before the up kernel passed its wait; the weights are
+// constants of the step), the consumers read act after the PDL wait.
+constexpr int PSTEPS2 = I_LOCAL / WK2 / 16;  // a down warp's K-slice: its steps
+static_assert(TOP_K <= 32, "EXPERTS_PRODUCER's down epilogue: a row's routes in one 32-bit mask");
+static_assert(PSTEPS2 % PSB == 0 && DOWN_ROWS == 16 * TPB, "EXPERTS_PRODUCER: whole stages, a Marlin block a warp");
+
+extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_producer_kernel(
+    const bf16_t* __restrict__ act, int b,                         // [slots, 8, I_LOCAL]
+    const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K]
+    const unsigned char* __restrict__ w2,                          // Marlin's int32 [E_local, I / 16, 2P]
+    const unsigned char* __restrict__ w2_scale,                    // Marlin's bytes [E_local, I / 16, P]
+    const float* __restrict__ w2_global,                           // [E_local]
+    bf16_t* __restrict__ rows) {                                   // [b, TOP_K, P]
+  extern __shared__ __align__(128) unsigned char rings[];          // PRODUCER_SMEM_BYTES
+  __shared__ Routes routes;
+  __shared__ __align__(8) unsigned long long bars[2 * WARPS * PSTAGES];  // full, then empty
+  __shared__ float red[WARPS * TPB * 4 * 32];
+  u32 smem_bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+  if (smem_bytes < PRODUCER_SMEM_BYTES) __trap();  // launched without the rings' shared memory
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const u32 full = smem_addr(bars), empty = full + 8 * WARPS * PSTAGES;
+  if (threadIdx.x < WARPS * PSTAGES) {
+    mbar_init(full + 8 * threadIdx.x, 1);
+    mbar_init(empty + 8 * threadIdx.x, 1);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);  // its barriers publish the mbarriers
+  const int n_slots = routes.n_slots;
+  const int items = (n_slots > 0 ? n_slots : 1) * TILES2;
+  constexpr long EXPERT_CODES = (long)P_DIM * (I_LOCAL / 2), EXPERT_SCALES = (long)P_DIM * (I_LOCAL / 16);
+  if (warp == WARPS) {
+    pdl_launch_dependents();  // the next kernel still waits for this one's end in its own wait
+    if (n_slots == 0) return;
+    const int c = lane / PSB, s = lane % PSB, cm = c / WK2, ck = c % WK2;
+    const u32 lane_ring = smem_addr(rings) + c * PRING_BYTES + s * PSTEP_BYTES;
+    int it = 0;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const long e = routes.slot_expert[item / TILES2];
+      const int p0 = (item % TILES2 * WM2 + cm) * DOWN_ROWS, kt0 = ck * PSTEPS2;
+      produce_slice(lane_ring, full + 8 * c * PSTAGES, empty + 8 * c * PSTAGES, it, PSTEPS2 / PSB, s,
+                    w2 + e * EXPERT_CODES + ((long)(kt0 + s) * 2 * P_DIM + 2 * p0) * 4, 2 * P_DIM * 4,
+                    w2_scale + e * EXPERT_SCALES + (long)(kt0 + s) * P_DIM + p0, P_DIM);
+    }
+    return;
+  }
+  pdl_wait();  // act comes from the up kernel
+  pdl_launch_dependents();
+  const int wm = warp / WK2, wk = warp % WK2;
+  const int g = lane >> 2, t = lane & 3;
+  const unsigned char* ring = rings + warp * PRING_BYTES;
+  int it = 0;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int slot = item / TILES2, tile = item % TILES2;
+    const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
+    float c[NT2][4];
+    float out_scale = 0.f;  // the global of the item's expert
+    if (n_slots > 0) {
+      out_scale = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]).global_lo;
+      const u32* xp = reinterpret_cast<const u32*>(act + ((long)slot * NB + g) * I_LOCAL + wk * (I_LOCAL / WK2) + 2 * t);
+      consume_slice(ring, full + 8 * warp * PSTAGES, empty + 8 * warp * PSTAGES, it, PSTEPS2 / PSB, xp, true, c);
+      consumers_reduce<WK2>(c, red, wm, wk);
+    }
+    if (wk != 0) continue;
+    // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
+    // items) the routes to experts not held, which get zeros (EXPERTS_ROUTE_MASK's epilogue).
+    unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = 2 * t + e;
+      if (n >= b) continue;
+#pragma unroll
+      for (int j = 0; j < TOP_K; ++j) {
+        const int rs = routes.slot[n * TOP_K + j];
+        if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;
+        else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < NT2; ++a)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) {
+        const int p = p0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
+        if (n >= b) continue;
+        const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4] * out_scale) : (bf16_t)0;
+        for (unsigned m = to_slot[e4 & 1]; m != 0u; m &= m - 1u) rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = v;
+        for (unsigned m = unheld[e4 & 1]; m != 0u; m &= m - 1u) rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = 0;
+      }
+  }
+}
+#endif

@@ -420,7 +420,7 @@ def test_bf16_slice_variants(cls, width, intermediate):
 def test_marlin_v3_early_variant(width, intermediate):
     """_half4_early: _half4_lean's defines plus EXPERTS_EARLY, spill-free and fitting; its up
     kernel takes one more argument, whether the routing is final (RoutedTopk.final), which
-    no other class passes."""
+    only it and the classes built on it pass."""
     from sparkdecode.protocols import RoutedTopk
     from sparkdecode_cuda import nvrtc
 
@@ -430,7 +430,7 @@ def test_marlin_v3_early_variant(width, intermediate):
         "EXPERTS_EARLY": 1,
     }
     others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    assert [c for c in others if c.early] == [cls]
+    assert cls.early and all(issubclass(c, cls) for c in others if c.early)  # _half4_early and what builds on it
     topk = RoutedTopk(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, 8))
     assert topk.final is False and RoutedTopk(topk.ids, topk.weights, final=True).final is True
     op = cls.__new__(cls)

@@ -417,6 +417,25 @@ def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
 
 
+def side_stream_step(op, x, source, ids, weights, rows):
+    """One experts step as cuda.moe runs it: the routing (here a copy of ``source`` into
+    ``ids``) on a side stream joined back by an event, so the ids are final when ``op``
+    launches (RoutedTopk.final)."""
+    side, fork, join = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
+
+    def step() -> None:
+        current = torch.cuda.current_stream()
+        fork.record(current)
+        side.wait_event(fork)
+        with torch.cuda.stream(side):
+            ids.copy_(source)
+            join.record(side)
+        current.wait_event(join)
+        op.run(ExpertsInput(x), RoutedTopk(ids, weights, final=True), rows)
+
+    return step
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_early_routing_is_half4_bit_for_bit(shape):
     """EXPERTS_EARLY as cuda.moe runs it: the ids written on a side stream (the routing)
@@ -434,17 +453,7 @@ def test_early_routing_is_half4_bit_for_bit(shape):
     source = torch.empty(b, k, dtype=torch.int32, device="cuda")
     ids = torch.empty_like(source)
     rows = torch.empty(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    side, fork, join = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
-
-    def step() -> None:
-        current = torch.cuda.current_stream()
-        fork.record(current)
-        side.wait_event(fork)
-        with torch.cuda.stream(side):
-            ids.copy_(source)  # the routing, on the side stream
-            join.record(side)
-        current.wait_event(join)
-        early.run(ExpertsInput(x), RoutedTopk(ids, weights, final=True), rows)
+    step = side_stream_step(early, x, source, ids, weights, rows)
 
     def check(i: int) -> None:
         want = torch.full_like(rows, float("nan"))
@@ -506,19 +515,7 @@ def test_producer_is_half4_bit_for_bit(shape):
     ids = torch.zeros_like(source)
     weights = torch.ones(b, k, device="cuda")
     rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    side, fork, join = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
-
-    def step() -> None:
-        current = torch.cuda.current_stream()
-        fork.record(current)
-        side.wait_event(fork)
-        with torch.cuda.stream(side):
-            ids.copy_(source)  # the routing, on the side stream
-            join.record(side)
-        current.wait_event(join)
-        producer.run(ExpertsInput(x), RoutedTopk(ids, weights, final=True), rows)
-
-    graph = Timer(torch.device("cuda")).capture(step)
+    graph = Timer(torch.device("cuda")).capture(side_stream_step(producer, x, source, ids, weights, rows))
     for i in range(8):
         x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
         source.copy_(draw(b, ("distinct", "duplicates", "twice")[i % 3]))

@@ -745,20 +745,30 @@ __device__ __forceinline__ void prefetch_gemm(const Weights& W, const int row0[N
 }
 #endif
 
+// The block's barrier, or (CONSUMERS) the barrier of its WARPS warps alone (EXPERTS_PRODUCER's
+// consumers: the producer warp never joins it).
+template <bool CONSUMERS>
+__device__ __forceinline__ void warps_sync() {
+  if (CONSUMERS)
+    asm volatile("bar.sync 1, %0;" ::"n"(NTHREADS) : "memory");
+  else
+    __syncthreads();
+}
+
 // Adds the warps' partial sums over K in warp order; the warp wk == 0 of each wm
-// ends with the total in c. `red`: WARPS * NT * 4 * 32 floats.
-template <int WK_, int NT>
+// ends with the total in c. `red`: WARPS * NT * 4 * 32 floats. CONSUMERS: warps_sync's.
+template <int WK_, int NT, bool CONSUMERS = false>
 __device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int wk) {
   const int lane = threadIdx.x & 31;
   constexpr int WARP_FLOATS = NT * 4 * 32;
   if (WK_ > 1) {
-    __syncthreads();  // red may still be read from the previous item
+    warps_sync<CONSUMERS>();  // red may still be read from the previous item
     float* mine = red + (wm * WK_ + wk) * WARP_FLOATS;
 #pragma unroll
     for (int a = 0; a < NT; ++a)
 #pragma unroll
       for (int e = 0; e < 4; ++e) mine[(a * 4 + e) * 32 + lane] = c[a][e];
-    __syncthreads();
+    warps_sync<CONSUMERS>();
     if (wk == 0) {
 #pragma unroll
       for (int a = 0; a < NT; ++a)
@@ -823,6 +833,27 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
     UP_GATE_UP(c, a, e4)                                                   \
     const float silu = gate / (1.0f + expf(-gate));                        \
     act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);   \
+  }
+
+// The halves of an EXPERTS_HALF item meet: the up side's first warp (hk 0) hands its sums
+// h to the gate side's through xch, which applies SwiGLU into act (UP_STORE); SYNC is the
+// barrier between (the block's, or EXPERTS_PRODUCER's consumer warps'). A macro, as
+// UP_STORE: the kernel compiles as if it were written out. xch must be free of the item
+// before's readers when the up side writes it (the caller's barrier before).
+#define HALF_SWIGLU(SYNC)                                                                             \
+  if (hk == 0 && side == 1) {                                                                         \
+    _Pragma("unroll") for (int a = 0; a < TPB; ++a)                                                   \
+    _Pragma("unroll") for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4]; \
+  }                                                                                                   \
+  SYNC;                                                                                               \
+  if (hk == 0 && side == 0) {                                                                         \
+    float c[NT1][4]; /* gate tiles, then up tiles */                                                  \
+    _Pragma("unroll") for (int a = 0; a < TPB; ++a)                                                   \
+    _Pragma("unroll") for (int e4 = 0; e4 < 4; ++e4) {                                                \
+      c[a][e4] = h[a][e4];                                                                            \
+      c[TPB + a][e4] = xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane];                              \
+    }                                                                                                 \
+    UP_STORE(c)                                                                                       \
   }
 
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
@@ -906,24 +937,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
     reduce_k<WKH, TPB>(h, red, side * WM1 + hm, hk);
     __syncthreads();  // xch read for the item before
-    if (hk == 0 && side == 1) {
-#pragma unroll
-      for (int a = 0; a < TPB; ++a)
-#pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
-    }
-    __syncthreads();
-    if (hk == 0 && side == 0) {
-      float c[NT1][4];  // gate tiles, then up tiles
-#pragma unroll
-      for (int a = 0; a < TPB; ++a)
-#pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) {
-          c[a][e4] = h[a][e4];
-          c[TPB + a][e4] = xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane];
-        }
-      UP_STORE(c)
-    }
+    HALF_SWIGLU(__syncthreads())
   }
 #else
   const int items = routes.n_slots * TILES1;
@@ -975,37 +989,22 @@ static_assert(WARPS * PSB == 32 && TPB == 4, "a producer lane a consumer's step;
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+// The rings' check and barriers, at a producer kernel's start: a full and an empty mbarrier
+// a stage of each consumer (`bars`: 2 WARPS PSTAGES of them, full first), initialized and
+// fenced, published by the caller's next block barrier. Returns the first full barrier.
+__device__ __forceinline__ u32 producer_barriers(unsigned long long* bars) {
+  u32 smem_bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+  if (smem_bytes < PRODUCER_SMEM_BYTES) __trap();  // launched without the rings' shared memory
+  const u32 full = smem_addr(bars), empty = full + 8 * WARPS * PSTAGES;
+  if (threadIdx.x < WARPS * PSTAGES) {
+    mbar_init(full + 8 * threadIdx.x, 1);
+    mbar_init(empty + 8 * threadIdx.x, 1);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  return full;
 }
 
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  u32 done;
-  do {
-    asm volatile(
-        "{.reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-
-// The consumers' barrier (the producer warp never joins it).
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(NTHREADS) : "memory"); }
 
 // The producer lanes' part of one consumer slice of `stages` stages (the block's stage
 // sequence `it`, the same for every consumer): lane s of the consumer's group copies step s
@@ -1055,32 +1054,6 @@ __device__ __forceinline__ void consume_slice(const unsigned char* ring, u32 ful
   }
 }
 
-// reduce_k over the consumers' barrier: the warps' sums in warp order (warp wm * WK_ + wk;
-// each HF floats of `red`), the total in warp wk == 0's c.
-template <int WK_>
-__device__ __forceinline__ void consumers_reduce(float c[TPB][4], float* red, int wm, int wk) {
-  constexpr int HF = TPB * 4 * 32;
-  const int lane = threadIdx.x & 31;
-  if (WK_ == 1) return;
-  consumers_sync();  // red may still be read from the item before
-  float* mine = red + (wm * WK_ + wk) * HF;
-#pragma unroll
-  for (int a = 0; a < TPB; ++a)
-#pragma unroll
-    for (int e4 = 0; e4 < 4; ++e4) mine[(a * 4 + e4) * 32 + lane] = c[a][e4];
-  consumers_sync();
-  if (wk == 0) {
-    const float* base = red + (wm * WK_) * HF;
-#pragma unroll
-    for (int a = 0; a < TPB; ++a)
-#pragma unroll
-      for (int e4 = 0; e4 < 4; ++e4) {
-        float v = base[(a * 4 + e4) * 32 + lane];
-        for (int k2 = 1; k2 < WK_; ++k2) v += base[k2 * HF + (a * 4 + e4) * 32 + lane];
-        c[a][e4] = v;
-      }
-  }
-}
 
 // Consumer (warp) w's rows of an item: the first row of its Marlin block and its K-slice's
 // first step (EXPERTS_HALF's roles: side, column group hm, K-slice hk).
@@ -1105,16 +1078,8 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_UP_BLOCKS) expert
   __shared__ float red[WARPS * TPB * 4 * 32];
   constexpr int HALF_FLOATS = TPB * 4 * 32;
   __shared__ float xch[WM1 * HALF_FLOATS];
-  u32 smem_bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-  if (smem_bytes < PRODUCER_SMEM_BYTES) __trap();  // launched without the rings' shared memory
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const u32 full = smem_addr(bars), empty = full + 8 * WARPS * PSTAGES;
-  if (threadIdx.x < WARPS * PSTAGES) {
-    mbar_init(full + 8 * threadIdx.x, 1);
-    mbar_init(empty + 8 * threadIdx.x, 1);
-  }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const u32 full = producer_barriers(bars), empty = full + 8 * WARPS * PSTAGES;
   if (ids_final) {
     find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);  // its barriers publish the mbarriers
   } else {
@@ -1153,29 +1118,28 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_UP_BLOCKS) expert
     float h[TPB][4];  // this side's tiles, as warp_gemm_marlin's V3 loop computes them
     const u32* xp = reinterpret_cast<const u32*>(x + (long)g * x_stride + hk * (P_DIM / PWKH) + 2 * t);
     consume_slice(ring, full + 8 * warp * PSTAGES, empty + 8 * warp * PSTAGES, it, PSTEPS / PSB, xp, g < b, h);
-    consumers_reduce<PWKH>(h, red, side * WM1 + hm, hk);  // per half, as reduce_k
-    if (hk == 0 && side == 1) {
-#pragma unroll
-      for (int a = 0; a < TPB; ++a)
-#pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
-    }
-    consumers_sync();
-    if (hk == 0 && side == 0) {
-      float c[NT1][4];  // gate tiles, then up tiles
-#pragma unroll
-      for (int a = 0; a < TPB; ++a)
-#pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) {
-          c[a][e4] = h[a][e4];
-          c[TPB + a][e4] = xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane];
-        }
-      const int i0 = (tile * WM1 + hm) * UP_COLS;
-      UP_STORE(c)
-    }
+    // per half, as reduce_k; its first barrier also keeps xch's readers of the item before
+    reduce_k<PWKH, TPB, true>(h, red, side * WM1 + hm, hk);
+    const int i0 = (tile * WM1 + hm) * UP_COLS;
+    HALF_SWIGLU(warps_sync<true>())
   }
 }
 #endif
+
+// EXPERTS_ROUTE_MASK's masks: this thread's rows n = 2t, 2t + 1, the routes to the item's
+// slot (to_slot), and on slot 0's items the routes to experts not held (unheld), which get
+// zeros; over the kernel's t, b, routes, n_slots and slot. A macro, as UP_STORE.
+#define ROUTE_MASKS                                              \
+  unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};          \
+  _Pragma("unroll") for (int e = 0; e < 2; ++e) {                \
+    const int n = 2 * t + e;                                     \
+    if (n >= b) continue;                                        \
+    _Pragma("unroll") for (int j = 0; j < TOP_K; ++j) {          \
+      const int rs = routes.slot[n * TOP_K + j];                 \
+      if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;      \
+      else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;        \
+    }                                                            \
+  }
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
@@ -1246,20 +1210,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     }
     if (wk != 0) continue;
 #if EXPERTS_ROUTE_MASK
-    // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
-    // items) the routes to experts not held, which get zeros.
-    unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int n = 2 * t + e;
-      if (n >= b) continue;
-#pragma unroll
-      for (int j = 0; j < TOP_K; ++j) {
-        const int rs = routes.slot[n * TOP_K + j];
-        if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;
-        else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;
-      }
-    }
+    ROUTE_MASKS
 #endif
 #pragma unroll
     for (int a = 0; a < NT2; ++a)
@@ -1311,16 +1262,8 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_DOWN_BLOCKS) expe
   __shared__ Routes routes;
   __shared__ __align__(8) unsigned long long bars[2 * WARPS * PSTAGES];  // full, then empty
   __shared__ float red[WARPS * TPB * 4 * 32];
-  u32 smem_bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-  if (smem_bytes < PRODUCER_SMEM_BYTES) __trap();  // launched without the rings' shared memory
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const u32 full = smem_addr(bars), empty = full + 8 * WARPS * PSTAGES;
-  if (threadIdx.x < WARPS * PSTAGES) {
-    mbar_init(full + 8 * threadIdx.x, 1);
-    mbar_init(empty + 8 * threadIdx.x, 1);
-  }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const u32 full = producer_barriers(bars), empty = full + 8 * WARPS * PSTAGES;
   find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);  // its barriers publish the mbarriers
   const int n_slots = routes.n_slots;
   const int items = (n_slots > 0 ? n_slots : 1) * TILES2;
@@ -1355,23 +1298,10 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_DOWN_BLOCKS) expe
       out_scale = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]).global_lo;
       const u32* xp = reinterpret_cast<const u32*>(act + ((long)slot * NB + g) * I_LOCAL + wk * (I_LOCAL / WK2) + 2 * t);
       consume_slice(ring, full + 8 * warp * PSTAGES, empty + 8 * warp * PSTAGES, it, PSTEPS2 / PSB, xp, true, c);
-      consumers_reduce<WK2>(c, red, wm, wk);
+      reduce_k<WK2, NT2, true>(c, red, wm, wk);
     }
     if (wk != 0) continue;
-    // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
-    // items) the routes to experts not held, which get zeros (EXPERTS_ROUTE_MASK's epilogue).
-    unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int n = 2 * t + e;
-      if (n >= b) continue;
-#pragma unroll
-      for (int j = 0; j < TOP_K; ++j) {
-        const int rs = routes.slot[n * TOP_K + j];
-        if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;
-        else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;
-      }
-    }
+    ROUTE_MASKS  // EXPERTS_ROUTE_MASK's epilogue
 #pragma unroll
     for (int a = 0; a < NT2; ++a)
 #pragma unroll

@@ -117,7 +117,9 @@
 // the consumers read a stage's fragments from shared memory, release it, and decode and
 // multiply as warp_gemm_marlin's V3 loop does, x from global memory after the PDL wait. The
 // same MMAs in the same order and the same K reduction (through named barriers among the
-// consumers only): EXPERTS_HALF's bits.
+// consumers only): EXPERTS_HALF's bits. experts_down_producer_kernel does the same for the
+// down kernel's warps and items (its producer from the kernel's start: the weights do not
+// wait for act), with EXPERTS_ROUTE_MASK's epilogue.
 // EXPERTS_ROUTE_MASK (a define, 0 when absent): the down kernel's epilogue finds, once an
 // item, which routes of each of a thread's two rows go to the item's slot (and, on slot
 // 0's items, which go to experts this rank does not hold) as bit masks over the top-k,

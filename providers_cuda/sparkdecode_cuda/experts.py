@@ -137,8 +137,10 @@ class CudaExperts(_Cuda):
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
     # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
     up_shared: int = 0
-    # the kernels' threads a block (8 warps; EXPERTS_PRODUCER's: and a producer warp) and
-    # the down kernel's dynamic shared memory
+    # experts.cu's kernels, their threads a block (8 warps; EXPERTS_PRODUCER's: and a
+    # producer warp) and the down kernel's dynamic shared memory
+    up_kernel: ClassVar[str] = "experts_up_kernel"
+    down_kernel: ClassVar[str] = "experts_down_kernel"
     up_threads: ClassVar[int] = WARPS * 32
     down_threads: ClassVar[int] = WARPS * 32
     down_shared: int = 0
@@ -175,8 +177,8 @@ class CudaExperts(_Cuda):
         self._check_layout(layer)
         self.top_k, self.width = spec.top_k, spec.P
         defines = self.kernel_defines(spec.P, self.intermediate, spec.top_k)
-        self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        self.down = Kernel(SOURCE, "experts_down_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        self.up = Kernel(SOURCE, self.up_kernel, ctx.device, defines, COMPILE_OPTIONS)
+        self.down = Kernel(SOURCE, self.down_kernel, ctx.device, defines, COMPILE_OPTIONS)
         slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
         self.act = ctx.scratch(
             f"cuda_experts_act_{self.intermediate}", (max(slots, 1), MAX_ROWS, self.intermediate), torch.bfloat16
@@ -728,6 +730,7 @@ class CudaExpertsNvfp4MarlinV3Producer(CudaExpertsNvfp4MarlinV3Half4Early):
     producer_stages: ClassVar[int] = 3
     up_blocks = 3
     down_blocks = 3
+    up_kernel, down_kernel = "experts_up_producer_kernel", "experts_down_producer_kernel"
     up_threads = down_threads = (WARPS + 1) * 32
 
     @classmethod
@@ -742,9 +745,6 @@ class CudaExpertsNvfp4MarlinV3Producer(CudaExpertsNvfp4MarlinV3Half4Early):
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
-        defines = self.kernel_defines(ctx.spec.P, self.intermediate, ctx.spec.top_k)
-        self.up = Kernel(SOURCE, "experts_up_producer_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        self.down = Kernel(SOURCE, "experts_down_producer_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.up_shared = self.down_shared = self.producer_smem_bytes()
         for kernel, which in ((self.up, "up"), (self.down, "down")):
             kernel.allow_shared(self.up_shared)

@@ -1009,12 +1009,15 @@ __device__ __forceinline__ u32 producer_barriers(unsigned long long* bars) {
 
 
 // The producer lanes' part of one consumer slice of `stages` stages (the block's stage
-// sequence `it`, the same for every consumer): lane s of the consumer's group copies step s
-// of each stage, `code` and `scale` at that step's 512 and 64 bytes, a stage PSB steps
-// (code_stride, scale_stride bytes a step) further; the group's lane 0 sets the stage's bytes.
+// sequence `it`, the same for every consumer): the 64-row Marlin block at row0 of W (a GEMM
+// of N rows) from step kt0; lane s of the consumer's group copies step s of each stage, its
+// 512 code bytes and 64 scale bytes (warp_gemm_marlin's words and scales of the step), and
+// the group's lane 0 sets the stage's bytes.
+template <int N>
 __device__ __forceinline__ void produce_slice(u32 lane_ring, u32 full_c, u32 empty_c, int& it, int stages, int s,
-                                              const unsigned char* code, long code_stride, const unsigned char* scale,
-                                              long scale_stride) {
+                                              const Weights& W, int row0, int kt0) {
+  const unsigned char* code = W.w + ((long)(kt0 + s) * 2 * N + 2 * row0) * 4;
+  const unsigned char* scale = W.scale + (long)(kt0 + s) * N + row0;
   for (int st = 0; st < stages; ++st, ++it) {
     const int slot = it % PSTAGES;
     const u32 f = full_c + 8 * slot;
@@ -1022,8 +1025,8 @@ __device__ __forceinline__ void produce_slice(u32 lane_ring, u32 full_c, u32 emp
     if (s == 0) mbar_expect_tx(f, PSTAGE_BYTES);
     __syncwarp();
     const u32 dst = lane_ring + slot * PSTAGE_BYTES;
-    bulk_copy(dst, code + (long)st * PSB * code_stride, 512, f);
-    bulk_copy(dst + 512, scale + (long)st * PSB * scale_stride, 64, f);
+    bulk_copy(dst, code + (long)st * PSB * 2 * N * 4, 512, f);
+    bulk_copy(dst + 512, scale + (long)st * PSB * N, 64, f);
   }
 }
 
@@ -1082,15 +1085,9 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_UP_BLOCKS) expert
   __shared__ float xch[WM1 * HALF_FLOATS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const u32 full = producer_barriers(bars), empty = full + 8 * WARPS * PSTAGES;
-  if (ids_final) {
-    find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);  // its barriers publish the mbarriers
-  } else {
-    pdl_wait();  // the ids come from the kernels before
-    find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-  }
+  if (!ids_final) pdl_wait();  // the ids come from the kernels before
+  find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);  // its barriers publish the mbarriers
   const int items = routes.n_slots * TILES1;
-  constexpr long EXPERT_CODES = (long)2 * I_LOCAL * (P_DIM / 2), EXPERT_SCALES = (long)2 * I_LOCAL * (P_DIM / 16);
-  constexpr int N = 2 * I_LOCAL;  // W13's rows
   if (warp == WARPS) {
     // The producer: lane (c, s) copies consumer c's step s of every stage, in the block's
     // item order.
@@ -1099,12 +1096,10 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_UP_BLOCKS) expert
     const u32 lane_ring = smem_addr(rings) + c * PRING_BYTES + s * PSTEP_BYTES;
     int it = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const long e = routes.slot_expert[item / TILES1];
       int row0, kt0;
       producer_role(item, c, row0, kt0);
-      produce_slice(lane_ring, full + 8 * c * PSTAGES, empty + 8 * c * PSTAGES, it, PSTEPS / PSB, s,
-                    w13 + e * EXPERT_CODES + ((long)(kt0 + s) * 2 * N + 2 * row0) * 4, 2 * N * 4,
-                    w13_scale + e * EXPERT_SCALES + (long)(kt0 + s) * N + row0, N);
+      produce_slice<2 * I_LOCAL>(lane_ring, full + 8 * c * PSTAGES, empty + 8 * c * PSTAGES, it, PSTEPS / PSB, s,
+                                 up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]), row0, kt0);
     }
     return;
   }
@@ -1269,7 +1264,6 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_DOWN_BLOCKS) expe
   find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);  // its barriers publish the mbarriers
   const int n_slots = routes.n_slots;
   const int items = (n_slots > 0 ? n_slots : 1) * TILES2;
-  constexpr long EXPERT_CODES = (long)P_DIM * (I_LOCAL / 2), EXPERT_SCALES = (long)P_DIM * (I_LOCAL / 16);
   if (warp == WARPS) {
     pdl_launch_dependents();  // the next kernel still waits for this one's end in its own wait
     if (n_slots == 0) return;
@@ -1277,11 +1271,9 @@ extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const u32 lane_ring = smem_addr(rings) + c * PRING_BYTES + s * PSTEP_BYTES;
     int it = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const long e = routes.slot_expert[item / TILES2];
-      const int p0 = (item % TILES2 * WM2 + cm) * DOWN_ROWS, kt0 = ck * PSTEPS2;
-      produce_slice(lane_ring, full + 8 * c * PSTAGES, empty + 8 * c * PSTAGES, it, PSTEPS2 / PSB, s,
-                    w2 + e * EXPERT_CODES + ((long)(kt0 + s) * 2 * P_DIM + 2 * p0) * 4, 2 * P_DIM * 4,
-                    w2_scale + e * EXPERT_SCALES + (long)(kt0 + s) * P_DIM + p0, P_DIM);
+      const int p0 = (item % TILES2 * WM2 + cm) * DOWN_ROWS;
+      produce_slice<P_DIM>(lane_ring, full + 8 * c * PSTAGES, empty + 8 * c * PSTAGES, it, PSTEPS2 / PSB, s,
+                           down_weights(w2, w2_scale, w2_global, routes.slot_expert[item / TILES2]), p0, ck * PSTEPS2);
     }
     return;
   }

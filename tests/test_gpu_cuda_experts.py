@@ -131,8 +131,7 @@ def provider(fmt: str):
     -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
     EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN,
     "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found before the PDL wait
-    when the routing is final at launch), "-v3producer": -v3half4early's up kernel fed by a
-    producer warp's bulk copies into shared-memory rings (EXPERTS_PRODUCER),
+    when the routing is final at launch),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
     _half_lean and the two V3 bulk unregistered)."""
@@ -161,7 +160,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
         "nvfp4_marlin-v3half4early": experts_mod.CudaExpertsNvfp4MarlinV3Half4Early,
-        "nvfp4_marlin-v3producer": experts_mod.CudaExpertsNvfp4MarlinV3Producer,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -207,7 +205,6 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3halflean",
         "-v3half4lean",
         "-v3half4early",
-        "-v3producer",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -417,25 +414,6 @@ def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
 
 
-def side_stream_step(op, x, source, ids, weights, rows):
-    """One experts step as cuda.moe runs it: the routing (here a copy of ``source`` into
-    ``ids``) on a side stream joined back by an event, so the ids are final when ``op``
-    launches (RoutedTopk.final)."""
-    side, fork, join = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
-
-    def step() -> None:
-        current = torch.cuda.current_stream()
-        fork.record(current)
-        side.wait_event(fork)
-        with torch.cuda.stream(side):
-            ids.copy_(source)
-            join.record(side)
-        current.wait_event(join)
-        op.run(ExpertsInput(x), RoutedTopk(ids, weights, final=True), rows)
-
-    return step
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_early_routing_is_half4_bit_for_bit(shape):
     """EXPERTS_EARLY as cuda.moe runs it: the ids written on a side stream (the routing)
@@ -453,7 +431,17 @@ def test_early_routing_is_half4_bit_for_bit(shape):
     source = torch.empty(b, k, dtype=torch.int32, device="cuda")
     ids = torch.empty_like(source)
     rows = torch.empty(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    step = side_stream_step(early, x, source, ids, weights, rows)
+    side, fork, join = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
+
+    def step() -> None:
+        current = torch.cuda.current_stream()
+        fork.record(current)
+        side.wait_event(fork)
+        with torch.cuda.stream(side):
+            ids.copy_(source)  # the routing, on the side stream
+            join.record(side)
+        current.wait_event(join)
+        early.run(ExpertsInput(x), RoutedTopk(ids, weights, final=True), rows)
 
     def check(i: int) -> None:
         want = torch.full_like(rows, float("nan"))
@@ -474,51 +462,3 @@ def test_early_routing_is_half4_bit_for_bit(shape):
         rows.fill_(float("nan"))
         graph.replay()
         check(i)
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_producer_is_half4_bit_for_bit(shape):
-    """EXPERTS_PRODUCER moves the up kernel's loads to a producer warp; the consumers compute
-    what _half4's warps compute, in its order: the rows equal _half4's bit for bit, eagerly
-    with the routing not final (the producer after the PDL wait) and final (before it), for
-    distinct experts, experts shared across rows and a row routing twice to one expert, and
-    over replays of one graph with the ids written on a side stream as cuda.moe does."""
-    spec, sharding = SHAPES[shape]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=43)
-    producer = provider("nvfp4_marlin-v3producer").build(context(spec, experts), 0)
-    plain = provider("nvfp4_marlin-v3half4").build(context(spec, experts), 0)
-    g = torch.Generator().manual_seed(47)
-    k = spec.top_k
-
-    def draw(b: int, kind: str) -> torch.Tensor:
-        if kind == "twice":  # each row's routes over k / 2 experts, each of them twice
-            return routing(b, k // 2, spec.E, "distinct", g).repeat(1, 2)
-        return routing(b, k, spec.E, kind, g)
-
-    def same(rows: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, what: object) -> None:
-        want = torch.full_like(rows, float("nan"))
-        plain.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(*ids.shape, device="cuda")), want)
-        torch.cuda.synchronize()
-        assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), what
-
-    for b in (1, 3, 8):
-        for kind in ("distinct", "duplicates", "twice"):
-            for final in (False, True):
-                x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
-                ids = draw(b, kind)
-                rows = torch.full((b, k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
-                producer.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(b, k, device="cuda"), final=final), rows)
-                same(rows, x, ids, (b, kind, final))
-    b = 8
-    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
-    source = torch.zeros(b, k, dtype=torch.int32, device="cuda")
-    ids = torch.zeros_like(source)
-    weights = torch.ones(b, k, device="cuda")
-    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    graph = Timer(torch.device("cuda")).capture(side_stream_step(producer, x, source, ids, weights, rows))
-    for i in range(8):
-        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
-        source.copy_(draw(b, ("distinct", "duplicates", "twice")[i % 3]))
-        rows.fill_(float("nan"))
-        graph.replay()
-        same(rows, x, source, i)

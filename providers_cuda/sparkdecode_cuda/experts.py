@@ -53,7 +53,6 @@ FMT = {"bf16": 0, "nvfp4": 1, "nvfp4_marlin": 2}
 UP_COLS = {"bf16": 16, "nvfp4": 16, "nvfp4_marlin": 64}
 DOWN_ROWS = {"bf16": 32, "nvfp4": 32, "nvfp4_marlin": 64}
 BLOCKS_PER_SM = 2  # the kernels' 256 threads fit twice on an SM
-WARPS = 8  # a block's warps (experts.cu's WARPS)
 # dequantization is exact while scale * global * 2^126 stays finite (experts.cu)
 MAX_BLOCK_SCALE = 4.0
 
@@ -137,13 +136,6 @@ class CudaExperts(_Cuda):
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
     # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
     up_shared: int = 0
-    # experts.cu's kernels, their threads a block (8 warps; EXPERTS_PRODUCER's: and a
-    # producer warp) and the down kernel's dynamic shared memory
-    up_kernel: ClassVar[str] = "experts_up_kernel"
-    down_kernel: ClassVar[str] = "experts_down_kernel"
-    up_threads: ClassVar[int] = WARPS * 32
-    down_threads: ClassVar[int] = WARPS * 32
-    down_shared: int = 0
     # experts.cu's EXPERTS_DOWN_WK: the down kernel's warps along K (0: _warps_k's choice)
     down_wk: ClassVar[int] = 0
     # experts.cu's EXPERTS_ROUTE_MASK: the down kernel's epilogue over per-row route masks
@@ -177,8 +169,8 @@ class CudaExperts(_Cuda):
         self._check_layout(layer)
         self.top_k, self.width = spec.top_k, spec.P
         defines = self.kernel_defines(spec.P, self.intermediate, spec.top_k)
-        self.up = Kernel(SOURCE, self.up_kernel, ctx.device, defines, COMPILE_OPTIONS)
-        self.down = Kernel(SOURCE, self.down_kernel, ctx.device, defines, COMPILE_OPTIONS)
+        self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        self.down = Kernel(SOURCE, "experts_down_kernel", ctx.device, defines, COMPILE_OPTIONS)
         slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
         self.act = ctx.scratch(
             f"cuda_experts_act_{self.intermediate}", (max(slots, 1), MAX_ROWS, self.intermediate), torch.bfloat16
@@ -285,14 +277,13 @@ class CudaExperts(_Cuda):
     def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
         """The up kernel alone (x -> act), as ``run`` launches it."""
         up = [*self._up_args(x, topk.ids), *self._routing_args(topk)]
-        self.up.launch((self.grid_up, 1, 1), (self.up_threads, 1, 1), up, shared=self.up_shared)
+        self.up.launch((self.grid_up, 1, 1), (256, 1, 1), up, shared=self.up_shared)
 
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
         self._check_run(x, ids, rows)
         self.launch_up(x, topk)
-        down = self._down_args(x.shape[0], ids, rows)
-        self.down.launch((self.grid_down, 1, 1), (self.down_threads, 1, 1), down, shared=self.down_shared)
+        self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(x.shape[0], ids, rows))
 
 
 class CudaExpertsNvfp4(CudaExperts):
@@ -714,38 +705,3 @@ class CudaExpertsSlice1(CudaExpertsSlice2):
 
     name = "cuda.experts_slice1"
     slice_wk = 1
-
-
-class CudaExpertsNvfp4MarlinV3Producer(CudaExpertsNvfp4MarlinV3Half4Early):
-    """``cuda.experts_nvfp4_marlin_v3_half4_early`` on experts.cu's producer kernels
-    (EXPERTS_PRODUCER): in both the up and the down kernel the 8 warps decode and multiply
-    from shared-memory rings that a ninth, producer warp a block fills with cp.async.bulk
-    copies of their codes and scale bytes, running ahead over the block's items (the down
-    kernel's from its start, before its PDL wait), so the warps that decode never wait on
-    their own loads (bench/NOTES.md v13: with the loads in the working warps the memory time
-    and the issue time add up). 3 stages of 4 steps a warp, 3 blocks an SM. The same MMAs in
-    the same order and the same K reductions: ``_half4``'s bits. Not registered."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_producer"
-    producer_stages: ClassVar[int] = 3
-    up_blocks = 3
-    down_blocks = 3
-    up_kernel, down_kernel = "experts_up_producer_kernel", "experts_down_producer_kernel"
-    up_threads = down_threads = (WARPS + 1) * 32
-
-    @classmethod
-    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
-        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_PRODUCER": cls.producer_stages}
-
-    @classmethod
-    def producer_smem_bytes(cls) -> int:
-        """experts.cu's PRODUCER_SMEM_BYTES: 8 warps' rings of 4 steps of 512 code and 64
-        scale bytes a stage."""
-        return WARPS * cls.producer_stages * 4 * (512 + 64)
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        self.up_shared = self.down_shared = self.producer_smem_bytes()
-        for kernel, which in ((self.up, "up"), (self.down, "down")):
-            kernel.allow_shared(self.up_shared)
-            prefer_max_shared(kernel, f"{self.name}: the {which} kernel")

@@ -105,21 +105,6 @@
 // before its PDL wait, while the kernel before it (the pre-expert norm) still runs; x is
 // read only after the wait, as always. Unset: the order of before. The same bits.
 //
-// EXPERTS_PRODUCER (a define, 0 when absent; EXPERTS_HALF only): experts_up_producer_kernel,
-// the EXPERTS_HALF up kernel with its weight loads moved off the warps that decode. A block
-// is WARPS consumer warps (EXPERTS_HALF's: each an item's gate or up rows over its K-slice)
-// and one producer warp, which copies each consumer's codes and scale bytes, PSB steps a
-// stage, with cp.async.bulk (512 and 64 contiguous bytes a step: Marlin's own fragments of a
-// 64-row block, experts.cu's header) into that consumer's ring of EXPERTS_PRODUCER stages in
-// shared memory, counted on the stage's full mbarrier, and refills a stage when the consumer
-// arrives on its empty mbarrier. The producer runs ahead over the block's items (and, when
-// the ids are final at launch, before the PDL wait: the weights are constants of the step);
-// the consumers read a stage's fragments from shared memory, release it, and decode and
-// multiply as warp_gemm_marlin's V3 loop does, x from global memory after the PDL wait. The
-// same MMAs in the same order and the same K reduction (through named barriers among the
-// consumers only): EXPERTS_HALF's bits. experts_down_producer_kernel does the same for the
-// down kernel's warps and items (its producer from the kernel's start: the weights do not
-// wait for act), with EXPERTS_ROUTE_MASK's epilogue.
 // EXPERTS_ROUTE_MASK (a define, 0 when absent): the down kernel's epilogue finds, once an
 // item, which routes of each of a thread's two rows go to the item's slot (and, on slot
 // 0's items, which go to experts this rank does not hold) as bit masks over the top-k,
@@ -137,9 +122,6 @@
 #endif
 #ifndef EXPERTS_EARLY
 #define EXPERTS_EARLY 0
-#endif
-#ifndef EXPERTS_PRODUCER
-#define EXPERTS_PRODUCER 0
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -179,9 +161,6 @@
 #endif
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
-#endif
-#if EXPERTS_PRODUCER && !EXPERTS_HALF
-#error "EXPERTS_PRODUCER is for the EXPERTS_HALF up kernel"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -747,30 +726,20 @@ __device__ __forceinline__ void prefetch_gemm(const Weights& W, const int row0[N
 }
 #endif
 
-// The block's barrier, or (CONSUMERS) the barrier of its WARPS warps alone (EXPERTS_PRODUCER's
-// consumers: the producer warp never joins it).
-template <bool CONSUMERS>
-__device__ __forceinline__ void warps_sync() {
-  if (CONSUMERS)
-    asm volatile("bar.sync 1, %0;" ::"n"(NTHREADS) : "memory");
-  else
-    __syncthreads();
-}
-
 // Adds the warps' partial sums over K in warp order; the warp wk == 0 of each wm
-// ends with the total in c. `red`: WARPS * NT * 4 * 32 floats. CONSUMERS: warps_sync's.
-template <int WK_, int NT, bool CONSUMERS = false>
+// ends with the total in c. `red`: WARPS * NT * 4 * 32 floats.
+template <int WK_, int NT>
 __device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int wk) {
   const int lane = threadIdx.x & 31;
   constexpr int WARP_FLOATS = NT * 4 * 32;
   if (WK_ > 1) {
-    warps_sync<CONSUMERS>();  // red may still be read from the previous item
+    __syncthreads();  // red may still be read from the previous item
     float* mine = red + (wm * WK_ + wk) * WARP_FLOATS;
 #pragma unroll
     for (int a = 0; a < NT; ++a)
 #pragma unroll
       for (int e = 0; e < 4; ++e) mine[(a * 4 + e) * 32 + lane] = c[a][e];
-    warps_sync<CONSUMERS>();
+    __syncthreads();
     if (wk == 0) {
 #pragma unroll
       for (int a = 0; a < NT; ++a)
@@ -835,27 +804,6 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
     UP_GATE_UP(c, a, e4)                                                   \
     const float silu = gate / (1.0f + expf(-gate));                        \
     act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);   \
-  }
-
-// The halves of an EXPERTS_HALF item meet: the up side's first warp (hk 0) hands its sums
-// h to the gate side's through xch, which applies SwiGLU into act (UP_STORE); SYNC is the
-// barrier between (the block's, or EXPERTS_PRODUCER's consumer warps'). A macro, as
-// UP_STORE: the kernel compiles as if it were written out. xch must be free of the item
-// before's readers when the up side writes it (the caller's barrier before).
-#define HALF_SWIGLU(SYNC)                                                                             \
-  if (hk == 0 && side == 1) {                                                                         \
-    _Pragma("unroll") for (int a = 0; a < TPB; ++a)                                                   \
-    _Pragma("unroll") for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4]; \
-  }                                                                                                   \
-  SYNC;                                                                                               \
-  if (hk == 0 && side == 0) {                                                                         \
-    float c[NT1][4]; /* gate tiles, then up tiles */                                                  \
-    _Pragma("unroll") for (int a = 0; a < TPB; ++a)                                                   \
-    _Pragma("unroll") for (int e4 = 0; e4 < 4; ++e4) {                                                \
-      c[a][e4] = h[a][e4];                                                                            \
-      c[TPB + a][e4] = xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane];                              \
-    }                                                                                                 \
-    UP_STORE(c)                                                                                       \
   }
 
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
@@ -939,7 +887,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
     reduce_k<WKH, TPB>(h, red, side * WM1 + hm, hk);
     __syncthreads();  // xch read for the item before
-    HALF_SWIGLU(__syncthreads())
+    if (hk == 0 && side == 1) {
+#pragma unroll
+      for (int a = 0; a < TPB; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
+    }
+    __syncthreads();
+    if (hk == 0 && side == 0) {
+      float c[NT1][4];  // gate tiles, then up tiles
+#pragma unroll
+      for (int a = 0; a < TPB; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          c[a][e4] = h[a][e4];
+          c[TPB + a][e4] = xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane];
+        }
+      UP_STORE(c)
+    }
   }
 #else
   const int items = routes.n_slots * TILES1;
@@ -974,169 +939,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   }
 #endif
 }
-
-#if EXPERTS_PRODUCER
-// experts_up_producer_kernel (EXPERTS_PRODUCER, see the top).
-#define PSB 4                                // steps of 16 k a stage
-#define PSTAGES EXPERTS_PRODUCER             // stages a consumer's ring
-#define PTHREADS (NTHREADS + 32)             // the consumers, then the producer warp
-constexpr int PSTEP_BYTES = 512 + 64;        // a step of a 64-row block: codes, then scale bytes
-constexpr int PSTAGE_BYTES = PSB * PSTEP_BYTES;
-constexpr int PRING_BYTES = PSTAGES * PSTAGE_BYTES;
-// The up kernel's dynamic shared memory: the consumers' rings.
-constexpr int PRODUCER_SMEM_BYTES = WARPS * PRING_BYTES;
-constexpr int PWKH = WK1 / 2, PSTEPS = P_DIM / PWKH / 16;  // a consumer's K-slice: its steps
-static_assert(PSTAGES >= 2 && PSTEPS % PSB == 0, "EXPERTS_PRODUCER: at least 2 stages, whole stages a slice");
-static_assert(WARPS * PSB == 32 && TPB == 4, "a producer lane a consumer's step; a Marlin block a consumer");
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// The rings' check and barriers, at a producer kernel's start: a full and an empty mbarrier
-// a stage of each consumer (`bars`: 2 WARPS PSTAGES of them, full first), initialized and
-// fenced, published by the caller's next block barrier. Returns the first full barrier.
-__device__ __forceinline__ u32 producer_barriers(unsigned long long* bars) {
-  u32 smem_bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-  if (smem_bytes < PRODUCER_SMEM_BYTES) __trap();  // launched without the rings' shared memory
-  const u32 full = smem_addr(bars), empty = full + 8 * WARPS * PSTAGES;
-  if (threadIdx.x < WARPS * PSTAGES) {
-    mbar_init(full + 8 * threadIdx.x, 1);
-    mbar_init(empty + 8 * threadIdx.x, 1);
-  }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  return full;
-}
-
-
-// The producer lanes' part of one consumer slice of `stages` stages (the block's stage
-// sequence `it`, the same for every consumer): the 64-row Marlin block at row0 of W (a GEMM
-// of N rows) from step kt0; lane s of the consumer's group copies step s of each stage, its
-// 512 code bytes and 64 scale bytes (warp_gemm_marlin's words and scales of the step), and
-// the group's lane 0 sets the stage's bytes.
-template <int N>
-__device__ __forceinline__ void produce_slice(u32 lane_ring, u32 full_c, u32 empty_c, int& it, int stages, int s,
-                                              const Weights& W, int row0, int kt0) {
-  const unsigned char* code = W.w + ((long)(kt0 + s) * 2 * N + 2 * row0) * 4;
-  const unsigned char* scale = W.scale + (long)(kt0 + s) * N + row0;
-  for (int st = 0; st < stages; ++st, ++it) {
-    const int slot = it % PSTAGES;
-    const u32 f = full_c + 8 * slot;
-    if (it >= PSTAGES) mbar_wait(empty_c + 8 * slot, ((it / PSTAGES) - 1) & 1);
-    if (s == 0) mbar_expect_tx(f, PSTAGE_BYTES);
-    __syncwarp();
-    const u32 dst = lane_ring + slot * PSTAGE_BYTES;
-    bulk_copy(dst, code + (long)st * PSB * 2 * N * 4, 512, f);
-    bulk_copy(dst + 512, scale + (long)st * PSB * N, 64, f);
-  }
-}
-
-// A consumer's slice: `stages` stages of its ring (the stage sequence `it`), each read,
-// released and run through warp_gemm_marlin's V3 batch (its MMAs in its order) into c,
-// x's words from xp (8 a step; rows past nx as zeros: xrow false).
-__device__ __forceinline__ void consume_slice(const unsigned char* ring, u32 full_w, u32 empty_w, int& it,
-                                              int stages, const u32* xp, bool xrow, float c[TPB][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2;
-#pragma unroll
-  for (int a = 0; a < TPB; ++a)
-#pragma unroll
-    for (int e4 = 0; e4 < 4; ++e4) c[a][e4] = 0.f;
-#pragma unroll 1
-  for (int st = 0; st < stages; ++st, ++it) {
-    const int rs = it % PSTAGES;
-    mbar_wait(full_w + 8 * rs, (it / PSTAGES) & 1);
-    uint4 q[PSB][1];
-    uint2 sc[PSB][1];
-#pragma unroll
-    for (int sb = 0; sb < PSB; ++sb) {
-      const unsigned char* step = ring + rs * PSTAGE_BYTES + sb * PSTEP_BYTES;
-      q[sb][0] = *reinterpret_cast<const uint4*>(step + 16 * lane);
-      sc[sb][0] = *reinterpret_cast<const uint2*>(step + 512 + 8 * g);
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty_w + 8 * rs);  // the reads above come first
-    marlin_batch_mma<1, PSB>(q, sc, xp, xrow, c);
-    xp += PSB * 8;
-  }
-}
-
-
-// Consumer (warp) w's rows of an item: the first row of its Marlin block and its K-slice's
-// first step (EXPERTS_HALF's roles: side, column group hm, K-slice hk).
-__device__ __forceinline__ void producer_role(int item, int w, int& row0, int& kt0) {
-  const int side = w / (WARPS / 2), hw = w % (WARPS / 2), hm = hw / PWKH, hk = hw % PWKH;
-  const int i0 = (item % TILES1 * WM1 + hm) * UP_COLS;
-  row0 = side ? I_LOCAL + i0 : i0;
-  kt0 = hk * PSTEPS;
-}
-
-extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_UP_BLOCKS) experts_up_producer_kernel(
-    const bf16_t* __restrict__ x, int x_stride, int b,           // [b, P]
-    const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
-    const unsigned char* __restrict__ w13,                         // Marlin's int32 [E_local, P / 16, 4I]
-    const unsigned char* __restrict__ w13_scale,                   // Marlin's bytes [E_local, P / 16, 2I]
-    const float* __restrict__ w13_global,                          // [E_local]
-    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
-    int ids_final) {                                               // the ids complete at launch
-  extern __shared__ __align__(128) unsigned char rings[];          // PRODUCER_SMEM_BYTES
-  __shared__ Routes routes;
-  __shared__ __align__(8) unsigned long long bars[2 * WARPS * PSTAGES];  // full, then empty
-  __shared__ float red[WARPS * TPB * 4 * 32];
-  constexpr int HALF_FLOATS = TPB * 4 * 32;
-  __shared__ float xch[WM1 * HALF_FLOATS];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const u32 full = producer_barriers(bars), empty = full + 8 * WARPS * PSTAGES;
-  if (!ids_final) pdl_wait();  // the ids come from the kernels before
-  find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);  // its barriers publish the mbarriers
-  const int items = routes.n_slots * TILES1;
-  if (warp == WARPS) {
-    // The producer: lane (c, s) copies consumer c's step s of every stage, in the block's
-    // item order.
-    pdl_launch_dependents();  // the next kernel still waits for this one's end in its own wait
-    const int c = lane / PSB, s = lane % PSB;
-    const u32 lane_ring = smem_addr(rings) + c * PRING_BYTES + s * PSTEP_BYTES;
-    int it = 0;
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      int row0, kt0;
-      producer_role(item, c, row0, kt0);
-      produce_slice<2 * I_LOCAL>(lane_ring, full + 8 * c * PSTAGES, empty + 8 * c * PSTAGES, it, PSTEPS / PSB, s,
-                                 up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]), row0, kt0);
-    }
-    return;
-  }
-  if (ids_final) pdl_wait();  // x comes from the kernel before
-  pdl_launch_dependents();
-  const int g = lane >> 2, t = lane & 3;
-  const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / PWKH, hk = hw % PWKH;
-  const unsigned char* ring = rings + warp * PRING_BYTES;
-  int it = 0;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int slot = item / TILES1, tile = item % TILES1;
-    const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
-    float h[TPB][4];  // this side's tiles, as warp_gemm_marlin's V3 loop computes them
-    const u32* xp = reinterpret_cast<const u32*>(x + (long)g * x_stride + hk * (P_DIM / PWKH) + 2 * t);
-    consume_slice(ring, full + 8 * warp * PSTAGES, empty + 8 * warp * PSTAGES, it, PSTEPS / PSB, xp, g < b, h);
-    // per half, as reduce_k; its first barrier also keeps xch's readers of the item before
-    reduce_k<PWKH, TPB, true>(h, red, side * WM1 + hm, hk);
-    const int i0 = (tile * WM1 + hm) * UP_COLS;
-    HALF_SWIGLU(warps_sync<true>())
-  }
-}
-#endif
-
-// EXPERTS_ROUTE_MASK's masks: this thread's rows n = 2t, 2t + 1, the routes to the item's
-// slot (to_slot), and on slot 0's items the routes to experts not held (unheld), which get
-// zeros; over the kernel's t, b, routes, n_slots and slot. A macro, as UP_STORE.
-#define ROUTE_MASKS                                              \
-  unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};          \
-  _Pragma("unroll") for (int e = 0; e < 2; ++e) {                \
-    const int n = 2 * t + e;                                     \
-    if (n >= b) continue;                                        \
-    _Pragma("unroll") for (int j = 0; j < TOP_K; ++j) {          \
-      const int rs = routes.slot[n * TOP_K + j];                 \
-      if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;      \
-      else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;        \
-    }                                                            \
-  }
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
@@ -1207,7 +1009,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     }
     if (wk != 0) continue;
 #if EXPERTS_ROUTE_MASK
-    ROUTE_MASKS
+    // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
+    // items) the routes to experts not held, which get zeros.
+    unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = 2 * t + e;
+      if (n >= b) continue;
+#pragma unroll
+      for (int j = 0; j < TOP_K; ++j) {
+        const int rs = routes.slot[n * TOP_K + j];
+        if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;
+        else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;
+      }
+    }
 #endif
 #pragma unroll
     for (int a = 0; a < NT2; ++a)
@@ -1238,74 +1053,3 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       }
   }
 }
-
-#if EXPERTS_PRODUCER
-// experts_down_producer_kernel (EXPERTS_PRODUCER): experts_down_kernel's items and math, its
-// warps (wm, wk) fed as the up producer kernel's are; the producer fills the rings from the
-// kernel's start (the ids were final before the up kernel passed its wait; the weights are
-// constants of the step), the consumers read act after the PDL wait.
-constexpr int PSTEPS2 = I_LOCAL / WK2 / 16;  // a down warp's K-slice: its steps
-static_assert(TOP_K <= 32, "EXPERTS_PRODUCER's down epilogue: a row's routes in one 32-bit mask");
-static_assert(PSTEPS2 % PSB == 0 && DOWN_ROWS == 16 * TPB, "EXPERTS_PRODUCER: whole stages, a Marlin block a warp");
-
-extern "C" __global__ void __launch_bounds__(PTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_producer_kernel(
-    const bf16_t* __restrict__ act, int b,                         // [slots, 8, I_LOCAL]
-    const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K]
-    const unsigned char* __restrict__ w2,                          // Marlin's int32 [E_local, I / 16, 2P]
-    const unsigned char* __restrict__ w2_scale,                    // Marlin's bytes [E_local, I / 16, P]
-    const float* __restrict__ w2_global,                           // [E_local]
-    bf16_t* __restrict__ rows) {                                   // [b, TOP_K, P]
-  extern __shared__ __align__(128) unsigned char rings[];          // PRODUCER_SMEM_BYTES
-  __shared__ Routes routes;
-  __shared__ __align__(8) unsigned long long bars[2 * WARPS * PSTAGES];  // full, then empty
-  __shared__ float red[WARPS * TPB * 4 * 32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const u32 full = producer_barriers(bars), empty = full + 8 * WARPS * PSTAGES;
-  find_experts<PTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);  // its barriers publish the mbarriers
-  const int n_slots = routes.n_slots;
-  const int items = (n_slots > 0 ? n_slots : 1) * TILES2;
-  if (warp == WARPS) {
-    pdl_launch_dependents();  // the next kernel still waits for this one's end in its own wait
-    if (n_slots == 0) return;
-    const int c = lane / PSB, s = lane % PSB, cm = c / WK2, ck = c % WK2;
-    const u32 lane_ring = smem_addr(rings) + c * PRING_BYTES + s * PSTEP_BYTES;
-    int it = 0;
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int p0 = (item % TILES2 * WM2 + cm) * DOWN_ROWS;
-      produce_slice<P_DIM>(lane_ring, full + 8 * c * PSTAGES, empty + 8 * c * PSTAGES, it, PSTEPS2 / PSB, s,
-                           down_weights(w2, w2_scale, w2_global, routes.slot_expert[item / TILES2]), p0, ck * PSTEPS2);
-    }
-    return;
-  }
-  pdl_wait();  // act comes from the up kernel
-  pdl_launch_dependents();
-  const int wm = warp / WK2, wk = warp % WK2;
-  const int g = lane >> 2, t = lane & 3;
-  const unsigned char* ring = rings + warp * PRING_BYTES;
-  int it = 0;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int slot = item / TILES2, tile = item % TILES2;
-    const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
-    float c[NT2][4];
-    float out_scale = 0.f;  // the global of the item's expert
-    if (n_slots > 0) {
-      out_scale = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]).global_lo;
-      const u32* xp = reinterpret_cast<const u32*>(act + ((long)slot * NB + g) * I_LOCAL + wk * (I_LOCAL / WK2) + 2 * t);
-      consume_slice(ring, full + 8 * warp * PSTAGES, empty + 8 * warp * PSTAGES, it, PSTEPS2 / PSB, xp, true, c);
-      reduce_k<WK2, NT2, true>(c, red, wm, wk);
-    }
-    if (wk != 0) continue;
-    ROUTE_MASKS  // EXPERTS_ROUTE_MASK's epilogue
-#pragma unroll
-    for (int a = 0; a < NT2; ++a)
-#pragma unroll
-      for (int e4 = 0; e4 < 4; ++e4) {
-        const int p = p0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
-        if (n >= b) continue;
-        const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4] * out_scale) : (bf16_t)0;
-        for (unsigned m = to_slot[e4 & 1]; m != 0u; m &= m - 1u) rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = v;
-        for (unsigned m = unheld[e4 & 1]; m != 0u; m &= m - 1u) rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = 0;
-      }
-  }
-}
-#endif

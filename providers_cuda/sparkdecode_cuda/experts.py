@@ -279,11 +279,15 @@ class CudaExperts(_Cuda):
         up = [*self._up_args(x, topk.ids), *self._routing_args(topk)]
         self.up.launch((self.grid_up, 1, 1), (256, 1, 1), up, shared=self.up_shared)
 
+    def launch_down(self, b: int, topk: RoutedTopk, rows: torch.Tensor) -> None:
+        """The down kernel alone (act -> rows, b rows of x), as ``run`` launches it."""
+        self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(b, topk.ids, rows))
+
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
         self._check_run(x, ids, rows)
         self.launch_up(x, topk)
-        self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(x.shape[0], ids, rows))
+        self.launch_down(x.shape[0], topk, rows)
 
 
 class CudaExpertsNvfp4(CudaExperts):

@@ -187,13 +187,16 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
         up = [*self._up_args(x, topk.ids), ptr(ws), ptr(count)]
         self.up.launch((self.grid, 1, 1), (THREADS, 1, 1), up, shared=self.smem)
 
+    def launch_down(self, b: int, topk: RoutedTopk, rows: torch.Tensor) -> None:
+        ws, count = self.workspace["down"]
+        down = [*self._down_args(b, topk.ids, rows), ptr(ws), ptr(count)]
+        self.down.launch((self.grid, 1, 1), (THREADS, 1, 1), down, shared=self.smem)
+
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
         self._check_run(x, ids, rows)
         self.launch_up(x, topk)
-        ws, count = self.workspace["down"]
-        down = [*self._down_args(x.shape[0], ids, rows), ptr(ws), ptr(count)]
-        self.down.launch((self.grid, 1, 1), (THREADS, 1, 1), down, shared=self.smem)
+        self.launch_down(x.shape[0], topk, rows)
 
 
 class CudaExpertsNvfp4MarlinBulkV3(_MarlinV3, CudaExpertsNvfp4MarlinBulk):

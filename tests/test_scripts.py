@@ -1,0 +1,111 @@
+"""The GPU scripts' parts a CPU can check, so that a script breaks here and not on the GPU
+box: scripts/experts-bounds' source patches still find their places in the experts kernels
+and the patched kernels build spill-free, and scripts/read-pattern's synthetic kernels
+build in every configuration it runs (NVRTC for sm_90a; skipped without NVRTC)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from ptxas_check import kernel_usage
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/``name`` (no .py suffix) as a module, its main() not run."""
+    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"), str(SCRIPTS / name))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def nvrtc_or_skip():
+    from sparkdecode_cuda import nvrtc
+
+    reason = nvrtc.nvrtc_unavailable()
+    if reason is not None:
+        pytest.skip(f"NVRTC: {reason}")
+    return nvrtc
+
+
+@pytest.mark.parametrize(
+    "patch,defines",
+    [
+        ("patch_decode", {"EXPERTS_NO_DECODE": 1}),
+        ("patch_packed_loads", {"EXPERTS_PACKED_LOADS": 1}),
+        ("patch_packed_loads", {"EXPERTS_PACKED_LOADS": 2}),
+    ],
+)
+def test_experts_bounds_patches_build(monkeypatch, patch, defines):
+    """Each patch applies to today's experts.cu / experts_common.cuh (it raises where its
+    anchor text is gone), and _half4_early's kernels build under it without spills, as the
+    script measures them."""
+    nvrtc = nvrtc_or_skip()
+    from sparkdecode_cuda import experts as experts_mod
+
+    monkeypatch.setattr(nvrtc, "source", nvrtc.source)  # restored after the test
+    script = load_script("experts-bounds")
+    before = {name: nvrtc.source(name) for name in ("experts.cu", "experts_common.cuh")}
+    getattr(script, patch)()
+    after = {name: nvrtc.source(name) for name in before}
+    assert after != before
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4Early
+    usage = kernel_usage(
+        experts_mod.SOURCE, {**cls.kernel_defines(4096, 512, 8), **defines}, experts_mod.COMPILE_OPTIONS
+    )
+    assert set(usage) >= {"experts_up_kernel", "experts_down_kernel"}
+    assert all(u.spills == 0 and u.stack == 0 for u in usage.values()), usage
+
+
+def test_experts_bounds_patch_refuses_a_moved_anchor(monkeypatch):
+    """A patch whose anchor is not in the source raises rather than measuring the unpatched
+    kernels under the patched name."""
+    nvrtc = nvrtc_or_skip()
+    original = nvrtc.source
+    monkeypatch.setattr(nvrtc, "source", lambda name: original(name).replace("xp += SB * 8;", "xp += 8 * SB;"))
+    load_script("experts-bounds").patch_packed_loads()
+    with pytest.raises(RuntimeError, match="not where the patch expects it"):
+        nvrtc.source("experts.cu")
+
+
+def compiles(text: str, defines: dict[str, int]) -> str | None:
+    """NVRTC's log when ``text`` fails to build for sm_90a under ``defines``, else None."""
+    from cuda.bindings import nvrtc as cu_nvrtc
+
+    opts = [b"--gpu-architecture=sm_90a", *(f"-D{k}={v}".encode() for k, v in defines.items())]
+    _, prog = cu_nvrtc.nvrtcCreateProgram(text.encode(), b"k.cu", 0, [], [])
+    try:
+        (err,) = cu_nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return None
+        _, size = cu_nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        cu_nvrtc.nvrtcGetProgramLog(prog, log)
+        return log.decode(errors="replace")
+    finally:
+        cu_nvrtc.nvrtcDestroyProgram(prog)
+
+
+def test_read_pattern_kernels_build():
+    """Every configuration of every mode of scripts/read-pattern builds."""
+    nvrtc_or_skip()
+    script = load_script("read-pattern")
+    failures = []
+    for batch, scales, x, work, pf, pipe in script.CONFIGS + script.PACKED_CONFIGS:
+        defines = {"BATCH": batch, "SCALES": scales, "XLOADS": x, "WORK": work, "PF": pf, "PIPE": pipe}
+        if (log := compiles(script.PATTERN, defines)) is not None:
+            failures.append((defines, log))
+    for cw, batch, stages, work, copies, xsrc in script.SPECIALIZED_CONFIGS:
+        defines = {"CW": cw, "BATCH": batch, "STAGES": stages, "WORK": work, "CONTIG": copies, "XSRC": xsrc}
+        if (log := compiles(script.SPECIALIZED, defines)) is not None:
+            failures.append((defines, log))
+    if (log := compiles(script.STREAM, {})) is not None:
+        failures.append(({}, log))
+    assert not failures, failures[:2]

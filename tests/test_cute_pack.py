@@ -433,3 +433,31 @@ def test_coresident_linear_plans_within_half_an_sm(tma):
         plan = CoresidentTmaWeight.make_plan(w, False, 8, 132)
         assert plan.smem_bytes <= tma.CORESIDENT_SMEM_BYTES and plan.resident >= 2, (name, plan)
     assert "do not fit 4096 bytes" in tma.plan_tma(8192, 1024, 8, max_smem=4096)
+
+
+@pytest.mark.parametrize("max_rows", [1, 4, 8])
+def test_pooler_coresident_plans(tma, splitk, max_rows):
+    """cute.linear_tma_pooler_coresident (unregistered): the pooler on the co-resident tiling
+    (2 CTAs an SM at a TP-8 rank), every other bf16 weight on the registered planner's, and
+    the router's split-K plan beside the pooler's two CTAs within the SM's shared memory."""
+    from sparkdecode_cute.linear_tma import (
+        CoresidentTmaWeight,
+        CuteLinearTma,
+        CuteLinearTmaPoolerCoresident,
+        TmaWeight,
+    )
+
+    cls = CuteLinearTmaPoolerCoresident
+    assert cls not in plugin.PROVIDERS and issubclass(cls, CuteLinearTma)
+    op = cls.__new__(cls)
+    assert op.weight_class("pooler") is CoresidentTmaWeight
+    assert all(op.weight_class(name) is TmaWeight for name in ("qkvg", "o_proj", "unpooler"))
+    assert CuteLinearTma.weight_class(CuteLinearTma.__new__(CuteLinearTma), "pooler") is TmaWeight
+    n, k, _ = TP8["pooler"]
+    pooler = CoresidentTmaWeight.__new__(CoresidentTmaWeight)
+    pooler.plan = CoresidentTmaWeight.make_plan(torch.empty(n, k, dtype=torch.bfloat16), False, max_rows, 132)
+    assert pooler.plan.resident == 2 and pooler.plan.splits > 1
+    plan = cls.router_plan(op, "router", torch.empty(256, 8192), {"pooler": pooler}, max_rows, tma.H200_SMS)
+    assert isinstance(plan, splitk.SplitKPlan) and plan.ctas <= tma.H200_SMS
+    beside = pooler.plan.resident * (pooler.plan.smem_bytes + splitk.CTA_RESERVED_BYTES)
+    assert beside + plan.smem_bytes + splitk.CTA_RESERVED_BYTES <= tma.SM_SMEM_BYTES, (pooler.plan, plan)

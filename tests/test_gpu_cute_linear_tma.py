@@ -33,7 +33,12 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from sparkdecode.bench import streams  # noqa: E402
 from sparkdecode_cute.linear_mma import CuteLinearMma  # noqa: E402
-from sparkdecode_cute.linear_tma import CuteLinearTma, CuteLinearTmaCoresident, TmaWeight  # noqa: E402
+from sparkdecode_cute.linear_tma import (  # noqa: E402
+    CuteLinearTma,
+    CuteLinearTmaCoresident,
+    CuteLinearTmaPoolerCoresident,
+    TmaWeight,
+)
 
 TILINGS = 6  # the planner's first tilings measured per weight
 
@@ -61,12 +66,17 @@ def test_tma_smallest_equals_reference(case):
     assert not op.shared[1].any(), "tile counter not back at 0"
 
 
-@pytest.mark.parametrize("cls", [CuteLinearTma, CuteLinearTmaCoresident], ids=["plan", "coresident"])
+@pytest.mark.parametrize(
+    "cls",
+    [CuteLinearTma, CuteLinearTmaCoresident, CuteLinearTmaPoolerCoresident],
+    ids=["plan", "coresident", "pooler_coresident"],
+)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_tma_equals_reference(shape, rows, cls):
-    """cute.linear_tma, and cute.linear_tma_coresident (its tilings within half an SM's
-    shared memory; unregistered)."""
+    """cute.linear_tma, cute.linear_tma_coresident (its tilings within half an SM's shared
+    memory) and cute.linear_tma_pooler_coresident (the pooler alone on those); the last two
+    unregistered."""
     equals_reference(cls, shape, rows)
 
 

@@ -187,7 +187,22 @@ class CoresidentTmaWeight(TmaWeight):
 
 class CuteLinearTmaCoresident(CuteLinearTma):
     """cute.linear_tma planned for co-resident CTAs of consecutive kernels
-    (``CoresidentTmaWeight``). Not registered: waiting for its chained streams on the H200."""
+    (``CoresidentTmaWeight``). Not registered: slower on the H200 (bench/NOTES.md v9: the
+    chain 5%; v14: in the step the o_proj 12.3-13.7 us a layer against 5.9-6.3, the unpooler
+    18.4-19.4 against 15.1-16.9, the router with the pooler 20.7-21.8 against 22.4-23.6)."""
 
     name = "cute.linear_tma_coresident"
     bf16_weight = CoresidentTmaWeight
+
+
+class CuteLinearTmaPoolerCoresident(CuteLinearTma):
+    """cute.linear_tma with the pooler alone on the co-resident tiling
+    (``CoresidentTmaWeight``: 4 splits, 2 CTAs an SM at a TP-8 rank) and the router planned
+    beside it, the other weights on the planner's: the one weight
+    cute.linear_tma_coresident made faster in the step (bench/NOTES.md v14). Not
+    registered: built for the H200."""
+
+    name = "cute.linear_tma_pooler_coresident"
+
+    def weight_class(self, name: str) -> type[TmaWeight]:
+        return CoresidentTmaWeight if name == "pooler" else self.bf16_weight

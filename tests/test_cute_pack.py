@@ -435,6 +435,27 @@ def test_coresident_linear_plans_within_half_an_sm(tma):
     assert "do not fit 4096 bytes" in tma.plan_tma(8192, 1024, 8, max_smem=4096)
 
 
+def test_qkvg8_plans(tma):
+    """cute.linear_tma_qkvg8 (unregistered): the qkvg on 8 splits and 2 ring buffers at a
+    TP-8 rank and at TP 1 (where the planner takes other tilings), every other bf16 weight on
+    the planner's; a shape with no such tiling keeps the planner's first."""
+    from sparkdecode_cute.linear_tma import CuteLinearTma, CuteLinearTmaQkvg8, EightSplitTmaWeight, TmaWeight
+
+    cls = CuteLinearTmaQkvg8
+    assert cls not in plugin.PROVIDERS and issubclass(cls, CuteLinearTma)
+    op = cls.__new__(cls)
+    assert op.weight_class("qkvg") is EightSplitTmaWeight
+    assert all(op.weight_class(name) is TmaWeight for name in ("o_proj", "pooler", "unpooler"))
+    for shapes in (TP8, TP1):
+        n, k, _ = shapes["qkvg"]
+        plan = EightSplitTmaWeight.make_plan(torch.empty(n, k, dtype=torch.bfloat16), False, 8, tma.H200_SMS)
+        assert (plan.splits, plan.stages) == (8, 2) and plan in tma.tma_plans(n, k, 8)
+        assert tma.plan_tma(n, k, 8) != plan
+        assert tma.compile_tma(plan, "sm_90a") is not None
+    small = EightSplitTmaWeight.make_plan(torch.empty(64, 256, dtype=torch.bfloat16), False, 8, tma.H200_SMS)
+    assert small == tma.plan_tma(64, 256, 8)
+
+
 @pytest.mark.parametrize("max_rows", [1, 4, 8])
 def test_pooler_coresident_plans(tma, splitk, max_rows):
     """cute.linear_tma_pooler_coresident (unregistered): the pooler on the co-resident tiling

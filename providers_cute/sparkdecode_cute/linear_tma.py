@@ -206,3 +206,33 @@ class CuteLinearTmaPoolerCoresident(CuteLinearTma):
 
     def weight_class(self, name: str) -> type[TmaWeight]:
         return CoresidentTmaWeight if name == "pooler" else self.bf16_weight
+
+
+class EightSplitTmaWeight(TmaWeight):
+    """A bf16 weight on the TMA kernel with the planner's tiling of 8 splits over K and 2
+    ring buffers, where it has one (the planner's first otherwise): the qkvg's fastest
+    tiling alone on the H200 at a TP-8 rank (bench/NOTES.md v8: 19.7 us against the
+    plan's 16 splits, 20.9)."""
+
+    provider = "cute.linear_tma_qkvg8"
+    SPLITS, STAGES = 8, 2
+
+    @classmethod
+    def make_plan(cls, w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
+        from . import gemv_tma
+
+        plans = gemv_tma.tma_plans(w.shape[0], w.shape[1], max_rows, w.stride(0), sms)
+        if isinstance(plans, str):
+            return plans
+        return next((p for p in plans if (p.splits, p.stages) == (cls.SPLITS, cls.STAGES)), plans[0])
+
+
+class CuteLinearTmaQkvg8(CuteLinearTma):
+    """cute.linear_tma with the QKV+gate weight on ``EightSplitTmaWeight``'s tiling, the
+    others on the planner's. Not registered: built for the H200, to see whether the tiling
+    that is fastest alone is faster in the step too."""
+
+    name = "cute.linear_tma_qkvg8"
+
+    def weight_class(self, name: str) -> type[TmaWeight]:
+        return EightSplitTmaWeight if name == "qkvg" else self.bf16_weight

@@ -75,6 +75,8 @@ class CuteLinearSplitK(CuteLinear):
 
     name = "cute.linear_splitk"
     bf16_weight: type[SplitKWeight] = SplitKWeight  # the bf16 weights' kernel (the router's is split-K)
+    # bf16 weights on another kernel than bf16_weight's, by name
+    weight_classes: dict[str, type[SplitKWeight]] = {}
 
     def __init__(self, ctx: BuildContext, layer: int):
         lw = ctx.layer(layer)
@@ -94,8 +96,8 @@ class CuteLinearSplitK(CuteLinear):
         self.share_scratch(ctx)
 
     def weight_class(self, name: str) -> type[SplitKWeight]:
-        """The kernel of bf16 weight ``name``: ``bf16_weight`` for every one here."""
-        return self.bf16_weight
+        """The kernel of bf16 weight ``name``: its ``weight_classes`` entry, else ``bf16_weight``."""
+        return self.weight_classes.get(name, self.bf16_weight)
 
     def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
         """The split-K plan of fp32 weight ``name`` (the router), given the built bf16

@@ -203,9 +203,7 @@ class CuteLinearTmaPoolerCoresident(CuteLinearTma):
     registered: built for the H200."""
 
     name = "cute.linear_tma_pooler_coresident"
-
-    def weight_class(self, name: str) -> type[TmaWeight]:
-        return CoresidentTmaWeight if name == "pooler" else self.bf16_weight
+    weight_classes = {"pooler": CoresidentTmaWeight}
 
 
 class EightSplitTmaWeight(TmaWeight):
@@ -233,6 +231,4 @@ class CuteLinearTmaQkvg8(CuteLinearTma):
     that is fastest alone is faster in the step too."""
 
     name = "cute.linear_tma_qkvg8"
-
-    def weight_class(self, name: str) -> type[TmaWeight]:
-        return EightSplitTmaWeight if name == "qkvg" else self.bf16_weight
+    weight_classes = {"qkvg": EightSplitTmaWeight}

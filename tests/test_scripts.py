@@ -76,21 +76,15 @@ def test_experts_bounds_patch_refuses_a_moved_anchor(monkeypatch):
 
 
 def compiles(text: str, defines: dict[str, int]) -> str | None:
-    """NVRTC's log when ``text`` fails to build for sm_90a under ``defines``, else None."""
-    from cuda.bindings import nvrtc as cu_nvrtc
+    """NVRTC's error when ``text`` fails to build for sm_90a under ``defines``, else None."""
+    from sparkdecode_cuda import nvrtc
 
-    opts = [b"--gpu-architecture=sm_90a", *(f"-D{k}={v}".encode() for k, v in defines.items())]
-    _, prog = cu_nvrtc.nvrtcCreateProgram(text.encode(), b"k.cu", 0, [], [])
+    opts = ["--gpu-architecture=sm_90a", *(f"-D{k}={v}" for k, v in defines.items())]
     try:
-        (err,) = cu_nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        if err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            return None
-        _, size = cu_nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        cu_nvrtc.nvrtcGetProgramLog(prog, log)
-        return log.decode(errors="replace")
-    finally:
-        cu_nvrtc.nvrtcDestroyProgram(prog)
+        nvrtc._compile("k.cu", text, {}, opts)
+    except nvrtc.CompileError as e:
+        return str(e)
+    return None
 
 
 def test_read_pattern_kernels_build():

@@ -92,14 +92,10 @@ def test_read_pattern_kernels_build():
     nvrtc_or_skip()
     script = load_script("read-pattern")
     failures = []
-    for batch, scales, x, work, pf, pipe in script.CONFIGS + script.PACKED_CONFIGS:
-        defines = {"BATCH": batch, "SCALES": scales, "XLOADS": x, "WORK": work, "PF": pf, "PIPE": pipe}
-        if (log := compiles(script.PATTERN, defines)) is not None:
+    builds = [(script.PATTERN, script.pattern_defines(c)) for c in script.CONFIGS + script.PACKED_CONFIGS]
+    builds += [(script.SPECIALIZED, script.specialized_defines(c)) for c in script.SPECIALIZED_CONFIGS]
+    builds.append((script.STREAM, {}))
+    for text, defines in builds:
+        if (log := compiles(text, defines)) is not None:
             failures.append((defines, log))
-    for cw, batch, stages, work, copies, xsrc in script.SPECIALIZED_CONFIGS:
-        defines = {"CW": cw, "BATCH": batch, "STAGES": stages, "WORK": work, "CONTIG": copies, "XSRC": xsrc}
-        if (log := compiles(script.SPECIALIZED, defines)) is not None:
-            failures.append((defines, log))
-    if (log := compiles(script.STREAM, {})) is not None:
-        failures.append(({}, log))
     assert not failures, failures[:2]

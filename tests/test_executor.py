@@ -12,8 +12,9 @@ import logging
 import pytest
 import torch
 
+from sparkdecode import executor as executor_module
 from sparkdecode.deployment import DeploymentError
-from sparkdecode.executor import DecodeConfig, SpecializedDecode
+from sparkdecode.executor import DecodeConfig, SpecializedDecode, _measurement_kv, measured_layers
 from sparkdecode.harness import DecodeHarness
 from sparkdecode.reference import functional as fn
 from sparkdecode.reference.model import ReferenceModel
@@ -172,3 +173,35 @@ def test_each_attention_boundary_meets_its_layers_attention(weights):
     executor = SpecializedDecode(weights, DecodeConfig(max_context=MAX_CONTEXT), registry=registry)
     assert executor.layout.choices["attention_boundary"].chosen.name == "test.pairing_boundary"
     assert PairingBoundary.met == [(i, layer.attention) for i, layer in enumerate(executor.layers)]
+
+
+def test_measured_layers_are_one_period_of_the_pattern() -> None:
+    """The resolver times candidates over the first four layers: one full-attention
+    layer (l % 4 == 1) and three sliding ones, as the model has them; fewer where
+    the model has fewer."""
+    assert measured_layers(62) == (0, 1, 2, 3)
+    assert measured_layers(2) == (0, 1)
+    assert measured_layers(1) == (0,)
+    spec = ModelSpec.preset("tiny")
+    full = [i for i in measured_layers(spec.num_layers) if spec.window(i) is None]
+    assert full == [1]
+
+
+def test_measurement_kv_gives_each_timed_layer_its_own_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measurement cache: each timed layer its own entry at its window (the
+    longest context, every page mapped), the untimed layers aliasing the first."""
+    monkeypatch.setattr(executor_module, "MEASURE_LAYERS", 2)  # tiny has 4 layers: leave two untimed
+    spec = ModelSpec.preset("tiny")
+    weights = random_weights(spec)
+    indices = measured_layers(spec.num_layers)
+    kv = _measurement_kv(weights, indices, 256, 8, torch.device("cpu"))
+    assert len(kv) == spec.num_layers
+    for i in indices:
+        assert kv[i].window == spec.window(i)
+        assert kv[i].k.shape == (256 // 16 + 1, 16, weights.layers[i].num_kv_heads, spec.head_dim)
+    lens, table = kv[0].group.seq_lens, kv[0].group.block_table
+    assert lens.tolist() == [256] and table.shape == (1, 256 // 16)
+    # every slot the verify rows write lies in a page the table maps
+    assert set((kv[0].group.slot_mapping // 16).tolist()) <= set(table[0].tolist())
+    assert indices == (0, 1)
+    assert kv[2] is kv[0] and kv[3] is kv[0]

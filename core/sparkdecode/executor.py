@@ -280,12 +280,14 @@ class SpecializedDecode:
         return bool(flag.item())
 
     def _measure(self, kind: str, cls: type, layout: Mapping[str, type]) -> float | None:
-        """Seconds per replay of one whole layer (boundary, attention, attention
-        boundary, MoE; the final boundary too when it is the kind measured) in a CUDA
-        graph, with ``cls`` serving ``kind``: the candidate in place, launch gaps and
-        overlaps included. The slowest rank's time, so every rank decides alike.
-        None when the layer's all-reduce runs torch.distributed collectives over a
-        group a CUDA graph cannot capture (gloo): that candidate is not timed."""
+        """Seconds per layer, in a CUDA graph, of the first ``MEASURE_LAYERS`` layers
+        run back to back (each with its own weights and attention kind; the final
+        boundary after them when it is the kind measured) with ``cls`` serving
+        ``kind``: the candidate in place, launch gaps and overlaps included, the
+        overlap of one layer's start with the end of the layer before as well. The
+        slowest rank's time, so every rank decides alike. None when the layer's
+        all-reduce runs torch.distributed collectives over a group a CUDA graph cannot
+        capture (gloo): that candidate is not timed."""
         classes = dict(layout)
         classes[kind] = cls
         if self.group is not None and getattr(classes.get("all_reduce"), "host_collectives", False):
@@ -294,39 +296,48 @@ class SpecializedDecode:
             if dist.get_backend(self.group) != "nccl":
                 return None
         spec, rows, device = self.spec, self.config.q, self.device
-        index = 1 if spec.num_layers > 1 else 0
+        indices = measured_layers(spec.num_layers)
         buffers: dict[str, torch.Tensor] = {
-            name: torch.randn(self.config.max_rows, spec.H, device=device).to(dtype)
-            for name, dtype in (("embeddings", torch.bfloat16),)
+            "embeddings": torch.randn(self.config.max_rows, spec.H, device=device).to(torch.bfloat16)
         }
         mailboxes = self._mailboxes()
         for box in mailboxes:
             box.publish(self.config.max_rows).normal_()
         ctx = self._context(classes, buffers, mailboxes)
-        kv = _measurement_kv(self.weights, index, self.config.max_context, self.config.max_rows, device)
-        built = [classes[k].build(ctx, index) for k in ("boundary", "attention", "attention_boundary")]
-        pair(built[2], built[1])
-        built.append(classes["moe"].build(ctx, index))
+        kv = _measurement_kv(self.weights, indices, self.config.max_context, self.config.max_rows, device)
+        built: list[tuple[Any, Any, Any, Any]] = []
+        for index in indices:
+            boundary, attention = classes["boundary"].build(ctx, index), classes["attention"].build(ctx, index)
+            attention_boundary = classes["attention_boundary"].build(ctx, index)
+            pair(attention_boundary, attention)
+            built.append((boundary, attention, attention_boundary, classes["moe"].build(ctx, index)))
         final = classes["final"].build(ctx, None) if kind == "final" else None
-        for provider in built + ([final] if final else []):
+        providers = [p for blocks in built for p in blocks] + ([final] if final else [])
+        for provider in providers:
             provider.prepare_kv(kv)
         first = self.config.max_context - rows
         positions = torch.arange(first, first + rows, device=device)
         step = Step(self.config.q, rows, positions, kv, False)
         host = HostStep(first_position=first, rows=rows, context_len=self.config.max_context)
-        for provider in built + ([final] if final else []):
+        for provider in providers:
             hook = getattr(provider, "prepare_step", None)
             if hook is not None:
                 hook(host)
-        stream = torch.randn(rows, spec.H, device=device)
+        # The stream starts from the first layer's front when it is layer 0 and from
+        # the same values every replay otherwise, so each replay routes alike.
+        start = torch.randn(rows, spec.H, device=device)
+        stream = start.clone()
         x = torch.empty(rows, spec.H, dtype=torch.bfloat16, device=device)
         partial, xf, out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
 
-        def layer() -> None:
-            built[0].run(step, stream, x, None)
-            built[1].run(step, x, partial)
-            built[2].run(partial, stream, xf)
-            built[3].run(step, xf)
+        def layers() -> None:
+            if indices[0] > 0:
+                stream.copy_(start)
+            for boundary, attention, attention_boundary, moe in built:
+                boundary.run(step, stream, x, None)
+                attention.run(step, x, partial)
+                attention_boundary.run(partial, stream, xf)
+                moe.run(step, xf)
             if final is not None:
                 final.run(step, stream, out, None)
 
@@ -334,23 +345,23 @@ class SpecializedDecode:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                layer()
+                layers()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            layer()
+            layers()
         # Four batches of five back-to-back replays; the least batch mean (interference
         # only adds time).
         batches, replays = 4, 5
         graph.replay()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batches)]
-        for start, end in events:
-            start.record()
+        for begin, end in events:
+            begin.record()
             for _ in range(replays):
                 graph.replay()
             end.record()
         events[-1][1].synchronize()
-        seconds = min(start.elapsed_time(end) for start, end in events) / 1e3 / replays
+        seconds = min(begin.elapsed_time(end) for begin, end in events) / 1e3 / replays / len(indices)
         if self.group is not None:
             import torch.distributed as dist
 
@@ -358,6 +369,21 @@ class SpecializedDecode:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             seconds = float(t.item())
         return seconds
+
+
+# Layers a candidate is timed over: the first four, one period of Muse Spark's layer
+# pattern (full attention at l % 4 == 1, sliding elsewhere; layer 0 the bf16 edge of
+# an NVFP4 checkpoint), so each attention kind and expert format weighs in as the
+# model has it, and each layer's kernels start beside the end of the layer before as
+# in the step. One layer alone (the first measure) timed only a full-attention layer:
+# on the H200 it preferred cuda.attention_core and experts_nvfp4_marlin_v3_half, each
+# slower in the 62-layer step than the candidates it passed over.
+MEASURE_LAYERS = 4
+
+
+def measured_layers(num_layers: int) -> tuple[int, ...]:
+    """The layer indices the resolver's measure runs: the first ``MEASURE_LAYERS``."""
+    return tuple(range(min(MEASURE_LAYERS, num_layers)))
 
 
 def pair(attention_boundary: Any, attention: Any) -> None:
@@ -386,17 +412,25 @@ def metadata_ok(group: KVGroupMetadata, b: int) -> bool:
 
 
 def _measurement_kv(
-    weights: ModelWeights, index: int, max_context: int, max_rows: int, device: torch.device
+    weights: ModelWeights, indices: tuple[int, ...], max_context: int, max_rows: int, device: torch.device
 ) -> tuple[LayerKV, ...]:
-    """A random, fully used paged cache for layer ``index`` at the longest context:
-    the worst case a candidate serves (the other layers' entries alias it)."""
+    """A random, fully used paged cache at the longest context, the worst case a
+    candidate serves: an entry of each layer in ``indices`` with its own window,
+    one cache tensor per KV width among them; the other layers alias the first's."""
     spec = weights.spec
-    layer = weights.layers[index]
     pages = math.ceil(max_context / 16)
-    kvt = torch.randn(2, pages + 1, 16, layer.num_kv_heads, spec.head_dim, device=device).to(torch.bfloat16)
     table = torch.arange(1, pages + 1, dtype=torch.int32, device=device)[None]
     lens = torch.tensor([max_context], dtype=torch.int32, device=device)
     positions = torch.arange(max_context - max_rows, max_context, device=device)
     slots = (table[0, positions // 16].long() * 16 + positions % 16).to(torch.int64)
-    entry = LayerKV(kvt[0], kvt[1], KVGroupMetadata(table, lens, slots), layer.window)
-    return tuple(entry for _ in range(spec.num_layers))
+    metadata = KVGroupMetadata(table, lens, slots)
+    caches: dict[int, torch.Tensor] = {}
+    entries: dict[int, LayerKV] = {}
+    for index in indices:
+        layer = weights.layers[index]
+        if layer.num_kv_heads not in caches:
+            shape = (2, pages + 1, 16, layer.num_kv_heads, spec.head_dim)
+            caches[layer.num_kv_heads] = torch.randn(shape, device=device).to(torch.bfloat16)
+        kvt = caches[layer.num_kv_heads]
+        entries[index] = LayerKV(kvt[0], kvt[1], metadata, layer.window)
+    return tuple(entries.get(i, entries[indices[0]]) for i in range(spec.num_layers))

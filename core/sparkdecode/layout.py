@@ -8,15 +8,15 @@ For every kind (protocols.KINDS) that the deployment needs:
 2. a pin (``additional_config["decode_providers"]`` or the CLI) wins; a pin to an
    unknown or unsupported provider is an error naming why;
 3. otherwise, where a ``measure`` function is given (on a GPU: the candidate timed
-   in place, in a graph of a whole layer), the fastest, its time combined over
-   ranks so every rank picks the same; without one, the highest declared priority
-   (then the name, so the order is total). The candidates of a kind are timed in
-   ``MEASURE_ROUNDS`` interleaved rounds and each keeps its least time: a layer's
-   time only grows under interference (another process, a clock dip), and a
-   round-robin order spreads any drift over all of them alike, so a block that is
-   a few percent of its layer is still told apart. After the first round only the
-   candidates within ``CLOSE`` of the fastest are timed again (a clear loser costs
-   one timing);
+   in place, in a graph of the model's first ``executor.MEASURE_LAYERS`` layers),
+   the fastest, its time combined over ranks so every rank picks the same; without
+   one, the highest declared priority (then the name, so the order is total). The
+   candidates of a kind are timed in ``MEASURE_ROUNDS`` interleaved rounds and
+   each keeps its least time: a layer's time only grows under interference
+   (another process, a clock dip), and a round-robin order spreads any drift over
+   all of them alike, so a block that is a few percent of its layer is still told
+   apart. After the first round only the candidates within ``CLOSE`` of the
+   fastest are timed again (a clear loser costs one timing);
 4. measured decisions are cached on disk, keyed by GPU, TP, spec, pack versions
    and pins; a corrupt or stale cache is ignored with a warning and rebuilt.
 """
@@ -37,7 +37,7 @@ from .weights import NVFP4_FORMATS
 
 logger = logging.getLogger(__name__)
 
-# measure(kind, candidate, layout) -> seconds for one layer with ``candidate`` serving
+# measure(kind, candidate, layout) -> seconds a layer with ``candidate`` serving
 # ``kind`` and ``layout`` (kind -> class) serving the others, or None where that layer
 # cannot be timed here (a CUDA graph cannot capture its transport): not chosen by time.
 Measure = Callable[[str, type, Mapping[str, type]], float | None]

@@ -199,9 +199,11 @@ def test_measurement_kv_gives_each_timed_layer_its_own_window(monkeypatch: pytes
     for i in indices:
         assert kv[i].window == spec.window(i)
         assert kv[i].k.shape == (256 // 16 + 1, 16, weights.layers[i].num_kv_heads, spec.head_dim)
-    lens, table = kv[0].group.seq_lens, kv[0].group.block_table
-    assert lens.tolist() == [256] and table.shape == (1, 256 // 16)
-    # every slot the verify rows write lies in a page the table maps
-    assert set((kv[0].group.slot_mapping // 16).tolist()) <= set(table[0].tolist())
+    assert kv[0].group is not kv[1].group  # a sliding and a full layer: two groups, as vLLM keeps them
+    for i in indices:
+        lens, table = kv[i].group.seq_lens, kv[i].group.block_table
+        assert lens.tolist() == [256] and table.shape == (1, 256 // 16)
+        # every slot the verify rows write lies in a page the table maps
+        assert set((kv[i].group.slot_mapping // 16).tolist()) <= set(table[0].tolist())
     assert indices == (0, 1)
     assert kv[2] is kv[0] and kv[3] is kv[0]

@@ -230,6 +230,17 @@ def test_shared_groups_owner_and_lifetime():
     assert not any(k in support._PER_CONTEXT for k in keys)
 
 
+def test_shared_groups_owner_keys_on_the_window_too():
+    """Layers whose caches share a block table but not a window are two groups (the
+    key of ``group``), each owned, and so planned, by its own lowest layer."""
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    kv = tuple(kv_entry(table, None if i % 4 == 1 else 40) for i in range(4))
+    shared = pages.shared_groups(Context(), "flashinfer.test")
+    shared.layers.update(range(4))
+    assert [shared.owner(kv, i) for i in range(4)] == [0, 1, 0, 0]
+    assert shared.group(kv[1], object) is not shared.group(kv[0], object)
+
+
 def test_check_cache_names_the_problem():
     kvt = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
     table = torch.zeros(1, 4, dtype=torch.int32)

@@ -415,22 +415,26 @@ def _measurement_kv(
     weights: ModelWeights, indices: tuple[int, ...], max_context: int, max_rows: int, device: torch.device
 ) -> tuple[LayerKV, ...]:
     """A random, fully used paged cache at the longest context, the worst case a
-    candidate serves: an entry of each layer in ``indices`` with its own window,
-    one cache tensor per KV width among them; the other layers alias the first's."""
+    candidate serves: an entry of each layer in ``indices`` with its own window, one
+    cache tensor per KV width and one metadata group (block table, lengths, slots)
+    per window among them, as vLLM keeps full and sliding layers in separate
+    groups; the other layers alias the first's entry."""
     spec = weights.spec
     pages = math.ceil(max_context / 16)
-    table = torch.arange(1, pages + 1, dtype=torch.int32, device=device)[None]
-    lens = torch.tensor([max_context], dtype=torch.int32, device=device)
     positions = torch.arange(max_context - max_rows, max_context, device=device)
-    slots = (table[0, positions // 16].long() * 16 + positions % 16).to(torch.int64)
-    metadata = KVGroupMetadata(table, lens, slots)
     caches: dict[int, torch.Tensor] = {}
+    groups: dict[int | None, KVGroupMetadata] = {}
     entries: dict[int, LayerKV] = {}
     for index in indices:
         layer = weights.layers[index]
         if layer.num_kv_heads not in caches:
             shape = (2, pages + 1, 16, layer.num_kv_heads, spec.head_dim)
             caches[layer.num_kv_heads] = torch.randn(shape, device=device).to(torch.bfloat16)
+        if layer.window not in groups:
+            table = torch.arange(1, pages + 1, dtype=torch.int32, device=device)[None]
+            lens = torch.tensor([max_context], dtype=torch.int32, device=device)
+            slots = (table[0, positions // 16].long() * 16 + positions % 16).to(torch.int64)
+            groups[layer.window] = KVGroupMetadata(table, lens, slots)
         kvt = caches[layer.num_kv_heads]
-        entries[index] = LayerKV(kvt[0], kvt[1], metadata, layer.window)
+        entries[index] = LayerKV(kvt[0], kvt[1], groups[layer.window], layer.window)
     return tuple(entries.get(i, entries[indices[0]]) for i in range(spec.num_layers))

@@ -78,18 +78,22 @@ class SharedGroups:
         self.groups: dict[tuple[int, int | None], Any] = {}
 
     def owner(self, kv: tuple[LayerKV, ...], layer: int) -> int:
-        """The lowest built layer whose cache shares ``layer``'s block table: the one
-        that runs first in the step."""
-        table = kv[layer].group.block_table.data_ptr()
-        return min(i for i in self.layers if kv[i].group.block_table.data_ptr() == table)
+        """The lowest built layer of ``layer``'s group (its block table and window,
+        the key of ``group``): the one that runs first in the step."""
+        key = _key(kv[layer])
+        return min(i for i in self.layers if _key(kv[i]) == key)
 
     def group(self, kv: LayerKV, make: Callable[[], Any]) -> Any:
         """The state of ``kv``'s group, made at the first ask."""
-        key = (kv.group.block_table.data_ptr(), kv.window)
+        key = _key(kv)
         state = self.groups.get(key)
         if state is None:
             state = self.groups[key] = make()
         return state
+
+
+def _key(kv: LayerKV) -> tuple[int, int | None]:
+    return kv.group.block_table.data_ptr(), kv.window
 
 
 def shared_groups(ctx: BuildContext, name: str) -> SharedGroups:

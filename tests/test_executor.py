@@ -207,3 +207,21 @@ def test_measurement_kv_gives_each_timed_layer_its_own_window(monkeypatch: pytes
         assert set((kv[i].group.slot_mapping // 16).tolist()) <= set(table[0].tolist())
     assert indices == (0, 1)
     assert kv[2] is kv[0] and kv[3] is kv[0]
+
+
+def test_measurement_chain_is_the_step_over_its_layers(weights, spec):
+    """What the resolver times computes what the executor's step computes over the same
+    layers, cache and embeddings (tiny has four layers: the whole step), bit for bit;
+    and twice the same, as its graph replays must."""
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=MAX_CONTEXT))
+    chain = executor.measurement_chain(executor.layout.classes(), final=True)
+    assert chain.indices == tuple(range(spec.num_layers))
+    chain.run()
+    first = chain.out.clone()
+    chain.run()
+    assert torch.equal(chain.out, first)
+    executor.prepare_kv(chain.step.kv)
+    step = executor.plan(chain.step.positions)
+    assert step is not None
+    hidden, _ = executor.run(step, inputs_embeds=chain.embeddings)
+    assert torch.equal(hidden, first)

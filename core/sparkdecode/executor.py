@@ -280,14 +280,12 @@ class SpecializedDecode:
         return bool(flag.item())
 
     def _measure(self, kind: str, cls: type, layout: Mapping[str, type]) -> float | None:
-        """Seconds per layer, in a CUDA graph, of the first ``MEASURE_LAYERS`` layers
-        run back to back (each with its own weights and attention kind; the final
-        boundary after them when it is the kind measured) with ``cls`` serving
-        ``kind``: the candidate in place, launch gaps and overlaps included, the
-        overlap of one layer's start with the end of the layer before as well. The
-        slowest rank's time, so every rank decides alike. None when the layer's
-        all-reduce runs torch.distributed collectives over a group a CUDA graph cannot
-        capture (gloo): that candidate is not timed."""
+        """Seconds per layer, in a CUDA graph, of ``measurement_chain``'s layers with
+        ``cls`` serving ``kind``: the candidate in place, launch gaps and overlaps
+        included, the overlap of one layer's start with the end of the layer before
+        as well. The slowest rank's time, so every rank decides alike. None when the
+        layer's all-reduce runs torch.distributed collectives over a group a CUDA
+        graph cannot capture (gloo): that candidate is not timed."""
         classes = dict(layout)
         classes[kind] = cls
         if self.group is not None and getattr(classes.get("all_reduce"), "host_collectives", False):
@@ -295,6 +293,43 @@ class SpecializedDecode:
 
             if dist.get_backend(self.group) != "nccl":
                 return None
+        device = self.device
+        chain = self.measurement_chain(classes, final=kind == "final")
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                chain.run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain.run()
+        # Four batches of five back-to-back replays; the least batch mean (interference
+        # only adds time).
+        batches, replays = 4, 5
+        graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batches)]
+        for begin, end in events:
+            begin.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+        events[-1][1].synchronize()
+        seconds = min(begin.elapsed_time(end) for begin, end in events) / 1e3 / replays / len(chain.indices)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            t = torch.tensor([seconds], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            seconds = float(t.item())
+        return seconds
+
+    def measurement_chain(self, classes: Mapping[str, type], final: bool = False) -> MeasurementChain:
+        """What the resolver times: the first ``MEASURE_LAYERS`` layers built from
+        ``classes`` (each with its own weights and attention kind), a random paged
+        cache at the longest context, and random embeddings; the final boundary after
+        them with ``final``. Its own buffers and mailboxes, so the executor's are left
+        alone."""
         spec, rows, device = self.spec, self.config.q, self.device
         indices = measured_layers(spec.num_layers)
         buffers: dict[str, torch.Tensor] = {
@@ -311,64 +346,43 @@ class SpecializedDecode:
             attention_boundary = classes["attention_boundary"].build(ctx, index)
             pair(attention_boundary, attention)
             built.append((boundary, attention, attention_boundary, classes["moe"].build(ctx, index)))
-        final = classes["final"].build(ctx, None) if kind == "final" else None
-        providers = [p for blocks in built for p in blocks] + ([final] if final else [])
+        last = classes["final"].build(ctx, None) if final else None
+        providers = [p for blocks in built for p in blocks] + ([last] if last else [])
         for provider in providers:
             provider.prepare_kv(kv)
         first = self.config.max_context - rows
         positions = torch.arange(first, first + rows, device=device)
-        step = Step(self.config.q, rows, positions, kv, False)
         host = HostStep(first_position=first, rows=rows, context_len=self.config.max_context)
         for provider in providers:
             hook = getattr(provider, "prepare_step", None)
             if hook is not None:
                 hook(host)
-        # The stream starts from the first layer's front when it is layer 0 and from
-        # the same values every replay otherwise, so each replay routes alike.
-        start = torch.randn(rows, spec.H, device=device)
-        stream = start.clone()
-        x = torch.empty(rows, spec.H, dtype=torch.bfloat16, device=device)
-        partial, xf, out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+        step = Step(self.config.q, rows, positions, kv, False)
+        return MeasurementChain(indices, built, last, step, buffers["embeddings"])
 
-        def layers() -> None:
-            if indices[0] > 0:
-                stream.copy_(start)
-            for boundary, attention, attention_boundary, moe in built:
-                boundary.run(step, stream, x, None)
-                attention.run(step, x, partial)
-                attention_boundary.run(partial, stream, xf)
-                moe.run(step, xf)
-            if final is not None:
-                final.run(step, stream, out, None)
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                layers()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layers()
-        # Four batches of five back-to-back replays; the least batch mean (interference
-        # only adds time).
-        batches, replays = 4, 5
-        graph.replay()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batches)]
-        for begin, end in events:
-            begin.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-        events[-1][1].synchronize()
-        seconds = min(begin.elapsed_time(end) for begin, end in events) / 1e3 / replays / len(indices)
-        if self.group is not None:
-            import torch.distributed as dist
+class MeasurementChain:
+    """Built layers run back to back on one step (``SpecializedDecode.measurement_chain``)
+    from layer 0's front, which sets the stream from the embeddings, so every run
+    (every graph replay) computes and routes alike."""
 
-            t = torch.tensor([seconds], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            seconds = float(t.item())
-        return seconds
+    def __init__(self, indices: tuple[int, ...], built: list, final: Any, step: Step, embeddings: torch.Tensor):
+        assert indices[0] == 0, "the chain starts at the front"
+        self.indices, self.built, self.final, self.step = indices, built, final, step
+        self.embeddings = embeddings[: step.rows]
+        self.stream = torch.zeros(step.rows, embeddings.shape[1], device=embeddings.device)
+        self.x = torch.empty_like(self.embeddings)
+        self.partial, self.xf, self.out = (torch.empty_like(self.x) for _ in range(3))
+
+    def run(self) -> None:
+        step, stream, x, partial, xf = self.step, self.stream, self.x, self.partial, self.xf
+        for boundary, attention, attention_boundary, moe in self.built:
+            boundary.run(step, stream, x, None)
+            attention.run(step, x, partial)
+            attention_boundary.run(partial, stream, xf)
+            moe.run(step, xf)
+        if self.final is not None:
+            self.final.run(step, stream, self.out, None)
 
 
 # Layers a candidate is timed over: the first four, one period of Muse Spark's layer

@@ -36,8 +36,6 @@ from sparkdecode_cute.linear_mma import CuteLinearMma  # noqa: E402
 from sparkdecode_cute.linear_tma import (  # noqa: E402
     CuteLinearTma,
     CuteLinearTmaCoresident,
-    CuteLinearTmaPoolerCoresident,
-    CuteLinearTmaQkvg8,
     TmaWeight,
 )
 
@@ -69,15 +67,14 @@ def test_tma_smallest_equals_reference(case):
 
 @pytest.mark.parametrize(
     "cls",
-    [CuteLinearTma, CuteLinearTmaCoresident, CuteLinearTmaPoolerCoresident, CuteLinearTmaQkvg8],
-    ids=["plan", "coresident", "pooler_coresident", "qkvg8"],
+    [CuteLinearTma, CuteLinearTmaCoresident],
+    ids=["plan", "coresident"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_tma_equals_reference(shape, rows, cls):
-    """cute.linear_tma, cute.linear_tma_coresident (its tilings within half an SM's shared
-    memory), cute.linear_tma_pooler_coresident (the pooler alone on those) and
-    cute.linear_tma_qkvg8 (the qkvg on 8 splits); the last three unregistered."""
+    """cute.linear_tma and cute.linear_tma_coresident (its tilings within half an SM's
+    shared memory; unregistered)."""
     equals_reference(cls, shape, rows)
 
 

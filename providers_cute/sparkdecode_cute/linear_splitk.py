@@ -75,8 +75,6 @@ class CuteLinearSplitK(CuteLinear):
 
     name = "cute.linear_splitk"
     bf16_weight: type[SplitKWeight] = SplitKWeight  # the bf16 weights' kernel (the router's is split-K)
-    # bf16 weights on another kernel than bf16_weight's, by name
-    weight_classes: dict[str, type[SplitKWeight]] = {}
 
     def __init__(self, ctx: BuildContext, layer: int):
         lw = ctx.layer(layer)
@@ -85,7 +83,7 @@ class CuteLinearSplitK(CuteLinear):
         for name in LINEAR_WEIGHTS:  # the bf16 weights, then the fp32 ones (router_plan reads the former)
             w = getattr(lw, name)
             if not weight_fp32(name, w):
-                built[name] = self.weight_class(name)(name, w, ctx.max_rows, sms)
+                built[name] = self.bf16_weight(name, w, ctx.max_rows, sms)
         for name in LINEAR_WEIGHTS:
             w = getattr(lw, name)
             if weight_fp32(name, w):
@@ -94,10 +92,6 @@ class CuteLinearSplitK(CuteLinear):
                 )
         self.weights = {name: built[name] for name in LINEAR_WEIGHTS}
         self.share_scratch(ctx)
-
-    def weight_class(self, name: str) -> type[SplitKWeight]:
-        """The kernel of bf16 weight ``name``: its ``weight_classes`` entry, else ``bf16_weight``."""
-        return self.weight_classes.get(name, self.bf16_weight)
 
     def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
         """The split-K plan of fp32 weight ``name`` (the router), given the built bf16

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -293,33 +293,12 @@ class SpecializedDecode:
 
             if dist.get_backend(self.group) != "nccl":
                 return None
-        device = self.device
         chain = self.measurement_chain(classes, final=kind == "final")
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                chain.run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain.run()
-        # Four batches of five back-to-back replays; the least batch mean (interference
-        # only adds time).
-        batches, replays = 4, 5
-        graph.replay()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batches)]
-        for begin, end in events:
-            begin.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-        events[-1][1].synchronize()
-        seconds = min(begin.elapsed_time(end) for begin, end in events) / 1e3 / replays / len(chain.indices)
+        seconds = graph_seconds(chain.run, self.device) / len(chain.indices)
         if self.group is not None:
             import torch.distributed as dist
 
-            t = torch.tensor([seconds], dtype=torch.float64, device=device)
+            t = torch.tensor([seconds], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             seconds = float(t.item())
         return seconds
@@ -383,6 +362,30 @@ class MeasurementChain:
             moe.run(step, xf)
         if self.final is not None:
             self.final.run(step, stream, self.out, None)
+
+
+def graph_seconds(run: Callable[[], None], device: torch.device, batches: int = 4, replays: int = 5) -> float:
+    """Seconds per replay of ``run`` captured in a CUDA graph (after two warm-up runs
+    on a side stream): the least mean of ``batches`` batches of back-to-back
+    replays, since interference (another process, a clock dip) only adds time."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batches)]
+    for begin, end in events:
+        begin.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+    events[-1][1].synchronize()
+    return min(begin.elapsed_time(end) for begin, end in events) / 1e3 / replays
 
 
 # Layers a candidate is timed over: the first four, one period of Muse Spark's layer

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..deployment import DeploymentError, detect
-from ..executor import metadata_ok
+from ..executor import graph_seconds, metadata_ok
 from ..layout import Layout, default_cache_dir, resolve
 from ..plugins import Registry, discover
 from ..protocols import DRAFT_KINDS, KVGroupMetadata, LayerKV
@@ -239,24 +239,7 @@ class DraftDecode:
         temperature = torch.ones(1, dtype=torch.float32, device=device)
         step = DraftStep(c, n, context_positions, positions, kv, anchor, seed, temperature)
         aux = [torch.randn(c, spec.target_hidden_size, device=device) for _ in spec.aux_layers]
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                program.run(step, aux)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            program.run(step, aux)
-        replays = 20
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / replays
+        return graph_seconds(lambda: program.run(step, aux), device)
 
 
 class DraftProgram:

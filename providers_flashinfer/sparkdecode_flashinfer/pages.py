@@ -98,6 +98,6 @@ def _key(kv: LayerKV) -> tuple[int, int | None]:
 
 def shared_groups(ctx: BuildContext, name: str) -> SharedGroups:
     """The ``SharedGroups`` of provider ``name`` among the builds from ``ctx`` (the
-    executor builds every layer from one context; a measurement builds one layer from
+    executor builds every layer from one context; a measurement builds its layers from
     its own). Kept while ``ctx`` lives; the providers hold it after."""
     return per_context(ctx, f"groups:{name}", SharedGroups)

@@ -430,12 +430,30 @@ def test_marlin_v3_early_variant(width, intermediate):
         "EXPERTS_EARLY": 1,
     }
     others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    assert [c for c in others if c.early] == [cls]
+    assert [c for c in others if c.early and not issubclass(c, cls)] == []  # _half4_scatter is one
     topk = RoutedTopk(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, 8))
     assert topk.final is False and RoutedTopk(topk.ids, topk.weights, final=True).final is True
     op = cls.__new__(cls)
     assert [a.value for a in op._routing_args(topk._replace(final=True))] == [1]
     assert parent.__new__(parent)._routing_args(topk) == []
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(cls.kernel_defines(width, intermediate, 8), cls)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_down_scatter_variant(width, intermediate):
+    """_half4_scatter: _half4_early's defines plus EXPERTS_DOWN_SCATTER, spill-free and
+    fitting at expert TP's slice (4 warps along K, one tile each) and under EP (8 warps
+    along K, four of them owning a tile); not registered."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4Scatter, experts_mod.CudaExpertsNvfp4MarlinV3Half4Early
+    assert cls.kernel_defines(width, intermediate, 8) == {
+        **parent.kernel_defines(width, intermediate, 8),
+        "EXPERTS_DOWN_SCATTER": 1,
+    }
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(cls.kernel_defines(width, intermediate, 8), cls)

@@ -131,10 +131,11 @@ def provider(fmt: str):
     -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
     EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN,
     "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found before the PDL wait
-    when the routing is final at launch),
+    when the routing is final at launch), "-v3half4scatter": -v3half4early with
+    EXPERTS_DOWN_SCATTER (the down kernel's K reduction as a reduce-scatter),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
-    _half_lean and the two V3 bulk unregistered)."""
+    _half_lean, _half4_scatter and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -160,6 +161,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
         "nvfp4_marlin-v3half4early": experts_mod.CudaExpertsNvfp4MarlinV3Half4Early,
+        "nvfp4_marlin-v3half4scatter": experts_mod.CudaExpertsNvfp4MarlinV3Half4Scatter,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -205,6 +207,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3halflean",
         "-v3half4lean",
         "-v3half4early",
+        "-v3half4scatter",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -392,10 +395,24 @@ def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
     computes: the rows equal the variant without them bit for bit (the EP shapes cover
     the zeros for routes to experts not held), for distinct experts, experts shared
     across rows, and a row routing twice to one expert."""
+    assert_same_rows(shape, fmt, fmt.removesuffix("mask").removesuffix("lean"))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_down_scatter_is_half4_early_bit_for_bit(shape):
+    """EXPERTS_DOWN_SCATTER moves the down kernel's sums and stores to the warps that own
+    each tile, in the same warp order: the rows equal _half4_early's bit for bit (expert
+    TP's slice: 4 warps along K, a tile each; EP: 8 warps, four owning a tile)."""
+    assert_same_rows(shape, "nvfp4_marlin-v3half4scatter", "nvfp4_marlin-v3half4early")
+
+
+def assert_same_rows(shape: str, fmt: str, base: str) -> None:
+    """``fmt``'s rows equal ``base``'s bit for bit at 1, 3 and 8 rows, for distinct
+    experts, experts shared across rows, and a row routing twice to one expert."""
     spec, sharding = SHAPES[shape]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=19)
-    masked = provider(fmt).build(context(spec, experts), 0)
-    scan = provider(fmt.removesuffix("mask").removesuffix("lean")).build(context(spec, experts), 0)
+    variant = provider(fmt).build(context(spec, experts), 0)
+    reference = provider(base).build(context(spec, experts), 0)
     g = torch.Generator().manual_seed(23)
     k = spec.top_k
     for b in (1, 3, 8):
@@ -408,8 +425,8 @@ def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
             topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
             want = torch.full((b, k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
             rows = torch.full_like(want, float("nan"))
-            scan.run(ExpertsInput(x), topk, want)
-            masked.run(ExpertsInput(x), topk, rows)
+            reference.run(ExpertsInput(x), topk, want)
+            variant.run(ExpertsInput(x), topk, rows)
             torch.cuda.synchronize()
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
 

@@ -145,6 +145,9 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_EARLY: the up kernel finds its experts before its PDL wait when
     # the routing is final at launch (RoutedTopk.final)
     early: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_SCATTER: the down kernel's K reduction as a reduce-scatter,
+    # every warp along K finishing its share of the item's tiles
+    down_scatter: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -202,6 +205,8 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_LEAN"] = 1
         if cls.early:
             defines["EXPERTS_EARLY"] = 1
+        if cls.down_scatter:
+            defines["EXPERTS_DOWN_SCATTER"] = 1
         return defines
 
     @classmethod
@@ -686,6 +691,17 @@ class CudaExpertsNvfp4MarlinV3Half4Early(CudaExpertsNvfp4MarlinV3Half4Lean):
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_early"
     early = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4Scatter(CudaExpertsNvfp4MarlinV3Half4Early):
+    """``cuda.experts_nvfp4_marlin_v3_half4_early`` with experts.cu's EXPERTS_DOWN_SCATTER:
+    the down kernel's K reduction as a reduce-scatter, so an item's sums and stores are
+    shared by its warps along K (one tile each at expert TP's slice) instead of run by one
+    warp while the others wait for it at the next item. The same bits. Not registered:
+    built for the H200 (bench/NOTES.md v15)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter"
+    down_scatter = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -111,9 +111,21 @@
 // and stores each output value to those routes only; without it every value scans the
 // row's TOP_K routes in shared memory (about a fifth of the down kernel's instructions
 // at 8 rows x top-8). The same values stored to the same places: the same bits.
+//
+// EXPERTS_DOWN_SCATTER (a define, 0 when absent): the down kernel's K reduction as a
+// reduce-scatter. With the reduction of before (reduce_k), the warp wk == 0 of each wm
+// adds the WK2 partial sums of all NT2 tiles and alone runs the item's epilogue (the
+// route masks, the scaling, the stores) while the other warps wait for it at the next
+// item's reduction: the item's tail runs on one warp of WK2. Here every warp adds and
+// stores its share of the tiles (tile a goes to warp a % WK2; with more warps along K
+// than tiles, warps NT2.. own none): the same partial sums added in the same warp
+// order and the same values stored: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
+#ifndef EXPERTS_DOWN_SCATTER
+#define EXPERTS_DOWN_SCATTER 0
+#endif
 #ifndef EXPERTS_ROUTE_MASK
 #define EXPERTS_ROUTE_MASK 0
 #endif
@@ -753,6 +765,40 @@ __device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int
   }
 }
 
+// Tile a of a warp's NT tiles is owned, under a reduce-scatter over WK_ warps along K,
+// by warp a % WK_ (by warp a where there are more warps than tiles).
+template <int WK_, int NT>
+__device__ __forceinline__ bool owns_tile(int a, int wk) {
+  return WK_ <= NT ? a % WK_ == wk : a == wk;
+}
+
+// reduce_k as a reduce-scatter: the same warp-order sums, each tile's in the warp that
+// owns it (owns_tile); the other tiles of c are left as they were.
+template <int WK_, int NT>
+__device__ __forceinline__ void reduce_k_scatter(float c[NT][4], float* red, int wm, int wk) {
+  const int lane = threadIdx.x & 31;
+  constexpr int WARP_FLOATS = NT * 4 * 32;
+  if (WK_ > 1) {
+    __syncthreads();  // red may still be read from the previous item
+    float* mine = red + (wm * WK_ + wk) * WARP_FLOATS;
+#pragma unroll
+    for (int a = 0; a < NT; ++a)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[(a * 4 + e) * 32 + lane] = c[a][e];
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < NT; ++a) {
+      if (!owns_tile<WK_, NT>(a, wk)) continue;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float s = red[(wm * WK_) * WARP_FLOATS + (a * 4 + e) * 32 + lane];
+        for (int w = 1; w < WK_; ++w) s += red[(wm * WK_ + w) * WARP_FLOATS + (a * 4 + e) * 32 + lane];
+        c[a][e] = s;
+      }
+    }
+  }
+}
+
 // Expert e's W13 (gate rows, then up rows).
 __device__ __forceinline__ Weights up_weights(const unsigned char* w13, const unsigned char* w13_scale,
                                               const float* w13_global, int e) {
@@ -1005,9 +1051,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #endif
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL,
                                             NB, c);
+#if EXPERTS_DOWN_SCATTER
+      reduce_k_scatter<WK2, NT2>(c, red, wm, wk);
+#else
       reduce_k<WK2, NT2>(c, red, wm, wk);
+#endif
     }
+#if EXPERTS_DOWN_SCATTER
+    if (wk >= NT2) continue;  // owns no tile
+#else
     if (wk != 0) continue;
+#endif
 #if EXPERTS_ROUTE_MASK
     // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
     // items) the routes to experts not held, which get zeros.
@@ -1028,6 +1082,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     for (int a = 0; a < NT2; ++a)
 #pragma unroll
       for (int e4 = 0; e4 < 4; ++e4) {
+#if EXPERTS_DOWN_SCATTER
+        if (!owns_tile<WK2, NT2>(a, wk)) continue;
+#endif
         const int p = p0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
         if (n >= b) continue;
 #if EXPERTS_V3

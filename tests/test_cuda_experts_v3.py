@@ -441,18 +441,23 @@ def test_marlin_v3_early_variant(width, intermediate):
     assert_kernels_fit(cls.kernel_defines(width, intermediate, 8), cls)
 
 
+@pytest.mark.parametrize(
+    "cls,parent,define",
+    [
+        ("CudaExpertsNvfp4MarlinV3Half4Scatter", "CudaExpertsNvfp4MarlinV3Half4Early", "EXPERTS_DOWN_SCATTER"),
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterMasks", "CudaExpertsNvfp4MarlinV3Half4Scatter", "EXPERTS_SLOT_MASKS"),
+    ],
+)
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_down_scatter_variant(width, intermediate):
-    """_half4_scatter: _half4_early's defines plus EXPERTS_DOWN_SCATTER, spill-free and
-    fitting at expert TP's slice (4 warps along K, one tile each) and under EP (8 warps
-    along K, four of them owning a tile); not registered."""
+def test_marlin_v3_down_scatter_variants(width, intermediate, cls, parent, define):
+    """_half4_scatter (_half4_early's defines plus EXPERTS_DOWN_SCATTER) and
+    _half4_scatter_masks (that plus EXPERTS_SLOT_MASKS): spill-free and fitting at expert
+    TP's slice (4 warps along K, one tile each) and under EP (8 warps along K, four of
+    them owning a tile); not registered."""
     from sparkdecode_cuda import nvrtc, plugin
 
-    cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4Scatter, experts_mod.CudaExpertsNvfp4MarlinV3Half4Early
-    assert cls.kernel_defines(width, intermediate, 8) == {
-        **parent.kernel_defines(width, intermediate, 8),
-        "EXPERTS_DOWN_SCATTER": 1,
-    }
+    cls, parent = getattr(experts_mod, cls), getattr(experts_mod, parent)
+    assert cls.kernel_defines(width, intermediate, 8) == {**parent.kernel_defines(width, intermediate, 8), define: 1}
     assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")

@@ -148,6 +148,8 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_DOWN_SCATTER: the down kernel's K reduction as a reduce-scatter,
     # every warp along K finishing its share of the item's tiles
     down_scatter: ClassVar[int] = 0
+    # experts.cu's EXPERTS_SLOT_MASKS: the down kernel's route masks made once a block
+    slot_masks: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -207,6 +209,8 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_EARLY"] = 1
         if cls.down_scatter:
             defines["EXPERTS_DOWN_SCATTER"] = 1
+        if cls.slot_masks:
+            defines["EXPERTS_SLOT_MASKS"] = 1
         return defines
 
     @classmethod
@@ -702,6 +706,15 @@ class CudaExpertsNvfp4MarlinV3Half4Scatter(CudaExpertsNvfp4MarlinV3Half4Early):
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter"
     down_scatter = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterMasks(CudaExpertsNvfp4MarlinV3Half4Scatter):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter`` with experts.cu's EXPERTS_SLOT_MASKS:
+    the down kernel's route masks made once a block instead of in every item's epilogue.
+    The same bits. Not registered: built for the H200 (bench/NOTES.md v15)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_masks"
+    slot_masks = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -120,11 +120,23 @@
 // stores its share of the tiles (tile a goes to warp a % WK2; with more warps along K
 // than tiles, warps NT2.. own none): the same partial sums added in the same warp
 // order and the same values stored: the same bits.
+//
+// EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
+// kernel's route masks made once a block, after find_experts: per slot and row, the
+// routes of the row to the slot; per row, its routes to experts not held. An item's
+// epilogue reads its two rows' masks (two shared loads a thread) instead of scanning the
+// rows' TOP_K routes every item. The same masks: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
 #ifndef EXPERTS_DOWN_SCATTER
 #define EXPERTS_DOWN_SCATTER 0
+#endif
+#ifndef EXPERTS_SLOT_MASKS
+#define EXPERTS_SLOT_MASKS 0
+#endif
+#if EXPERTS_SLOT_MASKS && !EXPERTS_ROUTE_MASK
+#error "EXPERTS_SLOT_MASKS is for the EXPERTS_ROUTE_MASK epilogue"
 #endif
 #ifndef EXPERTS_ROUTE_MASK
 #define EXPERTS_ROUTE_MASK 0
@@ -1000,6 +1012,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   // The ids were final before the up kernel passed its wait (and let this one start),
   // so the experts are found, and their weights loaded, before this kernel's wait.
   find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
+#if EXPERTS_SLOT_MASKS
+  __shared__ unsigned slot_masks[MAX_ROUTES * NB];  // [slot][row]: bit j where route (row, j) goes to the slot
+  __shared__ unsigned unheld_masks[NB];             // [row]: bit j where route (row, j) goes to an expert not held
+  for (int i = threadIdx.x; i < MAX_ROUTES * NB; i += NTHREADS) slot_masks[i] = 0u;
+  if (threadIdx.x < NB) unheld_masks[threadIdx.x] = 0u;
+  __syncthreads();
+  if ((int)threadIdx.x < b * TOP_K) {
+    const int n = threadIdx.x / TOP_K, j = threadIdx.x % TOP_K, rs = routes.slot[threadIdx.x];
+    atomicOr(rs >= 0 ? &slot_masks[rs * NB + n] : &unheld_masks[n], 1u << j);
+  }
+  __syncthreads();
+#endif
   const int warp = threadIdx.x >> 5, wm = warp / WK2, wk = warp % WK2;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n_slots = routes.n_slots;
@@ -1066,6 +1090,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
     // items) the routes to experts not held, which get zeros.
     unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};
+#if EXPERTS_SLOT_MASKS
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = 2 * t + e;
+      if (n >= b) continue;
+      if (n_slots > 0) to_slot[e] = slot_masks[slot * NB + n];
+      if (slot == 0) unheld[e] = unheld_masks[n];
+    }
+#else
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int n = 2 * t + e;
@@ -1077,6 +1110,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
         else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;
       }
     }
+#endif  // EXPERTS_SLOT_MASKS
 #endif
 #pragma unroll
     for (int a = 0; a < NT2; ++a)

@@ -750,9 +750,17 @@ __device__ __forceinline__ void prefetch_gemm(const Weights& W, const int row0[N
 }
 #endif
 
-// Adds the warps' partial sums over K in warp order; the warp wk == 0 of each wm
-// ends with the total in c. `red`: WARPS * NT * 4 * 32 floats.
+// Tile a of a warp's NT tiles is owned, under a reduce-scatter over WK_ warps along K,
+// by warp a % WK_ (by warp a where there are more warps than tiles).
 template <int WK_, int NT>
+__device__ __forceinline__ bool owns_tile(int a, int wk) {
+  return WK_ <= NT ? a % WK_ == wk : a == wk;
+}
+
+// Adds the warps' partial sums over K in warp order; the warp wk == 0 of each wm
+// ends with the total in c (SCATTER: each tile's total in the warp that owns it,
+// owns_tile, the other tiles of c left as they were). `red`: WARPS * NT * 4 * 32 floats.
+template <int WK_, int NT, bool SCATTER = false>
 __device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int wk) {
   const int lane = threadIdx.x & 31;
   constexpr int WARP_FLOATS = NT * 4 * 32;
@@ -764,48 +772,16 @@ __device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int
 #pragma unroll
       for (int e = 0; e < 4; ++e) mine[(a * 4 + e) * 32 + lane] = c[a][e];
     __syncthreads();
-    if (wk == 0) {
+    if (SCATTER || wk == 0) {
 #pragma unroll
-      for (int a = 0; a < NT; ++a)
+      for (int a = 0; a < NT; ++a) {
+        if (SCATTER && !owns_tile<WK_, NT>(a, wk)) continue;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float s = red[(wm * WK_) * WARP_FLOATS + (a * 4 + e) * 32 + lane];
           for (int w = 1; w < WK_; ++w) s += red[(wm * WK_ + w) * WARP_FLOATS + (a * 4 + e) * 32 + lane];
           c[a][e] = s;
         }
-    }
-  }
-}
-
-// Tile a of a warp's NT tiles is owned, under a reduce-scatter over WK_ warps along K,
-// by warp a % WK_ (by warp a where there are more warps than tiles).
-template <int WK_, int NT>
-__device__ __forceinline__ bool owns_tile(int a, int wk) {
-  return WK_ <= NT ? a % WK_ == wk : a == wk;
-}
-
-// reduce_k as a reduce-scatter: the same warp-order sums, each tile's in the warp that
-// owns it (owns_tile); the other tiles of c are left as they were.
-template <int WK_, int NT>
-__device__ __forceinline__ void reduce_k_scatter(float c[NT][4], float* red, int wm, int wk) {
-  const int lane = threadIdx.x & 31;
-  constexpr int WARP_FLOATS = NT * 4 * 32;
-  if (WK_ > 1) {
-    __syncthreads();  // red may still be read from the previous item
-    float* mine = red + (wm * WK_ + wk) * WARP_FLOATS;
-#pragma unroll
-    for (int a = 0; a < NT; ++a)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) mine[(a * 4 + e) * 32 + lane] = c[a][e];
-    __syncthreads();
-#pragma unroll
-    for (int a = 0; a < NT; ++a) {
-      if (!owns_tile<WK_, NT>(a, wk)) continue;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float s = red[(wm * WK_) * WARP_FLOATS + (a * 4 + e) * 32 + lane];
-        for (int w = 1; w < WK_; ++w) s += red[(wm * WK_ + w) * WARP_FLOATS + (a * 4 + e) * 32 + lane];
-        c[a][e] = s;
       }
     }
   }
@@ -1075,11 +1051,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #endif
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL,
                                             NB, c);
-#if EXPERTS_DOWN_SCATTER
-      reduce_k_scatter<WK2, NT2>(c, red, wm, wk);
-#else
-      reduce_k<WK2, NT2>(c, red, wm, wk);
-#endif
+      reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
     }
 #if EXPERTS_DOWN_SCATTER
     if (wk >= NT2) continue;  // owns no tile

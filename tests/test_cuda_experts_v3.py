@@ -446,14 +446,15 @@ def test_marlin_v3_early_variant(width, intermediate):
     [
         ("CudaExpertsNvfp4MarlinV3Half4Scatter", "CudaExpertsNvfp4MarlinV3Half4Early", "EXPERTS_DOWN_SCATTER"),
         ("CudaExpertsNvfp4MarlinV3Half4ScatterMasks", "CudaExpertsNvfp4MarlinV3Half4Scatter", "EXPERTS_SLOT_MASKS"),
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUp", "CudaExpertsNvfp4MarlinV3Half4ScatterMasks", "EXPERTS_UP_SCATTER"),
     ],
 )
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
 def test_marlin_v3_down_scatter_variants(width, intermediate, cls, parent, define):
-    """_half4_scatter (_half4_early's defines plus EXPERTS_DOWN_SCATTER) and
-    _half4_scatter_masks (that plus EXPERTS_SLOT_MASKS): spill-free and fitting at expert
-    TP's slice (4 warps along K, one tile each) and under EP (8 warps along K, four of
-    them owning a tile); not registered."""
+    """_half4_scatter (_half4_early's defines plus EXPERTS_DOWN_SCATTER), _half4_scatter_masks
+    (that plus EXPERTS_SLOT_MASKS) and _half4_scatter_up (that plus EXPERTS_UP_SCATTER):
+    spill-free and fitting at expert TP's slice (the down kernel's 4 warps along K, one tile
+    each) and under EP (8 warps along K, four of them owning a tile); not registered."""
     from sparkdecode_cuda import nvrtc, plugin
 
     cls, parent = getattr(experts_mod, cls), getattr(experts_mod, parent)

@@ -134,9 +134,10 @@ def provider(fmt: str):
     when the routing is final at launch), "-v3half4scatter": -v3half4early with
     EXPERTS_DOWN_SCATTER (the down kernel's K reduction as a reduce-scatter),
     "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the route masks made once a block),
+    "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
-    _half_lean, the two _half4_scatter and the two V3 bulk unregistered)."""
+    _half_lean, the three _half4_scatter and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -164,6 +165,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4early": experts_mod.CudaExpertsNvfp4MarlinV3Half4Early,
         "nvfp4_marlin-v3half4scatter": experts_mod.CudaExpertsNvfp4MarlinV3Half4Scatter,
         "nvfp4_marlin-v3half4scattermasks": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterMasks,
+        "nvfp4_marlin-v3half4scatterup": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -211,6 +213,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4early",
         "-v3half4scatter",
         "-v3half4scattermasks",
+        "-v3half4scatterup",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -401,12 +404,15 @@ def test_route_mask_is_the_scan_bit_for_bit(fmt, shape):
     assert_same_rows(shape, fmt, fmt.removesuffix("mask").removesuffix("lean"))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4_marlin-v3half4scatter", "nvfp4_marlin-v3half4scattermasks"])
+@pytest.mark.parametrize(
+    "fmt", ["nvfp4_marlin-v3half4scatter", "nvfp4_marlin-v3half4scattermasks", "nvfp4_marlin-v3half4scatterup"]
+)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_down_scatter_is_half4_early_bit_for_bit(fmt, shape):
     """EXPERTS_DOWN_SCATTER moves the down kernel's sums and stores to the warps that own
-    each tile, in the same warp order, and EXPERTS_SLOT_MASKS makes the route masks once a
-    block: the rows equal _half4_early's bit for bit (expert TP's slice: 4 warps along K, a
+    each tile, in the same warp order, EXPERTS_SLOT_MASKS makes the route masks once a
+    block, and EXPERTS_UP_SCATTER shares the up kernel's sums and SwiGLU the same way: the
+    rows equal _half4_early's bit for bit (expert TP's slice: 4 warps along K, a
     tile each; EP: 8 warps, four owning a tile; the EP shapes cover the zeros for routes
     to experts not held)."""
     assert_same_rows(shape, fmt, "nvfp4_marlin-v3half4early")

@@ -150,6 +150,8 @@ class CudaExperts(_Cuda):
     down_scatter: ClassVar[int] = 0
     # experts.cu's EXPERTS_SLOT_MASKS: the down kernel's route masks made once a block
     slot_masks: ClassVar[int] = 0
+    # experts.cu's EXPERTS_UP_SCATTER: the EXPERTS_HALF up kernel's item tail shared the same way
+    up_scatter: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -211,6 +213,8 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_DOWN_SCATTER"] = 1
         if cls.slot_masks:
             defines["EXPERTS_SLOT_MASKS"] = 1
+        if cls.up_scatter:
+            defines["EXPERTS_UP_SCATTER"] = 1
         return defines
 
     @classmethod
@@ -715,6 +719,17 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterMasks(CudaExpertsNvfp4MarlinV3Half4Sca
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_masks"
     slot_masks = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUp(CudaExpertsNvfp4MarlinV3Half4ScatterMasks):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_masks`` with experts.cu's
+    EXPERTS_UP_SCATTER: the up kernel's item tail (its K reductions, the up side's sums
+    passed to the gate side, SwiGLU and the stores) shared by each side's warps along K, a
+    tile each, instead of run by the gate side's first warp alone. The same bits. Not
+    registered: built for the H200 (bench/NOTES.md v15)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up"
+    up_scatter = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

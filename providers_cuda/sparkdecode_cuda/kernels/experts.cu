@@ -121,6 +121,13 @@
 // than tiles, warps NT2.. own none): the same partial sums added in the same warp
 // order and the same values stored: the same bits.
 //
+// EXPERTS_UP_SCATTER (a define, 0 when absent; EXPERTS_HALF only): the same for the up
+// kernel's item tail. Each side's K reduction is a reduce-scatter, the up side's warp
+// that owns a tile passes its sums to the gate side's warp that owns it, which applies
+// SwiGLU and stores it; before, the gate side's first warp did all TPB tiles (16 values
+// a thread, each an expf and a division) while the rest of the block waited. The same
+// sums in the same order: the same bits.
+//
 // EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
 // kernel's route masks made once a block, after find_experts: per slot and row, the
 // routes of the row to the slot; per row, its routes to experts not held. An item's
@@ -131,6 +138,12 @@
 
 #ifndef EXPERTS_DOWN_SCATTER
 #define EXPERTS_DOWN_SCATTER 0
+#endif
+#ifndef EXPERTS_UP_SCATTER
+#define EXPERTS_UP_SCATTER 0
+#endif
+#if EXPERTS_UP_SCATTER && !EXPERTS_HALF
+#error "EXPERTS_UP_SCATTER is for the EXPERTS_HALF up kernel"
 #endif
 #ifndef EXPERTS_SLOT_MASKS
 #define EXPERTS_SLOT_MASKS 0
@@ -826,18 +839,22 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
 // macro over the kernel's W, slot, i0, g, t and act, so that each of the kernel's loops
 // compiles as if written out.
 #if EXPERTS_V3
-#define UP_GATE_UP(c, a, e4) \
-  const float gate = round_bf16(c[a][e4] * W.global_lo), up = round_bf16(c[TPB + a][e4] * W.global_hi);
+#define UP_GATE_UP_OF(gv, uv) const float gate = round_bf16((gv) * W.global_lo), up = round_bf16((uv) * W.global_hi);
 #else
-#define UP_GATE_UP(c, a, e4) const float gate = round_bf16(c[a][e4]), up = round_bf16(c[TPB + a][e4]);
+#define UP_GATE_UP_OF(gv, uv) const float gate = round_bf16(gv), up = round_bf16(uv);
 #endif
+// act at column i, row n from the gate and up rows' sums gv, uv
+#define UP_STORE_ONE(i, n, gv, uv)                                       \
+  {                                                                      \
+    UP_GATE_UP_OF(gv, uv)                                                \
+    const float silu = gate / (1.0f + expf(-gate));                      \
+    act[((long)slot * NB + (n)) * I_LOCAL + (i)] = float_to_bf16(silu * up); \
+  }
 #define UP_STORE(c)                                                        \
   _Pragma("unroll") for (int a = 0; a < TPB; ++a)                          \
   _Pragma("unroll") for (int e4 = 0; e4 < 4; ++e4) {                       \
     const int i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);   \
-    UP_GATE_UP(c, a, e4)                                                   \
-    const float silu = gate / (1.0f + expf(-gate));                        \
-    act[((long)slot * NB + n) * I_LOCAL + i] = float_to_bf16(silu * up);   \
+    UP_STORE_ONE(i, n, c[a][e4], c[TPB + a][e4])                           \
   }
 
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
@@ -919,6 +936,41 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     }
     float h[TPB][4];  // this side's tiles
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
+#if EXPERTS_UP_SCATTER
+    // Each warp of a side adds the tiles it owns (a % WKH == hk: OWN of them, or where
+    // there are more warps than tiles, tile hk alone), the up side passes them over, and
+    // the gate side's owner finishes them. The owned tiles picked by selects on hk, so h
+    // stays in registers.
+    reduce_k<WKH, TPB, true>(h, red, side * WM1 + hm, hk);
+    constexpr int OWN = WKH <= TPB ? TPB / WKH : 1, OWNERS = WKH <= TPB ? WKH : TPB;
+    float mine[OWN][4];
+#pragma unroll
+    for (int j = 0; j < OWN; ++j)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) {
+        mine[j][e4] = h[j * WKH][e4];
+#pragma unroll
+        for (int r = 1; r < OWNERS; ++r)
+          if (hk == r) mine[j][e4] = h[j * WKH + r][e4];
+      }
+    __syncthreads();  // xch read for the item before
+    if (side == 1 && hk < OWNERS) {
+#pragma unroll
+      for (int j = 0; j < OWN; ++j)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + ((j * WKH + hk) * 4 + e4) * 32 + lane] = mine[j][e4];
+    }
+    __syncthreads();
+    if (side == 0 && hk < OWNERS) {
+#pragma unroll
+      for (int j = 0; j < OWN; ++j)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          const int a = j * WKH + hk, i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
+          UP_STORE_ONE(i, n, mine[j][e4], xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane])
+        }
+    }
+#else
     reduce_k<WKH, TPB>(h, red, side * WM1 + hm, hk);
     __syncthreads();  // xch read for the item before
     if (hk == 0 && side == 1) {
@@ -939,6 +991,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
         }
       UP_STORE(c)
     }
+#endif
   }
 #else
   const int items = routes.n_slots * TILES1;

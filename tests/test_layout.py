@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from sparkdecode import layout as layout_module
 from sparkdecode.layout import CLOSE, MEASURE_ROUNDS, LayoutError, cache_key, measured_seconds, needed_kinds, resolve
 from sparkdecode.plugins import Registered, Registry
 from sparkdecode.protocols import KINDS, Deployment
@@ -385,3 +386,21 @@ def test_ranks_measure_together_or_not_at_all(tmp_path: Path) -> None:
     assert layout.choices["attention"].how == "measured" and timer.calls
     layout = resolve(reg, DEPLOYMENT, measure=Timer(times), cache_dir=tmp_path, rank=1, agree=lambda ok: ok)
     assert layout.choices["attention"].how == "cached"
+
+
+def test_decisions_timed_another_way_are_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MEASURE_VERSION is in the cache key: a decision cached by an earlier way of timing
+    the candidates is not reused once that way changes."""
+    quick = provider("quick.attention", "attention")
+    timer = Timer({"base.attention": 2.0, "quick.attention": 1.5})
+    resolve(registry(quick), DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert (
+        resolve(registry(quick), DEPLOYMENT, measure=fail_measure, cache_dir=tmp_path).choices["attention"].how
+        == "cached"
+    )
+    before = cache_key(DEPLOYMENT, registry(quick), {})
+    monkeypatch.setattr(layout_module, "MEASURE_VERSION", layout_module.MEASURE_VERSION + 1)
+    assert cache_key(DEPLOYMENT, registry(quick), {}) != before
+    timer.calls.clear()
+    again = resolve(registry(quick), DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    assert again.choices["attention"].how == "measured" and timer.calls

@@ -17,8 +17,9 @@ For every kind (protocols.KINDS) that the deployment needs:
    all of them alike, so a block that is a few percent of its layer is still told
    apart. After the first round only the candidates within ``CLOSE`` of the
    fastest are timed again (a clear loser costs one timing);
-4. measured decisions are cached on disk, keyed by GPU, TP, spec, pack versions
-   and pins; a corrupt or stale cache is ignored with a warning and rebuilt.
+4. measured decisions are cached on disk, keyed by GPU, TP, spec, pack versions,
+   pins and ``MEASURE_VERSION``; a corrupt or stale cache is ignored with a warning
+   and rebuilt.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ Measure = Callable[[str, type, Mapping[str, type]], float | None]
 
 MEASURE_ROUNDS = 3
 CLOSE = 0.05  # candidates this close to the fastest's time get the further rounds
+# In the cache key: raised whenever the way candidates are timed changes, so decisions
+# timed the old way are measured again (2: the executor times the first four layers in
+# one graph, where 1 timed layer 1 alone).
+MEASURE_VERSION = 2
 
 
 class LayoutError(ValueError):
@@ -122,6 +127,7 @@ def cache_key(deployment: Deployment, registry: Registry, pins: Mapping[str, str
             "max_context": deployment.max_context,
             "packs": sorted(registry.versions().items()),
             "pins": sorted(pins.items()),
+            "measure": MEASURE_VERSION,
         },
         sort_keys=True,
     )

@@ -122,6 +122,17 @@ def prefer_max_shared(kernel: Kernel, who: str) -> None:
         raise RuntimeError(f"{who}: the shared-memory carveout: {err}")
 
 
+# experts.cu's on/off defines, each by the CudaExperts class attribute that turns it on
+SWITCHES = (
+    ("route_mask", "EXPERTS_ROUTE_MASK"),
+    ("lean", "EXPERTS_LEAN"),
+    ("early", "EXPERTS_EARLY"),
+    ("down_scatter", "EXPERTS_DOWN_SCATTER"),
+    ("slot_masks", "EXPERTS_SLOT_MASKS"),
+    ("up_scatter", "EXPERTS_UP_SCATTER"),
+)
+
+
 class CudaExperts(_Cuda):
     """Sub-op ``experts``: bf16 routed experts on this pack's kernels."""
 
@@ -203,18 +214,7 @@ class CudaExperts(_Cuda):
         wk = cls.down_warps_k(width, intermediate)
         if cls.down_wk or wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
-        if cls.route_mask:
-            defines["EXPERTS_ROUTE_MASK"] = 1
-        if cls.lean:
-            defines["EXPERTS_LEAN"] = 1
-        if cls.early:
-            defines["EXPERTS_EARLY"] = 1
-        if cls.down_scatter:
-            defines["EXPERTS_DOWN_SCATTER"] = 1
-        if cls.slot_masks:
-            defines["EXPERTS_SLOT_MASKS"] = 1
-        if cls.up_scatter:
-            defines["EXPERTS_UP_SCATTER"] = 1
+        defines.update({define: 1 for attr, define in SWITCHES if getattr(cls, attr)})
         return defines
 
     @classmethod

@@ -404,3 +404,56 @@ def test_decisions_timed_another_way_are_measured_again(tmp_path: Path, monkeypa
     timer.calls.clear()
     again = resolve(registry(quick), DEPLOYMENT, measure=timer, cache_dir=tmp_path)
     assert again.choices["attention"].how == "measured" and timer.calls
+
+
+def test_refinement_pass_times_close_candidates_in_the_chosen_layout(tmp_path: Path) -> None:
+    """Blocks interact: here x.attention is only faster beside base.moe, which the
+    first pass chooses after attention was timed beside y.moe (moe's priority
+    choice). The refinement pass times each kind's close candidates again in the
+    layout the first pass chose and finds the faster pair; a kind whose first-pass
+    winner was clear is not timed again."""
+    reg = registry(
+        provider("x.attention", "attention"),
+        provider("y.moe", "moe", priority=1),
+        provider("slow.final", "final"),
+    )
+    pair_seconds = {
+        ("base.attention", "y.moe"): 10.0,
+        ("x.attention", "y.moe"): 10.2,
+        ("base.attention", "base.moe"): 9.9,
+        ("x.attention", "base.moe"): 9.0,
+    }
+    calls: list[tuple[str, str, str, str]] = []
+
+    def measure(kind: str, cls: type, layout: Mapping[str, type]) -> float:
+        chosen = {**{k: c.name for k, c in layout.items()}, kind: cls.name}
+        calls.append((kind, cls.name, chosen["attention"], chosen["moe"]))
+        if kind == "final":
+            return {"base.final": 1.0, "slow.final": 2.0}[cls.name]
+        return pair_seconds[(chosen["attention"], chosen["moe"])]
+
+    layout = resolve(reg, DEPLOYMENT, measure=measure, cache_dir=tmp_path, rounds=1)
+    assert layout_module.MEASURE_PASSES == 2
+    assert {k: layout.choices[k].chosen.name for k in ("attention", "moe", "final")} == {
+        "attention": "x.attention",
+        "moe": "base.moe",
+        "final": "base.final",
+    }
+    first = [
+        ("attention", "base.attention", "base.attention", "y.moe"),
+        ("attention", "x.attention", "x.attention", "y.moe"),
+        ("moe", "base.moe", "base.attention", "base.moe"),
+        ("moe", "y.moe", "base.attention", "y.moe"),
+        ("final", "base.final", "base.attention", "base.moe"),
+        ("final", "slow.final", "base.attention", "base.moe"),
+    ]
+    second = [
+        ("attention", "base.attention", "base.attention", "base.moe"),
+        ("attention", "x.attention", "x.attention", "base.moe"),
+        ("moe", "base.moe", "x.attention", "base.moe"),
+        ("moe", "y.moe", "x.attention", "y.moe"),
+    ]
+    assert calls == first + second
+    # The times reported are those of the last pass that timed each candidate.
+    assert measured_seconds(layout)["attention"] == {"base.attention": 9.9, "x.attention": 9.0}
+    assert json.loads(cache_files(tmp_path)[0].read_text())["chosen"]["attention"] == "x.attention"

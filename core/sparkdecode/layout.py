@@ -16,7 +16,11 @@ For every kind (protocols.KINDS) that the deployment needs:
    (another process, a clock dip), and a round-robin order spreads any drift over
    all of them alike, so a block that is a few percent of its layer is still told
    apart. After the first round only the candidates within ``CLOSE`` of the
-   fastest are timed again (a clear loser costs one timing);
+   fastest are timed again (a clear loser costs one timing). Kinds are timed in
+   turn, each with the kinds after it still at their priority choice; blocks
+   interact (a GEMM's prologue runs beside the attention core before it), so a
+   further pass times each kind's close candidates again in the layout the first
+   pass chose (``MEASURE_PASSES``);
 4. measured decisions are cached on disk, keyed by GPU, TP, spec, pack versions,
    pins and ``MEASURE_VERSION``; a corrupt or stale cache is ignored with a warning
    and rebuilt.
@@ -47,8 +51,12 @@ MEASURE_ROUNDS = 3
 CLOSE = 0.05  # candidates this close to the fastest's time get the further rounds
 # In the cache key: raised whenever the way candidates are timed changes, so decisions
 # timed the old way are measured again (2: the executor times the first four layers in
-# one graph, where 1 timed layer 1 alone).
-MEASURE_VERSION = 2
+# one graph, where 1 timed layer 1 alone; 3: the refinement pass).
+MEASURE_VERSION = 3
+# Passes over the contested kinds: the first times every candidate; each further one
+# times again, in the layout chosen so far, the candidates within CLOSE of a kind's
+# fastest, and stops early once no choice changes.
+MEASURE_PASSES = 2
 
 
 class LayoutError(ValueError):
@@ -233,29 +241,29 @@ def resolve(
         return Layout(choices)
 
     for kind in contested:
-        layout = {k: c.chosen.cls for k, c in choices.items()}
         timed = [(reg, cand) for reg, cand in table[kind] if cand.reason is None]
-        untimed: set[str] = set()
-        for round_ in range(rounds):
-            times = [c.seconds for _, c in timed if c.seconds is not None]
-            bar = min(times) * (1 + CLOSE) if round_ and times else None
-            for reg, cand in timed:
-                again = round_ == 0 or (bar is not None and cand.seconds is not None and cand.seconds <= bar)
-                if reg.name in untimed or not again:
-                    continue
-                seconds = measure(kind, reg.cls, layout)
-                if seconds is None:
-                    untimed.add(reg.name)
-                elif cand.seconds is None or seconds < cand.seconds:
-                    cand.seconds = seconds
-        best: tuple[float, Registered] | None = None
-        for reg, cand in timed:
-            if cand.seconds is not None and (best is None or cand.seconds < best[0]):
-                best = (cand.seconds, reg)
-        if best is not None:
-            choices[kind] = Choice(kind, best[1], "measured", [c for _, c in table[kind]])
-        # else: no candidate could be timed here (every one needs a transport that a
-        # CUDA graph cannot capture); the priority choice stands.
+        _time_kind(kind, timed, choices, measure, rounds)
+    # Refinement: a kind was timed with the kinds after it still at their priority
+    # choice, and blocks interact (a GEMM's PDL prologue runs beside the attention
+    # core before it), so each kind's close candidates are timed again in the layout
+    # the first pass chose, until no choice changes or MEASURE_PASSES is reached.
+    for _ in range(1, MEASURE_PASSES):
+        changed = False
+        for kind in contested:
+            times = [c.seconds for _, c in table[kind] if c.seconds is not None]
+            if not times:
+                continue
+            bar = min(times) * (1 + CLOSE)
+            close = [(reg, cand) for reg, cand in table[kind] if cand.seconds is not None and cand.seconds <= bar]
+            if len(close) < 2:
+                continue
+            before = choices[kind].chosen
+            for _, cand in close:
+                cand.seconds = None
+            _time_kind(kind, close, choices, measure, rounds)
+            changed |= choices[kind].chosen is not before
+        if not changed:
+            break
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "chosen": {k: choices[k].chosen.name for k in contested},
@@ -265,6 +273,40 @@ def resolve(
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
     return Layout(choices)
+
+
+def _time_kind(
+    kind: str,
+    timed: list[tuple[Registered, Candidate]],
+    choices: dict[str, Choice],
+    measure: Measure,
+    rounds: int,
+) -> None:
+    """Times ``timed`` (candidates of ``kind``) in place of the current choice, the
+    other kinds at theirs, in ``rounds`` interleaved rounds (after the first, only
+    those within CLOSE of the fastest), and makes the fastest the choice. Where none
+    could be timed (each needs a transport a CUDA graph cannot capture), the choice
+    stands."""
+    layout = {k: c.chosen.cls for k, c in choices.items()}
+    untimed: set[str] = set()
+    for round_ in range(rounds):
+        times = [c.seconds for _, c in timed if c.seconds is not None]
+        bar = min(times) * (1 + CLOSE) if round_ and times else None
+        for reg, cand in timed:
+            again = round_ == 0 or (bar is not None and cand.seconds is not None and cand.seconds <= bar)
+            if reg.name in untimed or not again:
+                continue
+            seconds = measure(kind, reg.cls, layout)
+            if seconds is None:
+                untimed.add(reg.name)
+            elif cand.seconds is None or seconds < cand.seconds:
+                cand.seconds = seconds
+    best: tuple[float, Registered] | None = None
+    for reg, cand in timed:
+        if cand.seconds is not None and (best is None or cand.seconds < best[0]):
+            best = (cand.seconds, reg)
+    if best is not None:
+        choices[kind] = Choice(kind, best[1], "measured", choices[kind].candidates)
 
 
 def measured_seconds(layout: Layout) -> dict[str, dict[str, float]]:

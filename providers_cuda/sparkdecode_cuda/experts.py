@@ -698,6 +698,8 @@ class CudaExpertsNvfp4MarlinV3Half4Early(CudaExpertsNvfp4MarlinV3Half4Lean):
     10.42 ms with the same pins, and the resolver's choice unpinned (bench/NOTES.md v11)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_early"
+    # Above the pack's other NVFP4 kernels (10): the fastest in the H200's step.
+    priority = 20
     early = 1
 
 
@@ -742,6 +744,8 @@ class CudaExpertsSlice2(_SliceDown, CudaExperts):
     (193.2 us a layer; ``cuda.experts`` 229.5 us, 73%), EP unchanged (bench/NOTES.md v10)."""
 
     name = "cuda.experts_slice2"
+    # Above cuda.experts (10): the faster bf16 stream at expert TP, level under EP.
+    priority = 20
     slice_wk = 2
 
 

@@ -137,7 +137,7 @@ def provider(fmt: str):
     "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
-    _half_lean, the three _half4_scatter and the two V3 bulk unregistered)."""
+    _half_lean, _half4_scatter, _half4_scatter_masks and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,

@@ -707,8 +707,9 @@ class CudaExpertsNvfp4MarlinV3Half4Scatter(CudaExpertsNvfp4MarlinV3Half4Early):
     """``cuda.experts_nvfp4_marlin_v3_half4_early`` with experts.cu's EXPERTS_DOWN_SCATTER:
     the down kernel's K reduction as a reduce-scatter, so an item's sums and stores are
     shared by its warps along K (one tile each at expert TP's slice) instead of run by one
-    warp while the others wait for it at the next item. The same bits. Not registered:
-    built for the H200 (bench/NOTES.md v15)."""
+    warp while the others wait for it at the next item. The same bits. Not registered: on
+    the H200 its down kernel is 0.9 us a layer faster chained, up + down no faster
+    (bench/NOTES.md v16)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter"
     down_scatter = 1
@@ -717,7 +718,9 @@ class CudaExpertsNvfp4MarlinV3Half4Scatter(CudaExpertsNvfp4MarlinV3Half4Early):
 class CudaExpertsNvfp4MarlinV3Half4ScatterMasks(CudaExpertsNvfp4MarlinV3Half4Scatter):
     """``cuda.experts_nvfp4_marlin_v3_half4_scatter`` with experts.cu's EXPERTS_SLOT_MASKS:
     the down kernel's route masks made once a block instead of in every item's epilogue.
-    The same bits. Not registered: built for the H200 (bench/NOTES.md v15)."""
+    The same bits. Not registered: on the H200 1.3 us a layer faster chained than
+    ``_half4_early``, the up kernel's shared tail (``_half4_scatter_up``) 0.5 us more
+    (bench/NOTES.md v16)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_masks"
     slot_masks = 1
@@ -727,10 +730,14 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUp(CudaExpertsNvfp4MarlinV3Half4Scatte
     """``cuda.experts_nvfp4_marlin_v3_half4_scatter_masks`` with experts.cu's
     EXPERTS_UP_SCATTER: the up kernel's item tail (its K reductions, the up side's sums
     passed to the gate side, SwiGLU and the stores) shared by each side's warps along K, a
-    tile each, instead of run by the gate side's first warp alone. The same bits. Not
-    registered: built for the H200 (bench/NOTES.md v15)."""
+    tile each, instead of run by the gate side's first warp alone. The same bits (on the
+    H200; memcheck and racecheck clean). Registered: chained at expert TP 78.4 us a layer
+    against ``_half4_early``'s 79.8, and the 62-layer step 10.12 ms against 10.21 with the
+    same pins (bench/NOTES.md v16)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up"
+    # Above _half4_early (20): the fastest NVFP4 kernel in the H200's step.
+    priority = 25
     up_scatter = 1
 
 

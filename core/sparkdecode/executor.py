@@ -364,10 +364,25 @@ class MeasurementChain:
             self.final.run(step, stream, self.out, None)
 
 
-def graph_seconds(run: Callable[[], None], device: torch.device, batches: int = 4, replays: int = 5) -> float:
+# Seconds of replays before a candidate is timed: the GPU's clocks leave their idle
+# state only under load, and the host work of building a candidate between timings
+# lets them fall back, so without it each candidate is timed from wherever the clocks
+# were: on the H200 (SM clock 345 MHz at idle) the three all-reduce candidates of a
+# detached rank, whose graphs differ by a small copy at most, timed 8% apart.
+WARM_SECONDS = 0.05
+
+
+def graph_seconds(
+    run: Callable[[], None],
+    device: torch.device,
+    batches: int = 4,
+    replays: int = 5,
+    warm_seconds: float = WARM_SECONDS,
+) -> float:
     """Seconds per replay of ``run`` captured in a CUDA graph (after two warm-up runs
-    on a side stream): the least mean of ``batches`` batches of back-to-back
-    replays, since interference (another process, a clock dip) only adds time."""
+    on a side stream, then replays for ``warm_seconds``): the least mean of
+    ``batches`` batches of back-to-back replays, since interference (another
+    process, a clock dip) only adds time."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -377,8 +392,15 @@ def graph_seconds(run: Callable[[], None], device: torch.device, batches: int = 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    graph.replay()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batches)]
+    begin, end = events[0]
+    begin.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    once = max(begin.elapsed_time(end) / 1e3, 1e-6)
+    for _ in range(min(math.ceil(warm_seconds / once), 10_000)):
+        graph.replay()
     for begin, end in events:
         begin.record()
         for _ in range(replays):

@@ -51,8 +51,9 @@ MEASURE_ROUNDS = 3
 CLOSE = 0.05  # candidates this close to the fastest's time get the further rounds
 # In the cache key: raised whenever the way candidates are timed changes, so decisions
 # timed the old way are measured again (2: the executor times the first four layers in
-# one graph, where 1 timed layer 1 alone; 3: the refinement pass).
-MEASURE_VERSION = 3
+# one graph, where 1 timed layer 1 alone; 3: the refinement pass; 4: replays before
+# timing, executor.WARM_SECONDS).
+MEASURE_VERSION = 4
 # Passes over the contested kinds: the first times every candidate; each further one
 # times again, in the layout chosen so far, the candidates within CLOSE of a kind's
 # fastest, and stops early once no choice changes.

@@ -369,7 +369,7 @@ class MeasurementChain:
 # lets them fall back, so without it each candidate is timed from wherever the clocks
 # were: on the H200 (SM clock 345 MHz at idle) the three all-reduce candidates of a
 # detached rank, whose graphs differ by a small copy at most, timed 8% apart.
-WARM_SECONDS = 0.05
+WARM_SECONDS = 0.1
 
 
 def graph_seconds(

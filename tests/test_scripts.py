@@ -92,7 +92,10 @@ def test_read_pattern_kernels_build():
     nvrtc_or_skip()
     script = load_script("read-pattern")
     failures = []
-    builds = [(script.PATTERN, script.pattern_defines(c)) for c in script.CONFIGS + script.PACKED_CONFIGS]
+    builds = [
+        (script.PATTERN, script.pattern_defines(c))
+        for c in script.CONFIGS + script.PACKED_CONFIGS + script.ROTATED_CONFIGS
+    ]
     builds += [(script.SPECIALIZED, script.specialized_defines(c)) for c in script.SPECIALIZED_CONFIGS]
     builds += [(script.BOXES, script.boxes_defines(c)) for c in script.BOXES_CONFIGS]
     builds.append((script.STREAM, {}))

@@ -1,7 +1,8 @@
 """The GPU scripts' parts a CPU can check, so that a script breaks here and not on the GPU
 box: scripts/experts-bounds' source patches still find their places in the experts kernels
-and the patched kernels build spill-free, and scripts/read-pattern's synthetic kernels
-build in every configuration it runs (NVRTC for sm_90a; skipped without NVRTC)."""
+and the patched kernels build spill-free, scripts/read-pattern's synthetic kernels
+build in every configuration it runs (NVRTC for sm_90a; skipped without NVRTC), and
+scripts/step-compare runs the bench once a layout (the tiny config, on the CPU)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,46 @@ def test_read_pattern_kernels_build():
         if (log := compiles(text, defines)) is not None:
             failures.append((defines, log))
     assert not failures, failures[:2]
+
+
+def test_step_compare_runs_each_layout(tmp_path):
+    """scripts/step-compare on the CPU with the tiny config: a bench run a NAME=ARGS pair,
+    each run's layout and rows printed, a record and a log a run; a failing run (a pin to
+    no provider) sets the exit status and shows its log's end."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("OUT", None)
+    run = subprocess.run(
+        [
+            str(SCRIPTS / "step-compare"),
+            "-c",
+            "tiny --replays 2 --context 1024",
+            "-o",
+            str(tmp_path),
+            "plain=",
+            "ref=--pin attention=reference.attention",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("== ")] == ["plain", "ref"]
+    layouts = [line for line in lines if line.startswith("executor layout")]
+    assert len(layouts) == 2 and "attention=reference.attention (pinned)" in layouts[1]
+    assert sum(line.split()[0] == "1024" for line in lines) == 4  # random and correlated, a run each
+    assert len(list((tmp_path / "results").glob("tiny_*.json"))) == 2
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["step-plain.log", "step-ref.log"]
+    bad = subprocess.run(
+        [str(SCRIPTS / "step-compare"), "-c", "tiny --replays 2", "-o", str(tmp_path), "bad=--pin attention=nope.x"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert bad.returncode == 1 and "== bad rc=" in bad.stdout and "nope.x" in bad.stdout

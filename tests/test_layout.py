@@ -457,3 +457,36 @@ def test_refinement_pass_times_close_candidates_in_the_chosen_layout(tmp_path: P
     # The times reported are those of the last pass that timed each candidate.
     assert measured_seconds(layout)["attention"] == {"base.attention": 9.9, "x.attention": 9.0}
     assert json.loads(cache_files(tmp_path)[0].read_text())["chosen"]["attention"] == "x.attention"
+
+
+def test_refinement_times_the_priority_choice_again(tmp_path: Path) -> None:
+    """One slow first timing (here the pack's declared best, fav.attention, more than
+    CLOSE behind but within PRIORITY_CLOSE) does not rule a candidate out: the
+    refinement pass times the kind's priority choice again beside its close
+    candidates, and a candidate neither close nor the priority choice (base.attention)
+    is not timed again; a priority choice further behind is not timed again either."""
+    reg = registry(provider("fav.attention", "attention", 5), provider("quick.attention", "attention", 1))
+    times = {
+        "base.attention": [15.0],
+        "fav.attention": [12.0, 9.5],
+        "quick.attention": [10.0, 10.0],
+    }
+    order: list[str] = []
+
+    def measure(kind: str, cls: type, layout: Mapping[str, type]) -> float:
+        order.append(cls.name)
+        return times[cls.name].pop(0)
+
+    assert 10.0 * (1 + layout_module.PRIORITY_CLOSE) >= 12.0 > 10.0 * (1 + CLOSE)
+    layout = resolve(reg, DEPLOYMENT, measure=measure, cache_dir=tmp_path, rounds=1)
+    assert order == ["base.attention", "fav.attention", "quick.attention", "fav.attention", "quick.attention"]
+    assert layout.choices["attention"].chosen.name == "fav.attention"
+    assert measured_seconds(layout)["attention"] == {
+        "base.attention": 15.0,
+        "fav.attention": 9.5,
+        "quick.attention": 10.0,
+    }
+    timer = Timer({"base.attention": 15.0, "fav.attention": 13.0, "quick.attention": 10.0})
+    assert 13.0 > 10.0 * (1 + layout_module.PRIORITY_CLOSE)
+    far = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path / "far", rounds=1)
+    assert far.choices["attention"].chosen.name == "quick.attention" and len(timer.calls) == 3

@@ -19,8 +19,9 @@ For every kind (protocols.KINDS) that the deployment needs:
    fastest are timed again (a clear loser costs one timing). Kinds are timed in
    turn, each with the kinds after it still at their priority choice; blocks
    interact (a GEMM's prologue runs beside the attention core before it), so a
-   further pass times each kind's close candidates again in the layout the first
-   pass chose (``MEASURE_PASSES``);
+   further pass times each kind's close candidates, and its priority choice if within
+   ``PRIORITY_CLOSE`` (one slow timing must not rule out the pack's declared best),
+   again in the layout the first pass chose (``MEASURE_PASSES``);
 4. measured decisions are cached on disk, keyed by GPU, TP, spec, pack versions,
    pins and ``MEASURE_VERSION``; a corrupt or stale cache is ignored with a warning
    and rebuilt.
@@ -52,12 +53,18 @@ CLOSE = 0.05  # candidates this close to the fastest's time get the further roun
 # In the cache key: raised whenever the way candidates are timed changes, so decisions
 # timed the old way are measured again (2: the executor times the first four layers in
 # one graph, where 1 timed layer 1 alone; 3: the refinement pass; 4: replays before
-# timing, executor.WARM_SECONDS).
-MEASURE_VERSION = 4
+# timing, executor.WARM_SECONDS; 5: the refinement times the priority choice too).
+MEASURE_VERSION = 5
 # Passes over the contested kinds: the first times every candidate; each further one
 # times again, in the layout chosen so far, the candidates within CLOSE of a kind's
-# fastest, and stops early once no choice changes.
+# fastest and its priority choice within PRIORITY_CLOSE, and stops early once no choice
+# changes.
 MEASURE_PASSES = 2
+# How far behind a kind's fastest its priority choice may have timed in the first pass
+# and still be timed again in the refinement: one timing disturbed by a clock dip or
+# another process must not rule out the pack's declared best (the H200's four-layer
+# measure once put the same graph 12% apart), but a clear loser is not timed again.
+PRIORITY_CLOSE = 0.25
 
 
 class LayoutError(ValueError):
@@ -221,6 +228,7 @@ def resolve(
         choices[kind] = Choice(kind, supported[0][0], "priority", report)
 
     contested = [k for k in kinds if k not in pins and sum(c.reason is None for _, c in table[k]) > 1]
+    first = {k: choices[k].chosen for k in contested}  # the priority choices
     if measure is None or not contested:
         return Layout(choices)
 
@@ -246,8 +254,9 @@ def resolve(
         _time_kind(kind, timed, choices, measure, rounds)
     # Refinement: a kind was timed with the kinds after it still at their priority
     # choice, and blocks interact (a GEMM's PDL prologue runs beside the attention
-    # core before it), so each kind's close candidates are timed again in the layout
-    # the first pass chose, until no choice changes or MEASURE_PASSES is reached.
+    # core before it), so each kind's close candidates and its priority choice are
+    # timed again in the layout the first pass chose, until no choice changes or
+    # MEASURE_PASSES is reached.
     for _ in range(1, MEASURE_PASSES):
         changed = False
         for kind in contested:
@@ -255,7 +264,12 @@ def resolve(
             if not times:
                 continue
             bar = min(times) * (1 + CLOSE)
-            close = [(reg, cand) for reg, cand in table[kind] if cand.seconds is not None and cand.seconds <= bar]
+            close = [
+                (reg, cand)
+                for reg, cand in table[kind]
+                if cand.seconds is not None
+                and (cand.seconds <= bar or (reg is first[kind] and cand.seconds <= min(times) * (1 + PRIORITY_CLOSE)))
+            ]
             if len(close) < 2:
                 continue
             before = choices[kind].chosen

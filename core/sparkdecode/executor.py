@@ -51,6 +51,27 @@ class DecodeLayer(NamedTuple):
     moe: Any
     aux: torch.Tensor | None  # fp32 [max_rows, H]: this layer's input stream for the drafter
 
+    @property
+    def blocks(self) -> tuple[Any, Any, Any, Any]:
+        """The layer's providers in build and run order."""
+        return self.boundary, self.attention, self.attention_boundary, self.moe
+
+    def run(
+        self,
+        step: Step,
+        stream: torch.Tensor,
+        x: torch.Tensor,
+        partial: torch.Tensor,
+        xf: torch.Tensor,
+        aux: torch.Tensor | None,
+    ) -> None:
+        """The layer's blocks in order on ``step``'s rows: the stream updated in place,
+        ``aux`` (where given) its input stream; x, partial and xf its scratch."""
+        self.boundary.run(step, stream, x, aux)
+        self.attention.run(step, x, partial)
+        self.attention_boundary.run(partial, stream, xf)
+        self.moe.run(step, xf)
+
 
 class SpecializedDecode:
     """Built once the weights are loaded; owns every provider and buffer."""
@@ -177,7 +198,7 @@ class SpecializedDecode:
         """Every built provider, in build order."""
         out: list[Any] = []
         for layer in self.layers:
-            out.extend((layer.boundary, layer.attention, layer.attention_boundary, layer.moe))
+            out.extend(layer.blocks)
         out.append(self.final)
         return out
 
@@ -257,12 +278,9 @@ class SpecializedDecode:
         aux_out: list[torch.Tensor] = []
         for layer in self.layers:
             aux = None if layer.aux is None else layer.aux[:b]
-            layer.boundary.run(step, stream, x, aux)
+            layer.run(step, stream, x, partial, xf, aux)
             if aux is not None:
                 aux_out.append(aux)
-            layer.attention.run(step, x, partial)
-            layer.attention_boundary.run(partial, stream, xf)
-            layer.moe.run(step, xf)
         output = self.output[:b]
         final_aux = None if self.final_aux is None else self.final_aux[:b]
         self.final.run(step, stream, output, final_aux)
@@ -319,14 +337,14 @@ class SpecializedDecode:
             box.publish(self.config.max_rows).normal_()
         ctx = self._context(classes, buffers, mailboxes)
         kv = _measurement_kv(self.weights, indices, self.config.max_context, self.config.max_rows, device)
-        built: list[tuple[Any, Any, Any, Any]] = []
+        built: list[DecodeLayer] = []
         for index in indices:
             boundary, attention = classes["boundary"].build(ctx, index), classes["attention"].build(ctx, index)
             attention_boundary = classes["attention_boundary"].build(ctx, index)
             pair(attention_boundary, attention)
-            built.append((boundary, attention, attention_boundary, classes["moe"].build(ctx, index)))
+            built.append(DecodeLayer(boundary, attention, attention_boundary, classes["moe"].build(ctx, index), None))
         last = classes["final"].build(ctx, None) if final else None
-        providers = [p for blocks in built for p in blocks] + ([last] if last else [])
+        providers = [p for layer in built for p in layer.blocks] + ([last] if last else [])
         for provider in providers:
             provider.prepare_kv(kv)
         first = self.config.max_context - rows
@@ -345,7 +363,9 @@ class MeasurementChain:
     from layer 0's front, which sets the stream from the embeddings, so every run
     (every graph replay) computes and routes alike."""
 
-    def __init__(self, indices: tuple[int, ...], built: list, final: Any, step: Step, embeddings: torch.Tensor):
+    def __init__(
+        self, indices: tuple[int, ...], built: list[DecodeLayer], final: Any, step: Step, embeddings: torch.Tensor
+    ):
         assert indices[0] == 0, "the chain starts at the front"
         self.indices, self.built, self.final, self.step = indices, built, final, step
         self.embeddings = embeddings[: step.rows]
@@ -354,12 +374,9 @@ class MeasurementChain:
         self.partial, self.xf, self.out = (torch.empty_like(self.x) for _ in range(3))
 
     def run(self) -> None:
-        step, stream, x, partial, xf = self.step, self.stream, self.x, self.partial, self.xf
-        for boundary, attention, attention_boundary, moe in self.built:
-            boundary.run(step, stream, x, None)
-            attention.run(step, x, partial)
-            attention_boundary.run(partial, stream, xf)
-            moe.run(step, xf)
+        step, stream = self.step, self.stream
+        for layer in self.built:
+            layer.run(step, stream, self.x, self.partial, self.xf, None)
         if self.final is not None:
             self.final.run(step, stream, self.out, None)
 

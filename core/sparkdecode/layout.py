@@ -263,12 +263,12 @@ def resolve(
             times = [c.seconds for _, c in table[kind] if c.seconds is not None]
             if not times:
                 continue
-            bar = min(times) * (1 + CLOSE)
+            fastest = min(times)
             close = [
                 (reg, cand)
                 for reg, cand in table[kind]
                 if cand.seconds is not None
-                and (cand.seconds <= bar or (reg is first[kind] and cand.seconds <= min(times) * (1 + PRIORITY_CLOSE)))
+                and cand.seconds <= fastest * (1 + (PRIORITY_CLOSE if reg is first[kind] else CLOSE))
             ]
             if len(close) < 2:
                 continue

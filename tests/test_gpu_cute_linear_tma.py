@@ -5,8 +5,8 @@ products summed in fp32 in another order, rounded once), first at the smallest
 launches (one tile of 64 rows, one row of x: ``-k smallest`` under
 compute-sanitizer is short), then eager and in a replayed graph at TP1 and
 TP8-rank shapes (cute.linear_tma_coresident's tilings, within half an SM's shared
-memory, and cute.linear_tma_rotated's rotated K steps, too); the split-K counters back at 0; every tiling of the planner's
-first few within the bounds; and the weight streams of torch.mm, cute.linear_mma
+memory, and cute.linear_tma_rotated's rotated K steps, too); the split-K counters
+back at 0; every tiling of the planner's first few within the bounds; and the weight streams of torch.mm, cute.linear_mma
 and cute.linear_tma, and of each tiling, printed (run with -s; nothing asserted
 about speed).
 """

@@ -175,16 +175,17 @@ def test_each_attention_boundary_meets_its_layers_attention(weights):
     assert PairingBoundary.met == [(i, layer.attention) for i, layer in enumerate(executor.layers)]
 
 
-def test_measured_layers_are_one_period_of_the_pattern() -> None:
-    """The resolver times candidates over the first four layers: one full-attention
-    layer (l % 4 == 1) and three sliding ones, as the model has them; fewer where
-    the model has fewer."""
-    assert measured_layers(62) == (0, 1, 2, 3)
+def test_measured_layers_are_four_periods_of_the_pattern() -> None:
+    """The resolver times candidates over the first sixteen layers: four periods of
+    one full-attention layer (l % 4 == 1) and three sliding ones, as the model has
+    them; fewer where the model has fewer."""
+    assert measured_layers(62) == tuple(range(16))
     assert measured_layers(2) == (0, 1)
     assert measured_layers(1) == (0,)
     spec = ModelSpec.preset("tiny")
     full = [i for i in measured_layers(spec.num_layers) if spec.window(i) is None]
     assert full == [1]
+    assert [i for i in measured_layers(62) if i % 4 == 1] == [1, 5, 9, 13]
 
 
 def test_measurement_kv_gives_each_timed_layer_its_own_window(monkeypatch: pytest.MonkeyPatch) -> None:

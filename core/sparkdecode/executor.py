@@ -427,14 +427,17 @@ def graph_seconds(
     return min(begin.elapsed_time(end) for begin, end in events) / 1e3 / replays
 
 
-# Layers a candidate is timed over: the first four, one period of Muse Spark's layer
-# pattern (full attention at l % 4 == 1, sliding elsewhere; layer 0 the bf16 edge of
-# an NVFP4 checkpoint), so each attention kind and expert format weighs in as the
-# model has it, and each layer's kernels start beside the end of the layer before as
-# in the step. One layer alone (the first measure) timed only a full-attention layer:
-# on the H200 it preferred cuda.attention_core and experts_nvfp4_marlin_v3_half, each
-# slower in the 62-layer step than the candidates it passed over.
-MEASURE_LAYERS = 4
+# Layers a candidate is timed over: the first sixteen, four periods of Muse Spark's
+# layer pattern (full attention at l % 4 == 1, sliding elsewhere; layer 0 the bf16 edge
+# of an NVFP4 checkpoint), so each attention kind and expert format weighs in about as
+# the model has it, and each layer's kernels start beside the end of the layer before
+# as in the step. Shorter chains understate what a block costs in the step: on the H200
+# (TP-8 rank, 62 layers, scripts/measure-chain) cute.linear_tma's lead over cuda.linear
+# was 10.8 us a layer in the step, and 3.4-6.8 us over 4 layers, 5-6 over 8, 8-9 over 16,
+# 10-10.6 over 32, while two timings of one graph differed by up to 1.5% over 4 layers
+# and 0.5% over 16; over 4 layers (and 1 before) the resolver took blocks that were
+# slower in the step than the ones it passed over.
+MEASURE_LAYERS = 16
 
 
 def measured_layers(num_layers: int) -> tuple[int, ...]:

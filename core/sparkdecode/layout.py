@@ -53,8 +53,9 @@ CLOSE = 0.05  # candidates this close to the fastest's time get the further roun
 # In the cache key: raised whenever the way candidates are timed changes, so decisions
 # timed the old way are measured again (2: the executor times the first four layers in
 # one graph, where 1 timed layer 1 alone; 3: the refinement pass; 4: replays before
-# timing, executor.WARM_SECONDS; 5: the refinement times the priority choice too).
-MEASURE_VERSION = 5
+# timing, executor.WARM_SECONDS; 5: the refinement times the priority choice too; 6:
+# the first sixteen layers, executor.MEASURE_LAYERS).
+MEASURE_VERSION = 6
 # Passes over the contested kinds: the first times every candidate; each further one
 # times again, in the layout chosen so far, the candidates within CLOSE of a kind's
 # fastest and its priority choice within PRIORITY_CLOSE, and stops early once no choice

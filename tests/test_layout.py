@@ -490,3 +490,16 @@ def test_refinement_times_the_priority_choice_again(tmp_path: Path) -> None:
     assert 13.0 > 10.0 * (1 + layout_module.PRIORITY_CLOSE)
     far = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path / "far", rounds=1)
     assert far.choices["attention"].chosen.name == "quick.attention" and len(timer.calls) == 3
+
+
+def test_priority_choice_stands_within_the_margin(tmp_path: Path) -> None:
+    """A candidate replaces the kind's priority choice only if it times more than
+    PRIORITY_MARGIN faster: a lead beneath the measure's repeatability is no evidence."""
+    reg = registry(provider("fav.attention", "attention", 5), provider("quick.attention", "attention", 1))
+    margin = layout_module.PRIORITY_MARGIN
+    near = Timer({"base.attention": 15.0, "fav.attention": 10.0 * (1 + margin / 2), "quick.attention": 10.0})
+    layout = resolve(reg, DEPLOYMENT, measure=near, cache_dir=tmp_path / "near", rounds=1)
+    assert (layout.choices["attention"].chosen.name, layout.choices["attention"].how) == ("fav.attention", "measured")
+    far = Timer({"base.attention": 15.0, "fav.attention": 10.0 * (1 + 2 * margin), "quick.attention": 10.0})
+    layout = resolve(reg, DEPLOYMENT, measure=far, cache_dir=tmp_path / "far", rounds=1)
+    assert layout.choices["attention"].chosen.name == "quick.attention"

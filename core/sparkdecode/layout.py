@@ -21,7 +21,9 @@ For every kind (protocols.KINDS) that the deployment needs:
    interact (a GEMM's prologue runs beside the attention core before it), so a
    further pass times each kind's close candidates, and its priority choice if within
    ``PRIORITY_CLOSE`` (one slow timing must not rule out the pack's declared best),
-   again in the layout the first pass chose (``MEASURE_PASSES``);
+   again in the layout the first pass chose (``MEASURE_PASSES``); a candidate
+   replaces the priority choice only if it times more than ``PRIORITY_MARGIN``
+   faster (beneath the measure's repeatability a timing is no evidence);
 4. measured decisions are cached on disk, keyed by GPU, TP, spec, pack versions,
    pins and ``MEASURE_VERSION``; a corrupt or stale cache is ignored with a warning
    and rebuilt.
@@ -54,8 +56,8 @@ CLOSE = 0.05  # candidates this close to the fastest's time get the further roun
 # timed the old way are measured again (2: the executor times the first four layers in
 # one graph, where 1 timed layer 1 alone; 3: the refinement pass; 4: replays before
 # timing, executor.WARM_SECONDS; 5: the refinement times the priority choice too; 6:
-# the first sixteen layers, executor.MEASURE_LAYERS).
-MEASURE_VERSION = 6
+# the first sixteen layers, executor.MEASURE_LAYERS; 7: PRIORITY_MARGIN).
+MEASURE_VERSION = 7
 # Passes over the contested kinds: the first times every candidate; each further one
 # times again, in the layout chosen so far, the candidates within CLOSE of a kind's
 # fastest and its priority choice within PRIORITY_CLOSE, and stops early once no choice
@@ -66,6 +68,12 @@ MEASURE_PASSES = 2
 # another process must not rule out the pack's declared best (the H200's four-layer
 # measure once put the same graph 12% apart), but a clear loser is not timed again.
 PRIORITY_CLOSE = 0.25
+# How much faster than a kind's priority choice another candidate must time to be chosen
+# in its place: beneath the measure's repeatability a timing is no evidence, and the
+# pack's declared best stands (on the H200, two timings of one sixteen-layer graph
+# differed by up to 0.5%, and a candidate 0.1% ahead in the resolve was 0.7% behind
+# in the 62-layer step).
+PRIORITY_MARGIN = 0.01
 
 
 class LayoutError(ValueError):
@@ -252,7 +260,7 @@ def resolve(
 
     for kind in contested:
         timed = [(reg, cand) for reg, cand in table[kind] if cand.reason is None]
-        _time_kind(kind, timed, choices, measure, rounds)
+        _time_kind(kind, timed, choices, measure, rounds, first[kind])
     # Refinement: a kind was timed with the kinds after it still at their priority
     # choice, and blocks interact (a GEMM's PDL prologue runs beside the attention
     # core before it), so each kind's close candidates and its priority choice are
@@ -276,7 +284,7 @@ def resolve(
             before = choices[kind].chosen
             for _, cand in close:
                 cand.seconds = None
-            _time_kind(kind, close, choices, measure, rounds)
+            _time_kind(kind, close, choices, measure, rounds, first[kind])
             changed |= choices[kind].chosen is not before
         if not changed:
             break
@@ -297,12 +305,14 @@ def _time_kind(
     choices: dict[str, Choice],
     measure: Measure,
     rounds: int,
+    priority: Registered,
 ) -> None:
     """Times ``timed`` (candidates of ``kind``) in place of the current choice, the
     other kinds at theirs, in ``rounds`` interleaved rounds (after the first, only
-    those within CLOSE of the fastest), and makes the fastest the choice. Where none
-    could be timed (each needs a transport a CUDA graph cannot capture), the choice
-    stands."""
+    those within CLOSE of the fastest), and makes the fastest the choice, unless
+    ``priority`` (the kind's priority choice) was timed within PRIORITY_MARGIN of it.
+    Where none could be timed (each needs a transport a CUDA graph cannot capture),
+    the choice stands."""
     layout = {k: c.chosen.cls for k, c in choices.items()}
     untimed: set[str] = set()
     for round_ in range(rounds):
@@ -322,6 +332,9 @@ def _time_kind(
         if cand.seconds is not None and (best is None or cand.seconds < best[0]):
             best = (cand.seconds, reg)
     if best is not None:
+        held = next((cand.seconds for reg, cand in timed if reg is priority), None)
+        if held is not None and held <= best[0] * (1 + PRIORITY_MARGIN):
+            best = (held, priority)
         choices[kind] = Choice(kind, best[1], "measured", choices[kind].candidates)
 
 

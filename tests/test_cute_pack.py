@@ -417,23 +417,6 @@ def test_publish_refuses_what_it_cannot_publish(publishing_linear):
     assert not linear.weights["qkvg"].mailbox  # only the weight asked for
 
 
-def test_rotated_linear_plans_and_compiles(tma, capfd):
-    """cute.linear_tma_rotated (unregistered) takes the registered planner's tiling with
-    its CTAs' K steps rotated (``rotate`` 1), and compiles spill-free for sm_90a at every
-    TP8-rank bf16 shape; cute.linear_tma's plans stay in K order."""
-    from sparkdecode_cute.linear_tma import CuteLinearTmaRotated, RotatedTmaWeight
-
-    assert CuteLinearTmaRotated not in plugin.PROVIDERS and CuteLinearTmaRotated.bf16_weight is RotatedTmaWeight
-    for name in ("qkvg", "o_proj", "pooler", "unpooler"):
-        n, k, _ = TP8[name]
-        w = torch.empty(n, k, dtype=torch.bfloat16)
-        plan = RotatedTmaWeight.make_plan(w, False, 8, 132)
-        assert plan == dataclasses.replace(tma.plan_tma(n, k, 8), rotate=1) and tma.plan_tma(n, k, 8).rotate == 0
-        capfd.readouterr()
-        assert tma.compile_tma(plan, "sm_90a", "remarks{ptx}") is not None
-        _spill_free(capfd)
-
-
 def test_coresident_linear_plans_within_half_an_sm(tma):
     """cute.linear_tma_coresident (unregistered) plans each TP8-rank weight within half an
     SM's shared memory, where the registered planner takes 1 CTA an SM for the o_proj,

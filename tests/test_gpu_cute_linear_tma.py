@@ -5,8 +5,8 @@ products summed in fp32 in another order, rounded once), first at the smallest
 launches (one tile of 64 rows, one row of x: ``-k smallest`` under
 compute-sanitizer is short), then eager and in a replayed graph at TP1 and
 TP8-rank shapes (cute.linear_tma_coresident's tilings, within half an SM's shared
-memory, and cute.linear_tma_rotated's rotated K steps, too); the split-K counters
-back at 0; every tiling of the planner's first few within the bounds; and the weight streams of torch.mm, cute.linear_mma
+memory, too); the split-K counters back at 0; every tiling of the planner's
+first few within the bounds; and the weight streams of torch.mm, cute.linear_mma
 and cute.linear_tma, and of each tiling, printed (run with -s; nothing asserted
 about speed).
 """
@@ -36,7 +36,6 @@ from sparkdecode_cute.linear_mma import CuteLinearMma  # noqa: E402
 from sparkdecode_cute.linear_tma import (  # noqa: E402
     CuteLinearTma,
     CuteLinearTmaCoresident,
-    CuteLinearTmaRotated,
     TmaWeight,
 )
 
@@ -48,38 +47,34 @@ TILINGS = 6  # the planner's first tilings measured per weight
 SMALLEST = {"one-split": (1024, 1), "two-splits": (2048, 2)}
 
 
-@pytest.mark.parametrize("rotate", [0, 1], ids=["k-order", "rotated"])
 @pytest.mark.parametrize("case", list(SMALLEST))
-def test_tma_smallest_equals_reference(case, rotate):
-    """Rotated: two tiles, so the second CTA's K steps start one step round."""
+def test_tma_smallest_equals_reference(case):
     from sparkdecode_cute.gemv_tma import TmaPlan
 
     k, splits = SMALLEST[case]
-    n = 64 * (1 + rotate)
-    plan = TmaPlan(n, k, k, 8, splits, 128, 2, rotate)
-    assert (plan.ctas, plan.k_tiles) == (splits * n // 64, 8), plan
+    plan = TmaPlan(64, k, k, 8, splits, 128, 2)
+    assert (plan.ctas, plan.k_tiles) == (splits, 8), plan
     g = torch.Generator(device="cuda").manual_seed(splits)
-    w = torch.randn(n, k, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.randn(64, k, generator=g, device="cuda").to(torch.bfloat16)
     x = torch.randn(1, k, generator=g, device="cuda").to(torch.bfloat16)
     op = split_weight(TmaWeight, "qkvg", w, torch.cuda.get_device_properties(0).multi_processor_count, plan)
-    out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(1, 64, dtype=torch.bfloat16, device="cuda")
     op(x, out)
     torch.cuda.synchronize()
-    check_close(f"W [{n}, {k}] {plan}", x, w, out, torch.nn.functional.linear(x, w))
+    check_close(f"W [64, {k}] {plan}", x, w, out, torch.nn.functional.linear(x, w))
     assert not op.shared[1].any(), "tile counter not back at 0"
 
 
 @pytest.mark.parametrize(
     "cls",
-    [CuteLinearTma, CuteLinearTmaCoresident, CuteLinearTmaRotated],
-    ids=["plan", "coresident", "rotated"],
+    [CuteLinearTma, CuteLinearTmaCoresident],
+    ids=["plan", "coresident"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_tma_equals_reference(shape, rows, cls):
-    """cute.linear_tma, cute.linear_tma_coresident (its tilings within half an SM's
-    shared memory; unregistered) and cute.linear_tma_rotated (its CTAs' K steps rotated;
-    unregistered)."""
+    """cute.linear_tma and cute.linear_tma_coresident (its tilings within half an SM's
+    shared memory; unregistered)."""
     equals_reference(cls, shape, rows)
 
 

@@ -99,6 +99,7 @@ def test_read_pattern_kernels_build():
     ]
     builds += [(script.SPECIALIZED, script.specialized_defines(c)) for c in script.SPECIALIZED_CONFIGS]
     builds += [(script.BOXES, script.boxes_defines(c)) for c in script.BOXES_CONFIGS]
+    builds.append((script.AHEAD, {}))
     builds.append((script.STREAM, {}))
     for text, defines in builds:
         if (log := compiles(text, defines)) is not None:

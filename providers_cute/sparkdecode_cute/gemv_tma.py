@@ -104,10 +104,6 @@ class TmaPlan(SplitGrid):
     splits: int  # K chunks, one CTA each
     stage_k: int  # K of one ring buffer
     stages: int  # ring buffers
-    # 1: the CTA of tile t takes its chunk's K steps from step (t mod k_tiles), wrapping
-    # round, so the CTAs do not all read the same offsets of their rows at once (rows
-    # K x 2 bytes apart, a power of two); the sums in another order. 0: in K order.
-    rotate: int = 0
 
     @property
     def tile_rows(self) -> int:
@@ -246,13 +242,8 @@ class TmaGemv(SplitKKernel):
             (TILE_ROWS, p.stage_k),
         )
 
-    def k_step(self, count, rot):
-        """The chunk's K step of the ``count``-th ring buffer a CTA fills: ``count`` in
-        K order, or ``rot`` steps further round the chunk (``TmaPlan.rotate``)."""
-        return count if not self.plan.rotate else (count + rot) % self.plan.k_tiles
-
-    def produce(self, ring, state, tma_atom, tWgW, tWsW, k_tile0, rot=0):
-        """The producer warp: the chunk's K step ``k_step(state.count)`` of W into ring
+    def produce(self, ring, state, tma_atom, tWgW, tWsW, k_tile0):
+        """The producer warp: the chunk's K step ``state.count`` of W into ring
         buffer ``state.index`` once the MMA warps have released it. The caller
         advances ``state``: in a ``cutlass.range`` loop the DSL carries only the
         variables the loop body itself assigns or calls a method on, so an advance
@@ -260,7 +251,7 @@ class TmaGemv(SplitKKernel):
         ring.producer_acquire(state)
         cute.copy(
             tma_atom,
-            tWgW[(None, k_tile0 + self.k_step(state.count, rot))],
+            tWgW[(None, k_tile0 + state.count)],
             tWsW[(None, state.index)],
             tma_bar_ptr=ring.producer_get_barrier(state),
         )
@@ -328,13 +319,12 @@ class TmaGemv(SplitKKernel):
             tma_atom, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
         )
         k_tile0 = split * p.k_tiles
-        rot = tile % p.k_tiles if p.rotate else 0
 
         # The weight first: constant for the step, so loaded before the wait.
         if warp == PRODUCER_WARP:
             ahead = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
             for _ in cutlass.range_constexpr(prefetch):
-                self.produce(ring, ahead, tma_atom, tWgW, tWsW, k_tile0, rot)
+                self.produce(ring, ahead, tma_atom, tWgW, tWsW, k_tile0)
                 ahead.advance()
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
@@ -378,16 +368,15 @@ class TmaGemv(SplitKKernel):
                 p.stages, Int32(prefetch), Int32(prefetch % p.stages), Int32(1 if prefetch < p.stages else 0)
             )
             for _ in cutlass.range(prefetch, p.k_tiles, unroll=1):
-                self.produce(ring, produced, tma_atom, tWgW, tWsW, k_tile0, rot)
+                self.produce(ring, produced, tma_atom, tWgW, tWsW, k_tile0)
                 produced.advance()  # here, in the loop body: carried from one iteration to the next
         elif warp < PRODUCER_WARP:
             consumed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
             for kt in cutlass.range(p.k_tiles, unroll=1):
                 ring.consumer_wait(consumed)
                 cute.nvgpu.warpgroup.fence()
-                xk = self.k_step(kt, rot)  # x's K step matching the buffer's
                 for kb in cutlass.range_constexpr(KB):
-                    cute.gemm(mma, acc, tAW[(None, None, kb, consumed.index)], tBX[(None, None, xk * KB + kb, 0)], acc)
+                    cute.gemm(mma, acc, tAW[(None, None, kb, consumed.index)], tBX[(None, None, kt * KB + kb, 0)], acc)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 ring.consumer_release(consumed)

@@ -196,28 +196,3 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
     name = "cute.linear_tma_coresident"
     bf16_weight = CoresidentTmaWeight
-
-
-class RotatedTmaWeight(TmaWeight):
-    """A bf16 weight on the TMA kernel with the plan's tiling, each CTA taking its chunk's
-    K steps from step (tile mod k_tiles) round (gemv_tma's ``TmaPlan.rotate``): in K order
-    every CTA reads the same offsets of its 64 rows at once, rows K x 2 bytes apart (a
-    power of two), so the concurrent reads share their low address bits; rotated, they
-    are spread over the chunk. The same products summed in another order."""
-
-    provider = "cute.linear_tma_rotated"
-
-    @staticmethod
-    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
-        import dataclasses
-
-        plan = TmaWeight.make_plan(w, fp32, max_rows, sms)
-        return plan if isinstance(plan, str) else dataclasses.replace(plan, rotate=1)
-
-
-class CuteLinearTmaRotated(CuteLinearTma):
-    """cute.linear_tma with each CTA's K steps rotated (``RotatedTmaWeight``). Not
-    registered: built for the H200, not yet run there (bench/NOTES.md v16)."""
-
-    name = "cute.linear_tma_rotated"
-    bf16_weight = RotatedTmaWeight

@@ -245,3 +245,30 @@ def test_an_nvfp4_tp8_rank_runs_against_the_baseline():
     assert record["shard"]["expert_format"] == "nvfp4"
     assert r["check"]["finite"] and r["check"]["relative_error_baseline_vs_executor"] < 1e-2
     assert r["check"]["layers_routed_alike"] == 3
+
+
+def test_bound_step_runs_the_executor_as_the_bench_does():
+    """steer.bound_step (the scripts' step) binds and plans the executor as the bench's
+    runner does (prepare_kv, plan at the context's end, prepare_step): the same step
+    rows and the same hidden states, bit for bit, on the tiny config."""
+    from sparkdecode.bench.configs import ROWS
+    from sparkdecode.bench.steer import bound_step, filled_cache
+    from sparkdecode.executor import DecodeConfig, SpecializedDecode
+    from sparkdecode.protocols import HostStep
+
+    weights = draw_weights(named("tiny"), torch.device("cpu"), 0)
+    context, tokens = 64, torch.arange(ROWS)
+    outputs = []
+    for helper in (True, False):
+        cache = filled_cache(weights, context, ROWS, 0)
+        executor = SpecializedDecode(weights, DecodeConfig(q=ROWS, max_rows=ROWS, max_context=context))
+        if helper:
+            step = bound_step(executor, cache, context, ROWS)
+        else:
+            executor.prepare_kv(cache.kv())
+            step = executor.plan(torch.arange(context - ROWS, context))
+            executor.prepare_step(HostStep(first_position=context - ROWS, rows=ROWS, context_len=context))
+        assert step is not None and step.rows == ROWS
+        out = executor.run(step, input_ids=tokens)
+        outputs.append((out[0] if isinstance(out, tuple) else out).clone())
+    assert torch.equal(outputs[0], outputs[1]) and outputs[0].isfinite().all()

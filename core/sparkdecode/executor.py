@@ -433,7 +433,7 @@ def graph_seconds(
 # the model has it, and each layer's kernels start beside the end of the layer before
 # as in the step. Shorter chains understate what a block costs in the step: on the H200
 # (TP-8 rank, 62 layers, scripts/measure-chain) cute.linear_tma's lead over cuda.linear
-# was 10.8 us a layer in the step, and 3.4-6.8 us over 4 layers, 5-6 over 8, 8-9 over 16,
+# was 11 us a layer in the step, and 3.4-6.8 us over 4 layers, 5-6 over 8, 8-9 over 16,
 # 10-10.6 over 32, while two timings of one graph differed by up to 1.5% over 4 layers
 # and 0.5% over 16; over 4 layers (and 1 before) the resolver took blocks that were
 # slower in the step than the ones it passed over.

@@ -79,6 +79,18 @@ def filled_cache(weights: ModelWeights, context: int, rows: int, seed: int) -> P
     return cache
 
 
+def bound_step(executor: SpecializedDecode, cache: PagedKVCache, context: int, rows: int) -> Step | None:
+    """``executor`` bound to ``cache`` (``filled_cache``'s, at the same context and rows)
+    and planned for one request verifying ``rows`` tokens ending at position
+    ``context - 1``: its step, or None where the executor declines it."""
+    executor.prepare_kv(cache.kv())
+    first = context - rows
+    step = executor.plan(torch.arange(first, context, dtype=torch.int64, device=executor.device))
+    if step is not None:
+        executor.prepare_step(HostStep(first_position=first, rows=rows, context_len=context))
+    return step
+
+
 class Routing:
     """Switches the weights' selection biases in place between the routings (the
     captured graphs read them by address, so no capture is redone)."""

@@ -443,19 +443,24 @@ def test_routed_tma_compiles_for_hopper(tma, capfd, max_rows):
     plan = tma.plan_tma(n, k, max_rows)
     assert tma.router_reason(plan, 256, k, k) is None
     capfd.readouterr()
-    assert tma.compile_tma_routed(plan, 256, k, "sm_90a", "remarks{ptx}") is not None
+    assert tma.compile_tma_routed(plan, 256, k, 8, "sm_90a", "remarks{ptx}") is not None
     _spill_free(capfd)
 
 
 def test_router_reasons(tma):
     """What the routed kernel declines: another K, router rows that do not spread over
-    the tiles (a column-sharded pooler's 8 tiles: 32 a tile), rows not 16-byte
-    vectors, a ring too small for the helpers' sums."""
+    the tiles (a column-sharded pooler's 8 tiles: 32 a tile), experts not whole warps,
+    a top-k past a warp, rows not 16-byte vectors, the helpers' sums past a CTA's
+    shared memory."""
     plan = tma.plan_tma(*TP8["pooler"][:2], 8)
     assert "K 4096" in tma.router_reason(plan, 256, 4096, 4096)
     assert "tiles" in tma.router_reason(tma.plan_tma(*TP8["pooler_tp8_columns"][:2], 8), 256, 8192, 8192)
     assert "tiles" in tma.router_reason(plan, 200, 8192, 8192)
+    assert "top-40" in tma.router_reason(plan, 256, 8192, 8192, top_k=40)
     assert "16-byte" in tma.router_reason(plan, 256, 8192, 8194)
-    small = tma.TmaPlan(64, 1024, 1024, 8, 1, 128, 2)
-    assert tma.router_reason(small, 4, 1024, 1024) is None
-    assert "ring" in tma.router_reason(small, 8, 1024, 1024)
+    small = tma.TmaPlan(256, 1024, 1024, 8, 1, 128, 2)
+    assert tma.router_reason(small, 32, 1024, 1024) is None
+    assert "multiples of 32" in tma.router_reason(small, 16, 1024, 1024)
+    full = tma.TmaPlan(512, 8192, 8192, 8, 2, 256, 5)
+    assert full.smem_bytes <= tma.CTA_SMEM_BYTES
+    assert "shared memory" in tma.router_reason(full, 32, 8192, 8192)

@@ -256,36 +256,9 @@ def test_cuda_moe_side_stream_keeps_the_bits(shape):
         assert all(torch.equal(a, b) for a, b in zip(got, serial))
 
 
-@pytest.mark.parametrize("rows", [1, 8])
-def test_route_norm_kernel_keeps_the_bits(rows):
-    """route_norm_kernel: the routing's and the pre-expert norm's bits of the two kernels."""
-    spec = ModelSpec.preset("muse-spark-open")
-    kernels = moe_kernels.MoEKernels(SimpleNamespace(spec=spec, device=torch.device("cuda")))
-    g = torch.Generator().manual_seed(rows)
-    logits = torch.randn(rows, spec.E, generator=g).cuda()
-    bias = (torch.randn(spec.E, generator=g) * 0.01).cuda()
-    x = (torch.randn(rows, spec.P, generator=g) * 2).to(torch.bfloat16).cuda()
-    norm = (torch.randn(spec.P, generator=g) * 0.1).to(torch.bfloat16).cuda()
-    outs = []
-    for fused in (False, True):
-        ids = torch.full((rows, spec.top_k), -1, dtype=torch.int32, device="cuda")
-        weights = torch.full((rows, spec.top_k), float("nan"), device="cuda")
-        h = torch.full((rows, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
-        topk = moe_kernels.RoutedTopk(ids, weights)
-        if fused:
-            kernels.route_norm(logits, bias, 1.0, topk, x, norm, 1e-5, h)
-        else:
-            kernels.route(logits, bias, 1.0, topk)
-            kernels.pre_norm(x, norm, 1e-5, h)
-        torch.cuda.synchronize()
-        outs.append((ids, weights, h))
-    assert not outs[0][2].float().isnan().any()
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
-
-
 def test_cuda_moe_with_the_routed_pooler():
-    """cuda.moe over cute.linear_tma_routed (the router inside the pooler's kernel, then
-    route_norm_kernel) at a TP-8 rank's shapes: no side stream; the routing is the
+    """cuda.moe over cute.linear_tma_routed (the router and the routing inside the
+    pooler's kernel) at a TP-8 rank's shapes: no side stream; the routing is the
     reference's for the block's own logits (bitwise), the logits close to the
     reference router's, the output close to reference.model.moe (2e-2 relative, as
     test_cuda_moe_provider); the same bits replayed from a CUDA graph."""

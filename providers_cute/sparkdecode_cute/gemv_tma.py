@@ -71,7 +71,6 @@ from .gemv_splitk import (
     first_plan,
     split_counts,
     split_sum,
-    store_elements,
     tiling_reason,
     wave_key,
 )
@@ -97,6 +96,8 @@ HELPERS = (WARPS - HELPER_WARP) * 32
 ROUTER_VECTOR = 4  # fp32 router elements per 16-byte load
 ROUTER_DEPTH = 4  # a helper's steps of router vectors in flight
 MAX_ROUTER_ROWS = 8  # router rows a tile (a helper sums rows x 8 in registers)
+MAX_EXPERTS_A_LANE = 32  # the routing's scores a lane (experts <= 32 x this)
+ROUTER_BARRIER = 1  # the helpers' named barrier (0 is the CTA's)
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,8 @@ class TmaGemv(SplitKKernel):
         """The kernel's body: the CTA's tile and split of K, ended by ``finish_tile``
         (with ``publisher``'s store, a ``Publisher`` of the ring, where given). With a
         ``Router``, warps 5-7 also stream the router's rows of this tile over the
-        CTA's chunk of K beside the weight, and the tile's last CTA stores them."""
+        CTA's chunk of K beside the weight and complete the router and the routing
+        (``Router.complete``) before the CTA's end."""
         p = self.plan
         TK, KB = p.chunk, p.stage_k // MMA_K
         tidx, _, _ = cute.arch.thread_idx()
@@ -401,6 +403,7 @@ class TmaGemv(SplitKKernel):
         if cutlass.const_expr(router is not None):
             if warp >= HELPER_WARP:
                 router.multiply(r_buffers, r_acc, x, b, x_stride, helper, tile, split)
+                router.complete(smem, r_acc, warp, helper, tile, split, b)
         cute.arch.sync_threads()
 
         # The ring is free: partial[0, row * 8 + i] holds the tile's sums (each from
@@ -421,9 +424,6 @@ class TmaGemv(SplitKKernel):
         cute.arch.sync_threads()
 
         store = None if publisher is None else publisher.store_at(sW.iterator)
-        if cutlass.const_expr(router is not None):
-            router.reduce(sW.iterator, r_acc, warp, helper, tile, split)
-            store = router.store
         self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, store)
 
 
@@ -647,45 +647,85 @@ def compile_tma_publishing(plan: TmaPlan, arch: str | None = None, options: str 
     )
 
 
-def router_reason(plan: TmaPlan, experts: int, k: int, w_stride: int) -> str | None:
+def router_reason(plan: TmaPlan, experts: int, k: int, w_stride: int, top_k: int = 8) -> str | None:
     """Why ``RoutedTmaGemv`` does not take the fp32 router W_r [experts, k] (rows
-    ``w_stride`` apart) beside ``plan``, if so: the same K, its rows spread evenly
-    over the tiles (at most ``MAX_ROUTER_ROWS`` a tile), 16-byte rows, and the
-    helpers' sums beside the tile's in the drained ring."""
+    ``w_stride`` apart) and the top-``top_k`` routing beside ``plan``, if so: the
+    same K, its rows spread evenly over the tiles (at most ``MAX_ROUTER_ROWS`` a
+    tile), whole warps of experts, 16-byte rows, and the helpers' sums beside the
+    plan's shared memory."""
     if k != plan.k:
         return f"the router's K {k} is not the weight's {plan.k}"
     if experts % plan.tiles or experts // plan.tiles > MAX_ROUTER_ROWS:
         return f"{experts} router rows do not spread over {plan.tiles} tiles at most {MAX_ROUTER_ROWS} a tile"
+    if experts % 32 or experts > 32 * MAX_EXPERTS_A_LANE:
+        return f"{experts} experts: the routing takes multiples of 32 up to {32 * MAX_EXPERTS_A_LANE}"
+    if not 1 <= top_k <= min(32, experts):
+        return f"top-{top_k} of {experts} experts: the routing takes 1 to 32"
     if w_stride % ROUTER_VECTOR:
         return f"router rows {w_stride} apart are not whole 16-byte vectors"
-    rows = experts // plan.tiles
-    if plan.stages * plan.stage_bytes < SUMS_BYTES + HELPERS * rows * MMA_N * 4:
-        return f"{plan}: a ring of {plan.stages * plan.stage_bytes} bytes cannot hold the tile's and the router's sums"
+    if plan.smem_bytes + helper_smem_bytes(experts // plan.tiles) > CTA_SMEM_BYTES:
+        return f"{plan}: the helpers' sums do not fit beside its {plan.smem_bytes} bytes of shared memory"
     return None
+
+
+def helper_smem_bytes(rows: int) -> int:
+    """Shared memory the router's helpers add to a CTA: their sums and a flag."""
+    return HELPERS * rows * MMA_N * 4 + 16
+
+
+def _add_rn(a: Float32, b: Float32) -> Float32:
+    """``add.rn.f32`` that the compiler cannot fuse with the multiply before it."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(), Float32(b).ir_value()],
+            "add.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 @dataclass(frozen=True)
 class Router:
-    """The fp32 router streamed beside a ``RoutedTmaGemv``'s weight: ``w`` fp32 [e, k]
-    (rows ``w_stride`` apart); ``logits`` fp32 [b, e] (rows ``logits_stride`` apart);
-    ``workspace`` fp32 [splits, e * 8] (each split's sums, no zeroing needed). Tile t
-    owns router rows t * rows .. + rows - 1 (``rows`` = e / tiles); the CTA of (t, s)
-    sums them over split s's chunk of K on the helper warps (5-7): helper h takes
-    the 16-byte vectors h, h + 96, ... of the chunk, all ``rows`` rows of each,
-    against x's 8 rows (rows past b repeat row b - 1) read from global memory (fp32 of
-    the bf16 x, exact), ``ROUTER_DEPTH`` steps of weight in flight, the first issued
-    before the PDL wait. Each sum runs in K order within a helper, then over the
-    helpers in index order, then over the splits in split order; one fp32 result."""
+    """The fp32 router and the routing beside a ``RoutedTmaGemv``'s weight: ``w``
+    fp32 [e, k] (rows ``w_stride`` apart) into ``logits`` fp32 [b, e] (rows
+    ``logits_stride`` apart), then the top-``top_k`` of each row into ``ids`` int32
+    and ``weights`` fp32 [b, top_k] (contiguous) as moe.cu's routing_kernel: p =
+    1 / (1 + exp(-z)) (libdevice's expf, the add not fused), the top-k of p +
+    ``bias`` ties to the lowest index, weights p * (scaling / (sum in selection
+    order + 1e-15)). ``workspace`` fp32 [splits, e * 8] and ``counters`` int32
+    [tiles + 1] (zero; each set back to 0 by the CTA that last reads it).
+
+    Tile t owns router rows t * rows .. + rows - 1; the CTA of (t, s) sums them over
+    split s's chunk of K on the helper warps (5-7) while the others stream the
+    weight: helper h takes the 16-byte vectors h, h + 96, ... of the chunk, all
+    ``rows`` rows of each, against x's 8 rows (rows past b repeat row b - 1) read
+    from global memory (fp32 of the bf16 x, exact), ``ROUTER_DEPTH`` steps of weight
+    in flight, the first issued before the PDL wait. Each sum runs in K order within
+    a helper, then over the helpers in index order, then over the splits in split
+    order: the tile's last split to arrive (its counter) writes the tile's logits,
+    and the last tile to arrive (the last counter) routes every row, a warp a row.
+    The helpers synchronize on named barrier 1 only, so the weight's stream never
+    waits for them until the CTA's end."""
 
     w: cute.Pointer
     logits: cute.Pointer
     workspace: cute.Pointer
+    counters: cute.Pointer
+    bias: cute.Pointer
+    ids: cute.Pointer
+    weights: cute.Pointer
     logits_stride: Int32
+    scaling: Float32
     e: int
     k: int
     w_stride: int
     rows: int
     splits: int
+    tiles: int
+    top_k: int
 
     @property
     def vectors(self) -> int:
@@ -697,18 +737,20 @@ class Router:
         """A helper's steps (one vector of each of its rows a step) over the chunk."""
         return (self.vectors + HELPERS - 1) // HELPERS
 
+    @property
+    def count(self) -> int:
+        """Router sums of a tile: its rows x x's 8 rows."""
+        return self.rows * MMA_N
+
     def buffers(self) -> list:
         """The register ring of router vectors: ``ROUTER_DEPTH`` steps x ``rows``."""
         depth = min(ROUTER_DEPTH, self.steps)
         return [[cute.make_rmem_tensor((ROUTER_VECTOR,), Float32) for _ in range(self.rows)] for _ in range(depth)]
 
-    def weights(self) -> cute.Tensor:
-        return cute.make_tensor(self.w, cute.make_layout((self.e, self.k), stride=(self.w_stride, 1)))
-
     @cute.jit
     def load(self, buffers: list, step: cutlass.Constexpr, helper: Int32, tile: Int32, split: Int32):
         """Step ``step``'s vectors of the tile's router rows into its buffer."""
-        mW = self.weights()
+        mW = cute.make_tensor(self.w, cute.make_layout((self.e, self.k), stride=(self.w_stride, 1)))
         v = helper + step * HELPERS
         if v < self.vectors:
             for r in cutlass.range_constexpr(self.rows):
@@ -758,74 +800,120 @@ class Router:
             if cutlass.const_expr(step + depth < self.steps):
                 self.load(buffers, step + depth, helper, tile, split)
 
-    @cute.jit
-    def reduce(self, ring: cute.Pointer, acc: cute.Tensor, warp: Int32, helper: Int32, tile: Int32, split: Int32):
-        """The helpers' sums of the CTA (after the ring is drained and the tile's sums
-        are in it): each helper's into the ring past the tile's sums, then element q
-        of the tile's router rows summed over the helpers in index order by thread q
-        into ``workspace[split]``; a barrier after, so the tile's last CTA (this one
-        without a split) reads them in ``store``."""
-        tidx, _, _ = cute.arch.thread_idx()
-        count = self.rows * MMA_N
-        sR = cute.make_tensor(
-            cute.recast_ptr(ring, dtype=Float32) + SUMS_BYTES // 4,
-            cute.make_layout((HELPERS, count), stride=(count, 1)),
-        )
-        if warp >= HELPER_WARP:
-            for q in cutlass.range_constexpr(count):
-                sR[helper, q] = acc[q]
-        cute.arch.sync_threads()
-        mWs = cute.make_tensor(
-            self.workspace, cute.make_layout((self.splits, self.e * MMA_N), stride=(self.e * MMA_N, 1))
-        )
-        if tidx < count:
-            total = Float32(0.0)
-            for h in cutlass.range(HELPERS, unroll_full=True):
-                total = total + sR[h, tidx]
-            mWs[split, tile * count + tidx] = total
-        cute.arch.sync_threads()
+    def helper_barrier(self):
+        cute.arch.barrier(barrier_id=ROUTER_BARRIER, number_of_threads=HELPERS)
 
     @cute.jit
-    def store(
-        self,
-        mO: cute.Tensor,
-        total: cutlass.Constexpr,
-        b: Int32,
-        n0: Int32,
-        tile_rows: cutlass.Constexpr,
-        cols: cutlass.Constexpr,
-        out_dtype: cutlass.Constexpr,
-    ):
-        """``finish_tile``'s store of the tile's last CTA: the weight's sums as
-        ``store_elements``, then the tile's router logits, the splits in split order."""
-        store_elements(mO, total, b, n0, tile_rows, cols, out_dtype)
-        tidx, _, _ = cute.arch.thread_idx()
-        count = self.rows * MMA_N
-        tile = n0 // tile_rows
+    def complete(self, smem, acc: cute.Tensor, warp: Int32, helper: Int32, tile: Int32, split: Int32, b: Int32):
+        """The helpers after ``multiply``: their sums over the helpers in index order
+        into ``workspace[split]``; the tile's last split to arrive adds the splits
+        into the tile's logits; the last tile to arrive routes every row."""
+        count = self.count
+        sH = smem.allocate_tensor(Float32, cute.make_layout((HELPERS, count), stride=(count, 1)), 16)
+        flag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
         mWs = cute.make_tensor(
             self.workspace, cute.make_layout((self.splits, self.e * MMA_N), stride=(self.e * MMA_N, 1))
         )
+        mC = cute.make_tensor(self.counters, cute.make_layout((self.tiles + 1,)))
+        for q in cutlass.range_constexpr(count):
+            sH[helper, q] = acc[q]
+        self.helper_barrier()
+        if helper < count:
+            total = Float32(0.0)
+            for h in cutlass.range(HELPERS, unroll_full=True):
+                total = total + sH[h, helper]
+            mWs[split, tile * count + helper] = total
+        cute.arch.fence_acq_rel_gpu()
+        self.helper_barrier()
+        if helper == 0:
+            flag[0] = cute.arch.atomic_add(mC.iterator + tile, Int32(1), sem="acq_rel", scope="gpu")
+        self.helper_barrier()
+        if flag[0] == self.splits - 1:  # the tile's last split: its logits
+            cute.arch.fence_acq_rel_gpu()
+            mL = cute.make_tensor(self.logits, cute.make_layout((MMA_N, self.e), stride=(self.logits_stride, 1)))
+            if helper < count:
+                r = helper // MMA_N
+                i = helper - r * MMA_N
+                if i < b:
+                    mL[i, tile * self.rows + r] = split_sum(mWs, tile * count, self.splits, helper)
+            cute.arch.fence_acq_rel_gpu()
+            self.helper_barrier()
+            if helper == 0:
+                mC[tile] = Int32(0)  # for the next launch
+                flag[0] = cute.arch.atomic_add(mC.iterator + self.tiles, Int32(1), sem="acq_rel", scope="gpu")
+            self.helper_barrier()
+            if flag[0] == self.tiles - 1:  # the last tile: every row's logits are out
+                cute.arch.fence_acq_rel_gpu()
+                if helper == 0:
+                    mC[self.tiles] = Int32(0)
+                lane = cute.arch.lane_idx()
+                for row0 in cutlass.range_constexpr(0, MMA_N, WARPS - HELPER_WARP):
+                    row = row0 + warp - HELPER_WARP
+                    if row < b:
+                        self.route_row(row, lane)
+
+    @cute.jit
+    def route_row(self, row: Int32, lane: Int32):
+        """moe.cu's routing of one row by one warp (``route_row``), the same operations."""
+        per_lane = self.e // 32
         mL = cute.make_tensor(self.logits, cute.make_layout((MMA_N, self.e), stride=(self.logits_stride, 1)))
-        if tidx < count:
-            r = tidx // MMA_N
-            i = tidx - r * MMA_N
-            if i < b:
-                mL[i, tile * self.rows + r] = split_sum(mWs, tile * count, self.splits, tidx)
+        mB = cute.make_tensor(self.bias, cute.make_layout((self.e,)))
+        mI = cute.make_tensor(self.ids, cute.make_layout((MMA_N, self.top_k), stride=(self.top_k, 1)))
+        mWt = cute.make_tensor(self.weights, cute.make_layout((MMA_N, self.top_k), stride=(self.top_k, 1)))
+        p = cute.make_rmem_tensor((per_lane,), Float32)
+        score = cute.make_rmem_tensor((per_lane,), Float32)
+        for i in cutlass.range_constexpr(per_lane):
+            e = lane + 32 * i
+            pi = Float32(1.0) / _add_rn(Float32(1.0), cute.math.exp(-mL[row, e]))
+            p[i] = pi
+            score[i] = pi + mB[e]
+        minus_inf = Float32(float("-inf"))
+        total = Float32(0.0)
+        chosen = Int32(0)
+        chosen_p = Float32(0.0)
+        for j in cutlass.range_constexpr(self.top_k):
+            best, best_e, best_p = minus_inf, Int32(0x7FFFFFFF), Float32(0.0)
+            for i in cutlass.range_constexpr(per_lane):
+                e = lane + 32 * i
+                take = (score[i] > best) | ((score[i] == best) & (e < best_e))
+                best = cutlass.select_(take, score[i], best)
+                best_e = cutlass.select_(take, e, best_e)
+                best_p = cutlass.select_(take, p[i], best_p)
+            for offset in (16, 8, 4, 2, 1):
+                o = cute.arch.shuffle_sync_bfly(best, offset=offset)
+                oe = cute.arch.shuffle_sync_bfly(best_e, offset=offset)
+                op = cute.arch.shuffle_sync_bfly(best_p, offset=offset)
+                take = (o > best) | ((o == best) & (oe < best_e))
+                best = cutlass.select_(take, o, best)
+                best_e = cutlass.select_(take, oe, best_e)
+                best_p = cutlass.select_(take, op, best_p)
+            chosen = cutlass.select_(lane == j, best_e, chosen)
+            chosen_p = cutlass.select_(lane == j, best_p, chosen_p)
+            total = total + best_p
+            for i in cutlass.range_constexpr(per_lane):
+                score[i] = cutlass.select_(lane + 32 * i == best_e, minus_inf, score[i])
+        inv = self.scaling / (total + Float32(1e-15))
+        if lane < self.top_k:
+            mI[row, lane] = chosen
+            mWt[row, lane] = chosen_p * inv
 
 
 class RoutedTmaGemv(TmaGemv):
-    """``TmaGemv`` (the pooler's) with the fp32 router streamed beside it (``Router``):
-    one launch for both GEMMs of the MoE's input, ``__call__(w, x, out, workspace,
-    counters, router_w, logits, router_workspace, b, x_stride, out_stride,
-    logits_stride, stream)``; router_w fp32 [experts, k] rows ``router_stride`` apart,
-    logits fp32 [b, experts], router_workspace fp32 of ``plan.splits * experts * 8``."""
+    """``TmaGemv`` (the pooler's) with the fp32 router and the routing beside it
+    (``Router``): one launch for the MoE's input, ``__call__(w, x, out, workspace,
+    counters, router_w, logits, router_workspace, router_counters, bias, ids,
+    weights, b, x_stride, out_stride, logits_stride, scaling, stream)``; router_w
+    fp32 [experts, k] rows ``router_stride`` apart, logits fp32 [b, experts],
+    router_workspace fp32 of ``plan.splits * experts * 8``, router_counters int32 of
+    ``plan.tiles + 1`` (zero), bias fp32 [experts], ids int32 and weights fp32
+    [b, top_k] contiguous."""
 
-    def __init__(self, plan: TmaPlan, experts: int, router_stride: int):
-        reason = router_reason(plan, experts, plan.k, router_stride)
+    def __init__(self, plan: TmaPlan, experts: int, router_stride: int, top_k: int):
+        reason = router_reason(plan, experts, plan.k, router_stride, top_k)
         if reason:
             raise ValueError(reason)
         super().__init__(plan)
-        self.experts, self.router_stride = experts, router_stride
+        self.experts, self.router_stride, self.top_k = experts, router_stride, top_k
 
     @cute.jit
     def __call__(
@@ -838,10 +926,15 @@ class RoutedTmaGemv(TmaGemv):
         router_w: cute.Pointer,
         logits: cute.Pointer,
         router_workspace: cute.Pointer,
+        router_counters: cute.Pointer,
+        bias: cute.Pointer,
+        ids: cute.Pointer,
+        weights: cute.Pointer,
         b: Int32,
         x_stride: Int32,
         out_stride: Int32,
         logits_stride: Int32,
+        scaling: Float32,
         stream: cuda.CUstream,
     ):
         p = self.plan
@@ -856,10 +949,15 @@ class RoutedTmaGemv(TmaGemv):
             router_w,
             logits,
             router_workspace,
+            router_counters,
+            bias,
+            ids,
+            weights,
             b,
             x_stride,
             out_stride,
             logits_stride,
+            scaling,
         ).launch(grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
@@ -874,32 +972,46 @@ class RoutedTmaGemv(TmaGemv):
         router_w: cute.Pointer,
         logits: cute.Pointer,
         router_workspace: cute.Pointer,
+        router_counters: cute.Pointer,
+        bias: cute.Pointer,
+        ids: cute.Pointer,
+        weights: cute.Pointer,
         b: Int32,
         x_stride: Int32,
         out_stride: Int32,
         logits_stride: Int32,
+        scaling: Float32,
     ):
         p = self.plan
         router = Router(
             router_w,
             logits,
             router_workspace,
+            router_counters,
+            bias,
+            ids,
+            weights,
             logits_stride,
+            scaling,
             self.experts,
             p.k,
             self.router_stride,
             self.experts // p.tiles,
             p.splits,
+            p.tiles,
+            self.top_k,
         )
         self.stream_tile(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride, None, router)
 
 
-def compile_tma_routed(plan: TmaPlan, experts: int, router_stride: int, arch: str | None = None, options: str = ""):
-    """``RoutedTmaGemv(plan, experts, router_stride)`` compiled on fake pointers for
-    ``arch``, with further ``options``, as ``compile_tma``."""
+def compile_tma_routed(
+    plan: TmaPlan, experts: int, router_stride: int, top_k: int, arch: str | None = None, options: str = ""
+):
+    """``RoutedTmaGemv(plan, experts, router_stride, top_k)`` compiled on fake
+    pointers for ``arch``, with further ``options``, as ``compile_tma``."""
     flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
     return cute.compile(
-        RoutedTmaGemv(plan, experts, router_stride),
+        RoutedTmaGemv(plan, experts, router_stride, top_k),
         fake_pointer(BFloat16),
         fake_pointer(BFloat16),
         fake_pointer(BFloat16),
@@ -908,10 +1020,15 @@ def compile_tma_routed(plan: TmaPlan, experts: int, router_stride: int, arch: st
         fake_pointer(Float32),
         fake_pointer(Float32, 4),
         fake_pointer(Float32),
+        fake_pointer(Int32, 4),
+        fake_pointer(Float32, 4),
+        fake_pointer(Int32, 4),
+        fake_pointer(Float32, 4),
         Int32(1),
         Int32(plan.k),
         Int32(plan.n),
         Int32(experts),
+        Float32(1.0),
         cute.runtime.make_fake_stream(),
         **({"options": flags} if flags else {}),
     )

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from sparkdecode.protocols import BuildContext
+from sparkdecode.protocols import BuildContext, RoutedTopk
 
 from .common import compiled, current_stream, pointer
 from .linear import VECTOR_BYTES
@@ -201,14 +201,18 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
 
 class RoutedPooler:
-    """The pooler's TMA kernel with the fp32 router streamed beside it (gemv_tma's
-    ``RoutedTmaGemv``, the pooler's plan): ``__call__(x, logits, pooled)`` is
-    ``run("router", x, logits)`` and ``run("pooler", x, pooled)`` in one launch. The
+    """The pooler's TMA kernel with the fp32 router and the routing beside it
+    (gemv_tma's ``RoutedTmaGemv``, the pooler's plan): ``__call__(x, logits, pooled,
+    bias, scaling, topk)`` is ``run("router", x, logits)``, ``run("pooler", x,
+    pooled)`` and the top-``top_k`` routing of the logits into ``topk`` (as
+    cuda.moe's routing kernel: fn.route's bits for those logits) in one launch. The
     pooler's sums are its TmaWeight's bits; the router's are fp32 sums of the same
     products in another order (gemv_tma's ``Router``). ``workspace``: fp32 of at
-    least splits x E x 8 (no zeroing needed)."""
+    least splits x E x 8; ``counters``: int32 of at least tiles + 1, zero."""
 
-    def __init__(self, pooler: TmaWeight, router: torch.Tensor, workspace: torch.Tensor):
+    def __init__(
+        self, pooler: TmaWeight, router: torch.Tensor, top_k: int, workspace: torch.Tensor, counters: torch.Tensor
+    ):
         from . import gemv_tma
 
         p = pooler.plan
@@ -216,30 +220,43 @@ class RoutedPooler:
             raise ValueError(
                 f"cute.linear_tma_routed: the router is {tuple(router.shape)} {router.dtype}, not fp32 rows"
             )
-        reason = gemv_tma.router_reason(p, router.shape[0], router.shape[1], router.stride(0))
+        reason = gemv_tma.router_reason(p, router.shape[0], router.shape[1], router.stride(0), top_k)
         if reason:
             raise ValueError(f"cute.linear_tma_routed: {reason}")
-        if workspace.numel() < p.splits * router.shape[0] * p.cols:
-            raise ValueError("cute.linear_tma_routed: the router's workspace is too small")
-        self.pooler, self.router, self.experts = pooler, router, router.shape[0]
+        if workspace.numel() < p.splits * router.shape[0] * p.cols or counters.numel() < p.tiles + 1:
+            raise ValueError("cute.linear_tma_routed: the router's workspace or counters are too small")
+        self.pooler, self.router, self.experts, self.top_k = pooler, router, router.shape[0], top_k
         stride = router.stride(0)
         self.kernel = compiled(
-            ("gemv_tma_routed", p, self.experts, stride),
-            lambda: gemv_tma.compile_tma_routed(p, self.experts, stride),
+            ("gemv_tma_routed", p, self.experts, stride, top_k),
+            lambda: gemv_tma.compile_tma_routed(p, self.experts, stride, top_k),
         )
         self.w_ptr = pointer(router, VECTOR_BYTES)
-        self.workspace = workspace  # held: the kernel has only its address
-        self.workspace_ptr = pointer(workspace, VECTOR_BYTES)
+        self.shared = (workspace, counters)  # held: the kernel has only their addresses
+        self.scratch = (pointer(workspace, VECTOR_BYTES), pointer(counters, 4))
 
-    def __call__(self, x: torch.Tensor, logits: torch.Tensor, pooled: torch.Tensor) -> None:
-        from cutlass import Int32
+    def __call__(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        pooled: torch.Tensor,
+        bias: torch.Tensor,
+        scaling: float,
+        topk: RoutedTopk,
+    ) -> None:
+        from cutlass import Float32, Int32
 
         self.pooler.check(x, pooled)
-        b = x.shape[0]
-        if logits.dtype != torch.float32 or tuple(logits.shape) != (b, self.experts) or logits.stride(1) != 1:
+        b, e, k = x.shape[0], self.experts, self.top_k
+        if logits.dtype != torch.float32 or tuple(logits.shape) != (b, e) or logits.stride(1) != 1:
             raise ValueError(
-                f"cute.linear_tma_routed: logits {tuple(logits.shape)} {logits.dtype} is not fp32 [{b}, {self.experts}] rows"
+                f"cute.linear_tma_routed: logits {tuple(logits.shape)} {logits.dtype} is not fp32 [{b}, {e}] rows"
             )
+        if bias.dtype != torch.float32 or tuple(bias.shape) != (e,) or not bias.is_contiguous():
+            raise ValueError(f"cute.linear_tma_routed: bias {tuple(bias.shape)} {bias.dtype} is not fp32 [{e}]")
+        for name, t, dtype in (("ids", topk.ids, torch.int32), ("weights", topk.weights, torch.float32)):
+            if t.dtype != dtype or tuple(t.shape) != (b, k) or not t.is_contiguous():
+                raise ValueError(f"cute.linear_tma_routed: {name} {tuple(t.shape)} {t.dtype} is not {dtype} [{b}, {k}]")
         self.kernel(
             self.pooler.w_ptr,
             pointer(x, VECTOR_BYTES),
@@ -247,20 +264,25 @@ class RoutedPooler:
             *self.pooler.buffers,
             self.w_ptr,
             pointer(logits, 4),
-            self.workspace_ptr,
+            *self.scratch,
+            pointer(bias, 4),
+            pointer(topk.ids, 4),
+            pointer(topk.weights, 4),
             Int32(b),
             Int32(x.stride(0)),
             Int32(pooled.stride(0)),
             Int32(logits.stride(0)),
+            Float32(scaling),
             current_stream(),
         )
 
 
 class CuteLinearTmaRouted(CuteLinearTma):
-    """cute.linear_tma whose router runs inside the pooler's kernel (``RoutedPooler``):
-    the MoE block asks for both GEMMs of its input at once (``run_router_pooler``)
-    instead of running the router beside the pooler on a second stream. Where the
-    shapes do not take it (``fuses_router_pooler`` False) it is cute.linear_tma."""
+    """cute.linear_tma whose router and routing run inside the pooler's kernel
+    (``RoutedPooler``): the MoE block asks for its input's GEMMs and routing at once
+    (``run_router_pooler``) instead of running the router and the routing beside
+    the pooler on a second stream. Where the shapes do not take it
+    (``fuses_router_pooler`` False) it is cute.linear_tma."""
 
     name = "cute.linear_tma_routed"
 
@@ -269,22 +291,31 @@ class CuteLinearTmaRouted(CuteLinearTma):
 
         super().__init__(ctx, layer)
         self.routed: RoutedPooler | None = None
-        pooler, router = self.weights["pooler"], self.weights["router"]
-        if isinstance(pooler, TmaWeight) and router.w.dtype == torch.float32:
-            w = router.w
-            if gemv_tma.router_reason(pooler.plan, w.shape[0], w.shape[1], w.stride(0)) is None:
-                size = pooler.plan.splits * w.shape[0] * pooler.plan.cols
+        pooler, w, top_k = self.weights["pooler"], self.weights["router"].w, ctx.spec.top_k
+        if isinstance(pooler, TmaWeight) and w.dtype == torch.float32:
+            p = pooler.plan
+            if gemv_tma.router_reason(p, w.shape[0], w.shape[1], w.stride(0), top_k) is None:
+                size = p.splits * w.shape[0] * p.cols
                 workspace = ctx.scratch(f"{self.name}.router_workspace.{size}", (size,), torch.float32)
-                self.routed = RoutedPooler(pooler, w, workspace)
+                counters = ctx.scratch(f"{self.name}.router_counters.{p.tiles + 1}", (p.tiles + 1,), torch.int32)
+                counters.zero_()
+                self.routed = RoutedPooler(pooler, w, top_k, workspace, counters)
 
     def fuses_router_pooler(self) -> bool:
-        """Whether ``run_router_pooler`` runs this layer's router and pooler as one kernel."""
+        """Whether ``run_router_pooler`` runs this layer's router, pooler and routing as one kernel."""
         return self.routed is not None
 
-    def run_router_pooler(self, x: torch.Tensor, logits: torch.Tensor, pooled: torch.Tensor) -> None:
-        """``run("router", x, logits)`` and ``run("pooler", x, pooled)`` in one launch."""
+    def run_router_pooler(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        pooled: torch.Tensor,
+        bias: torch.Tensor,
+        scaling: float,
+        topk: RoutedTopk,
+    ) -> None:
+        """The router into ``logits``, the pooler into ``pooled`` and the routing of the
+        logits into ``topk``, in one launch (``fuses_router_pooler`` True)."""
         if self.routed is None:
-            self.run("router", x, logits)
-            self.run("pooler", x, pooled)
-            return
-        self.routed(x, logits, pooled)
+            raise ValueError(f"{self.name}: this layer's router and pooler are not fused (fuses_router_pooler)")
+        self.routed(x, logits, pooled, bias, scaling, topk)

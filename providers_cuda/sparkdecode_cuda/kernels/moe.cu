@@ -22,11 +22,12 @@
 #endif
 #define EPL ((EXPERTS + 31) / 32)
 
-// One row's routing by one warp (lane = its lane), the PDL trigger and wait inside.
-__device__ __forceinline__ void route_row(const float* __restrict__ logits, int logits_stride,
-                                          const float* __restrict__ bias, int* __restrict__ ids,
-                                          float* __restrict__ weights, int top_k, float scaling, float eps,
-                                          int row, int lane) {
+extern "C" __global__ void __launch_bounds__(32) routing_kernel(
+    const float* __restrict__ logits, int logits_stride,  // [b, E] fp32 (output multiplier folded)
+    const float* __restrict__ bias,                       // [E]
+    int* __restrict__ ids, float* __restrict__ weights,   // [b, k]
+    int top_k, float scaling, float eps) {
+  const int row = blockIdx.x, lane = threadIdx.x;
   float b_[EPL];
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
@@ -85,23 +86,14 @@ __device__ __forceinline__ void route_row(const float* __restrict__ logits, int 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(32) routing_kernel(
-    const float* __restrict__ logits, int logits_stride,  // [b, E] fp32 (output multiplier folded)
-    const float* __restrict__ bias,                       // [E]
-    int* __restrict__ ids, float* __restrict__ weights,   // [b, k]
-    int top_k, float scaling, float eps) {
-  route_row(logits, logits_stride, bias, ids, weights, top_k, scaling, eps, blockIdx.x, threadIdx.x);
-}
-
 // bf16 out = bf16(rms(x, eps) * (w + center)), one block per row of WIDTH (16-byte
 // loads and stores of a thread's 8 values).
-// One row's norm by a block of THREADS, the PDL trigger and wait inside.
-__device__ __forceinline__ void norm_row(const bf16_t* __restrict__ x, int x_stride,
-                                         const bf16_t* __restrict__ weight, float eps, float center,
-                                         bf16_t* __restrict__ out, int row) {
+extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
+    const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ weight, float eps, float center,
+    bf16_t* __restrict__ out) {
   static_assert(ITEMS == 8, "8 values a thread");
   __shared__ float scratch[32];
-  const int base = threadIdx.x * ITEMS;
+  const int row = blockIdx.x, base = threadIdx.x * ITEMS;
   float w[ITEMS];
   load_bf16x8(weight + base, w);
 #pragma unroll
@@ -116,30 +108,6 @@ __device__ __forceinline__ void norm_row(const bf16_t* __restrict__ x, int x_str
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) v[i] = v[i] * inv * w[i];
   store_bf16x8(out + (long)row * WIDTH + base, v);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
-    const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ weight, float eps, float center,
-    bf16_t* __restrict__ out) {
-  norm_row(x, x_stride, weight, eps, center, out, blockIdx.x);
-}
-
-// The routing and the pre-expert norm of b rows in one launch of 2b blocks of THREADS
-// (the router's logits and the pooler's output from one kernel before it): blocks
-// 0..b-1 norm row blockIdx.x as rmsnorm_kernel, blocks b..2b-1 route row blockIdx.x -
-// b on their first warp as routing_kernel (the other warps only trigger the
-// dependents and leave). The same bits as the two kernels.
-extern "C" __global__ void __launch_bounds__(THREADS) route_norm_kernel(
-    const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ weight, float eps, float center,
-    bf16_t* __restrict__ out, const float* __restrict__ logits, int logits_stride, const float* __restrict__ bias,
-    int* __restrict__ ids, float* __restrict__ weights, int top_k, float scaling, float route_eps, int b) {
-  if ((int)blockIdx.x < b) {
-    norm_row(x, x_stride, weight, eps, center, out, blockIdx.x);
-  } else if (threadIdx.x < 32) {
-    route_row(logits, logits_stride, bias, ids, weights, top_k, scaling, route_eps, blockIdx.x - b, threadIdx.x);
-  } else {
-    pdl_launch_dependents();
-  }
 }
 
 // The tail, one block per row: m = bf16(sum_j w[j] * rms(y_j * (1 + n), eps)), the

@@ -437,8 +437,9 @@ def test_coresident_linear_plans_within_half_an_sm(tma):
 
 @pytest.mark.parametrize("max_rows", [1, 3, 8])
 def test_routed_tma_compiles_for_hopper(tma, capfd, max_rows):
-    """cute.linear_tma_routed's kernel (the router's 256 x 8192 fp32 rows beside the
-    pooler's plan, 4 a tile of 64) compiles for sm_90a with no register spills."""
+    """cute.linear_tma_routed's kernel (the router's 256 x 8192 fp32 rows and the
+    routing beside the pooler's plan, 2 rows a CTA) compiles for sm_90a with no
+    register spills."""
     n, k, _ = TP8["pooler"]
     plan = tma.plan_tma(n, k, max_rows)
     assert tma.router_reason(plan, 256, k, k) is None
@@ -449,13 +450,15 @@ def test_routed_tma_compiles_for_hopper(tma, capfd, max_rows):
 
 def test_router_reasons(tma):
     """What the routed kernel declines: another K, router rows that do not spread over
-    the tiles (a column-sharded pooler's 8 tiles: 32 a tile), experts not whole warps,
+    the CTAs (a small pooler's 8: 32 a CTA; a TP-8 column-sharded pooler's 128 take
+    them), experts not whole warps,
     a top-k past a warp, rows not 16-byte vectors, the helpers' sums past a CTA's
     shared memory."""
     plan = tma.plan_tma(*TP8["pooler"][:2], 8)
     assert "K 4096" in tma.router_reason(plan, 256, 4096, 4096)
-    assert "tiles" in tma.router_reason(tma.plan_tma(*TP8["pooler_tp8_columns"][:2], 8), 256, 8192, 8192)
-    assert "tiles" in tma.router_reason(plan, 200, 8192, 8192)
+    assert tma.router_reason(tma.plan_tma(*TP8["pooler_tp8_columns"][:2], 8), 256, 8192, 8192) is None
+    assert "CTAs" in tma.router_reason(tma.plan_tma(256, 1024, 8), 256, 1024, 1024)
+    assert "CTAs" in tma.router_reason(plan, 200, 8192, 8192)
     assert "top-40" in tma.router_reason(plan, 256, 8192, 8192, top_k=40)
     assert "16-byte" in tma.router_reason(plan, 256, 8192, 8194)
     small = tma.TmaPlan(256, 1024, 1024, 8, 1, 128, 2)

@@ -137,9 +137,9 @@ def _check_routing(logits, bias, scaling, topk) -> None:
 
 @pytest.mark.parametrize("case", list(SMALLEST))
 def test_routed_smallest_equals_reference(case):
-    """The router and the routing beside four tiles of W [256, K] (32 experts, 8 router
-    rows a tile, 256 vectors a split's chunk: 3 helper steps, the last a partial one),
-    unsplit and in two splits; twice, so the counters' reset is used."""
+    """The router and the routing beside four tiles of W [256, K] (32 experts over the
+    CTAs: 8 router rows a CTA unsplit, 4 in two splits; K / 4 vectors a row over 96
+    helpers, the last step a partial one); twice, so the counter's reset is used."""
     from sparkdecode_cute.gemv_tma import TmaPlan
 
     k, splits = SMALLEST[case]
@@ -150,8 +150,8 @@ def test_routed_smallest_equals_reference(case):
     x = torch.randn(3, k, generator=g, device="cuda").to(torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pooler = split_weight(TmaWeight, "pooler", w, sms, plan)
-    counters = torch.zeros(plan.tiles + 1, dtype=torch.int32, device="cuda")
-    routed = RoutedPooler(pooler, wr, 8, torch.empty(splits * 32 * 8, device="cuda"), counters)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    routed = RoutedPooler(pooler, wr, 8, counter)
     alone = torch.empty(3, 256, dtype=torch.bfloat16, device="cuda")
     pooler(x, alone)
     for _ in range(2):
@@ -164,7 +164,7 @@ def test_routed_smallest_equals_reference(case):
         check_close(f"router [32, {k}] beside {plan}", x, wr, logits[:3], x.float() @ wr.t())
         assert torch.isnan(logits[3]).all(), "a row past b written"
         _check_routing(logits[:3], bias, scaling, topk)
-        assert not pooler.shared[1].any() and not counters.any(), "counters not back at 0"
+        assert not pooler.shared[1].any() and not counter.any(), "counters not back at 0"
 
 
 @pytest.mark.parametrize("shape", ["tp1", "tp8-rank"])
@@ -215,17 +215,29 @@ def test_routed_pooler_equals_reference(shape, rows):
     torch.cuda.synchronize()
     again = (logits[:rows], pooled[:rows], topk.ids, topk.weights)
     assert all(torch.equal(a, b) for a, b in zip(first, again)), "replay differs"
-    assert not op.counters.any() and not op.routed.shared[1].any(), "counters not back at 0"
+    assert not op.counters.any() and not op.routed.counter.any(), "counters not back at 0"
+
+
+# A layer too small for the routed kernel: the pooler's 8 CTAs would take 32 router rows each.
+SMALL = {
+    "qkvg": (256, 1024),
+    "o_proj": (1024, 256),
+    "router": (256, 1024),
+    "pooler": (256, 1024),
+    "unpooler": (1024, 256),
+}
 
 
 def test_routed_declines_what_it_cannot_fuse():
-    """A column-sharded pooler of 8 tiles would need 32 router rows a tile: not fused,
-    and ``run_router_pooler`` says so."""
-    ctx = streams.linear_context(SHAPES["tp8-rank-sharded-pooler"], torch.device("cuda"))
-    op = CuteLinearTmaRouted.build(ctx, 0)
+    """Where the pooler's CTAs are too few for the router's rows: not fused, and
+    ``run_router_pooler`` says so; a TP-8 rank's column-sharded pooler is fused."""
+    assert CuteLinearTmaRouted.build(
+        streams.linear_context(SHAPES["tp8-rank-sharded-pooler"], torch.device("cuda")), 0
+    ).fuses_router_pooler()
+    op = CuteLinearTmaRouted.build(streams.linear_context(SMALL, torch.device("cuda")), 0)
     assert not op.fuses_router_pooler()
-    x = torch.randn(2, 8192, device="cuda").to(torch.bfloat16)
-    logits, pooled = torch.empty(2, 256, device="cuda"), torch.empty(2, 512, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(2, 1024, device="cuda").to(torch.bfloat16)
+    logits, pooled = torch.empty(2, 256, device="cuda"), torch.empty(2, 256, dtype=torch.bfloat16, device="cuda")
     bias, scaling, topk = _routing(2, 256, 8, 0)
     with pytest.raises(ValueError, match="not fused"):
         op.run_router_pooler(x, logits, pooled, bias, scaling, topk)

@@ -70,7 +70,6 @@ from .gemv_splitk import (
     compile_split,
     first_plan,
     split_counts,
-    split_sum,
     tiling_reason,
     wave_key,
 )
@@ -344,7 +343,7 @@ class TmaGemv(SplitKKernel):
             r_acc = cute.make_rmem_tensor((router.rows * MMA_N,), Float32)
             r_acc.fill(0.0)
             if warp >= HELPER_WARP:
-                router.prefetch(r_buffers, helper, tile, split)
+                router.prefetch(r_buffers, helper, bidx)
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
 
@@ -402,8 +401,8 @@ class TmaGemv(SplitKKernel):
                 consumed.advance()
         if cutlass.const_expr(router is not None):
             if warp >= HELPER_WARP:
-                router.multiply(r_buffers, r_acc, x, b, x_stride, helper, tile, split)
-                router.complete(smem, r_acc, warp, helper, tile, split, b)
+                router.multiply(r_buffers, r_acc, x, b, x_stride, helper, bidx)
+                router.complete(smem, r_acc, warp, helper, bidx, b)
         cute.arch.sync_threads()
 
         # The ring is free: partial[0, row * 8 + i] holds the tile's sums (each from
@@ -650,27 +649,27 @@ def compile_tma_publishing(plan: TmaPlan, arch: str | None = None, options: str 
 def router_reason(plan: TmaPlan, experts: int, k: int, w_stride: int, top_k: int = 8) -> str | None:
     """Why ``RoutedTmaGemv`` does not take the fp32 router W_r [experts, k] (rows
     ``w_stride`` apart) and the top-``top_k`` routing beside ``plan``, if so: the
-    same K, its rows spread evenly over the tiles (at most ``MAX_ROUTER_ROWS`` a
-    tile), whole warps of experts, 16-byte rows, and the helpers' sums beside the
-    plan's shared memory."""
+    same K, its rows spread evenly over the CTAs (at most ``MAX_ROUTER_ROWS`` a CTA),
+    whole warps of experts, 16-byte rows, and the helpers' sums beside the plan's
+    shared memory."""
     if k != plan.k:
         return f"the router's K {k} is not the weight's {plan.k}"
-    if experts % plan.tiles or experts // plan.tiles > MAX_ROUTER_ROWS:
-        return f"{experts} router rows do not spread over {plan.tiles} tiles at most {MAX_ROUTER_ROWS} a tile"
+    if experts % plan.ctas or experts // plan.ctas > MAX_ROUTER_ROWS:
+        return f"{experts} router rows do not spread over {plan.ctas} CTAs at most {MAX_ROUTER_ROWS} a CTA"
     if experts % 32 or experts > 32 * MAX_EXPERTS_A_LANE:
         return f"{experts} experts: the routing takes multiples of 32 up to {32 * MAX_EXPERTS_A_LANE}"
     if not 1 <= top_k <= min(32, experts):
         return f"top-{top_k} of {experts} experts: the routing takes 1 to 32"
     if w_stride % ROUTER_VECTOR:
         return f"router rows {w_stride} apart are not whole 16-byte vectors"
-    if plan.smem_bytes + helper_smem_bytes(experts // plan.tiles) > CTA_SMEM_BYTES:
+    if plan.smem_bytes + helper_smem_bytes(experts // plan.ctas) > CTA_SMEM_BYTES:
         return f"{plan}: the helpers' sums do not fit beside its {plan.smem_bytes} bytes of shared memory"
     return None
 
 
 def helper_smem_bytes(rows: int) -> int:
     """Shared memory the router's helpers add to a CTA: their sums and a flag."""
-    return HELPERS * rows * MMA_N * 4 + 16
+    return (HELPERS + 1) * rows * MMA_N * 4 + 16
 
 
 def _add_rn(a: Float32, b: Float32) -> Float32:
@@ -695,25 +694,21 @@ class Router:
     and ``weights`` fp32 [b, top_k] (contiguous) as moe.cu's routing_kernel: p =
     1 / (1 + exp(-z)) (libdevice's expf, the add not fused), the top-k of p +
     ``bias`` ties to the lowest index, weights p * (scaling / (sum in selection
-    order + 1e-15)). ``workspace`` fp32 [splits, e * 8] and ``counters`` int32
-    [tiles + 1] (zero; each set back to 0 by the CTA that last reads it).
+    order + 1e-15)). ``counter``: int32, zero (set back to 0 by the CTA that routes).
 
-    Tile t owns router rows t * rows .. + rows - 1; the CTA of (t, s) sums them over
-    split s's chunk of K on the helper warps (5-7) while the others stream the
-    weight: helper h takes the 16-byte vectors h, h + 96, ... of the chunk, all
-    ``rows`` rows of each, against x's 8 rows (rows past b repeat row b - 1) read
-    from global memory (fp32 of the bf16 x, exact), ``ROUTER_DEPTH`` steps of weight
-    in flight, the first issued before the PDL wait. Each sum runs in K order within
-    a helper, then over the helpers in index order, then over the splits in split
-    order: the tile's last split to arrive (its counter) writes the tile's logits,
-    and the last tile to arrive (the last counter) routes every row, a warp a row.
-    The helpers synchronize on named barrier 1 only, so the weight's stream never
-    waits for them until the CTA's end."""
+    CTA c owns router rows c * rows .. + rows - 1 over the whole K, on its helper
+    warps (5-7) while the others stream the weight: helper h takes the 16-byte
+    vectors h, h + 96, ... of K, all ``rows`` rows of each, against x's 8 rows (rows
+    past b repeat row b - 1) read from global memory (fp32 of the bf16 x, exact),
+    ``ROUTER_DEPTH`` steps of weight in flight, the first issued before the PDL wait.
+    Each sum runs in K order within a helper, then over the helpers in index order;
+    the CTA writes its logits, and the last CTA to arrive (the counter) routes every
+    row, a warp a row. The helpers synchronize on named barrier 1 only, so the
+    weight's stream never waits for them until the CTA's end."""
 
     w: cute.Pointer
     logits: cute.Pointer
-    workspace: cute.Pointer
-    counters: cute.Pointer
+    counter: cute.Pointer
     bias: cute.Pointer
     ids: cute.Pointer
     weights: cute.Pointer
@@ -723,23 +718,22 @@ class Router:
     k: int
     w_stride: int
     rows: int
-    splits: int
-    tiles: int
+    ctas: int
     top_k: int
 
     @property
     def vectors(self) -> int:
-        """16-byte router vectors of one row in a split's chunk."""
-        return self.k // self.splits // ROUTER_VECTOR
+        """16-byte router vectors of one row."""
+        return self.k // ROUTER_VECTOR
 
     @property
     def steps(self) -> int:
-        """A helper's steps (one vector of each of its rows a step) over the chunk."""
+        """A helper's steps (one vector of each of its rows a step) over K."""
         return (self.vectors + HELPERS - 1) // HELPERS
 
     @property
     def count(self) -> int:
-        """Router sums of a tile: its rows x x's 8 rows."""
+        """Router sums of a CTA: its rows x x's 8 rows."""
         return self.rows * MMA_N
 
     def buffers(self) -> list:
@@ -748,32 +742,24 @@ class Router:
         return [[cute.make_rmem_tensor((ROUTER_VECTOR,), Float32) for _ in range(self.rows)] for _ in range(depth)]
 
     @cute.jit
-    def load(self, buffers: list, step: cutlass.Constexpr, helper: Int32, tile: Int32, split: Int32):
-        """Step ``step``'s vectors of the tile's router rows into its buffer."""
+    def load(self, buffers: list, step: cutlass.Constexpr, helper: Int32, cta: Int32):
+        """Step ``step``'s vectors of the CTA's router rows into its buffer."""
         mW = cute.make_tensor(self.w, cute.make_layout((self.e, self.k), stride=(self.w_stride, 1)))
         v = helper + step * HELPERS
         if v < self.vectors:
             for r in cutlass.range_constexpr(self.rows):
-                vector = cute.local_tile(mW, (1, ROUTER_VECTOR), (tile * self.rows + r, split * self.vectors + v))
+                vector = cute.local_tile(mW, (1, ROUTER_VECTOR), (cta * self.rows + r, v))
                 buffers[step % len(buffers)][r].store(vector.load())
 
     @cute.jit
-    def prefetch(self, buffers: list, helper: Int32, tile: Int32, split: Int32):
+    def prefetch(self, buffers: list, helper: Int32, cta: Int32):
         """The first ``ROUTER_DEPTH`` steps (before the PDL wait: the weight is constant)."""
         for step in cutlass.range_constexpr(len(buffers)):
-            self.load(buffers, step, helper, tile, split)
+            self.load(buffers, step, helper, cta)
 
     @cute.jit
     def multiply(
-        self,
-        buffers: list,
-        acc: cute.Tensor,
-        x: cute.Pointer,
-        b: Int32,
-        x_stride: Int32,
-        helper: Int32,
-        tile: Int32,
-        split: Int32,
+        self, buffers: list, acc: cute.Tensor, x: cute.Pointer, b: Int32, x_stride: Int32, helper: Int32, cta: Int32
     ):
         """``acc[r * 8 + i] += w[r] . x[i]`` over the helper's steps (after the PDL
         wait: x is the kernel before's output), each buffer refilled ``ROUTER_DEPTH``
@@ -785,9 +771,7 @@ class Router:
             v = helper + step * HELPERS
             if v < self.vectors:
                 xv = [
-                    cute.local_tile(mX, (1, ROUTER_VECTOR), (cutlass.min(i, b - 1), split * self.vectors + v))
-                    .load()
-                    .to(Float32)
+                    cute.local_tile(mX, (1, ROUTER_VECTOR), (cutlass.min(i, b - 1), v)).load().to(Float32)
                     for i in range(MMA_N)
                 ]
                 for r in cutlass.range_constexpr(self.rows):
@@ -798,59 +782,45 @@ class Router:
                             total = total + wv[e] * xv[i][e]
                         acc[r * MMA_N + i] = total
             if cutlass.const_expr(step + depth < self.steps):
-                self.load(buffers, step + depth, helper, tile, split)
+                self.load(buffers, step + depth, helper, cta)
 
     def helper_barrier(self):
         cute.arch.barrier(barrier_id=ROUTER_BARRIER, number_of_threads=HELPERS)
 
     @cute.jit
-    def complete(self, smem, acc: cute.Tensor, warp: Int32, helper: Int32, tile: Int32, split: Int32, b: Int32):
+    def complete(self, smem, acc: cute.Tensor, warp: Int32, helper: Int32, cta: Int32, b: Int32):
         """The helpers after ``multiply``: their sums over the helpers in index order
-        into ``workspace[split]``; the tile's last split to arrive adds the splits
-        into the tile's logits; the last tile to arrive routes every row."""
+        into the CTA's logits; the last CTA to arrive routes every row."""
         count = self.count
-        sH = smem.allocate_tensor(Float32, cute.make_layout((HELPERS, count), stride=(count, 1)), 16)
+        sH = smem.allocate_tensor(Float32, cute.make_layout((count, HELPERS + 1), stride=(HELPERS + 1, 1)), 16)
         flag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
-        mWs = cute.make_tensor(
-            self.workspace, cute.make_layout((self.splits, self.e * MMA_N), stride=(self.e * MMA_N, 1))
-        )
-        mC = cute.make_tensor(self.counters, cute.make_layout((self.tiles + 1,)))
+        mC = cute.make_tensor(self.counter, cute.make_layout((1,)))
+        mL = cute.make_tensor(self.logits, cute.make_layout((MMA_N, self.e), stride=(self.logits_stride, 1)))
         for q in cutlass.range_constexpr(count):
-            sH[helper, q] = acc[q]
+            sH[q, helper] = acc[q]
         self.helper_barrier()
         if helper < count:
             total = Float32(0.0)
             for h in cutlass.range(HELPERS, unroll_full=True):
-                total = total + sH[h, helper]
-            mWs[split, tile * count + helper] = total
-        cute.arch.fence_acq_rel_gpu()
+                total = total + sH[helper, h]
+            r = helper // MMA_N
+            i = helper - r * MMA_N
+            if i < b:
+                mL[i, cta * self.rows + r] = total
+            cute.arch.fence_acq_rel_gpu()  # the writers' release, before the barrier and the count
         self.helper_barrier()
         if helper == 0:
-            flag[0] = cute.arch.atomic_add(mC.iterator + tile, Int32(1), sem="acq_rel", scope="gpu")
+            flag[0] = cute.arch.atomic_add(mC.iterator, Int32(1), sem="acq_rel", scope="gpu")
         self.helper_barrier()
-        if flag[0] == self.splits - 1:  # the tile's last split: its logits
+        if flag[0] == self.ctas - 1:  # the last CTA: every row's logits are out
             cute.arch.fence_acq_rel_gpu()
-            mL = cute.make_tensor(self.logits, cute.make_layout((MMA_N, self.e), stride=(self.logits_stride, 1)))
-            if helper < count:
-                r = helper // MMA_N
-                i = helper - r * MMA_N
-                if i < b:
-                    mL[i, tile * self.rows + r] = split_sum(mWs, tile * count, self.splits, helper)
-            cute.arch.fence_acq_rel_gpu()
-            self.helper_barrier()
             if helper == 0:
-                mC[tile] = Int32(0)  # for the next launch
-                flag[0] = cute.arch.atomic_add(mC.iterator + self.tiles, Int32(1), sem="acq_rel", scope="gpu")
-            self.helper_barrier()
-            if flag[0] == self.tiles - 1:  # the last tile: every row's logits are out
-                cute.arch.fence_acq_rel_gpu()
-                if helper == 0:
-                    mC[self.tiles] = Int32(0)
-                lane = cute.arch.lane_idx()
-                for row0 in cutlass.range_constexpr(0, MMA_N, WARPS - HELPER_WARP):
-                    row = row0 + warp - HELPER_WARP
-                    if row < b:
-                        self.route_row(row, lane)
+                mC[0] = Int32(0)  # for the next launch
+            lane = cute.arch.lane_idx()
+            for row0 in cutlass.range_constexpr(0, MMA_N, WARPS - HELPER_WARP):
+                row = row0 + warp - HELPER_WARP
+                if row < b:
+                    self.route_row(row, lane)
 
     @cute.jit
     def route_row(self, row: Int32, lane: Int32):
@@ -901,12 +871,10 @@ class Router:
 class RoutedTmaGemv(TmaGemv):
     """``TmaGemv`` (the pooler's) with the fp32 router and the routing beside it
     (``Router``): one launch for the MoE's input, ``__call__(w, x, out, workspace,
-    counters, router_w, logits, router_workspace, router_counters, bias, ids,
-    weights, b, x_stride, out_stride, logits_stride, scaling, stream)``; router_w
-    fp32 [experts, k] rows ``router_stride`` apart, logits fp32 [b, experts],
-    router_workspace fp32 of ``plan.splits * experts * 8``, router_counters int32 of
-    ``plan.tiles + 1`` (zero), bias fp32 [experts], ids int32 and weights fp32
-    [b, top_k] contiguous."""
+    counters, router_w, logits, router_counter, bias, ids, weights, b, x_stride,
+    out_stride, logits_stride, scaling, stream)``; router_w fp32 [experts, k] rows
+    ``router_stride`` apart, logits fp32 [b, experts], router_counter int32 (zero),
+    bias fp32 [experts], ids int32 and weights fp32 [b, top_k] contiguous."""
 
     def __init__(self, plan: TmaPlan, experts: int, router_stride: int, top_k: int):
         reason = router_reason(plan, experts, plan.k, router_stride, top_k)
@@ -925,8 +893,7 @@ class RoutedTmaGemv(TmaGemv):
         counters: cute.Pointer,
         router_w: cute.Pointer,
         logits: cute.Pointer,
-        router_workspace: cute.Pointer,
-        router_counters: cute.Pointer,
+        router_counter: cute.Pointer,
         bias: cute.Pointer,
         ids: cute.Pointer,
         weights: cute.Pointer,
@@ -948,8 +915,7 @@ class RoutedTmaGemv(TmaGemv):
             counters,
             router_w,
             logits,
-            router_workspace,
-            router_counters,
+            router_counter,
             bias,
             ids,
             weights,
@@ -971,8 +937,7 @@ class RoutedTmaGemv(TmaGemv):
         counters: cute.Pointer,
         router_w: cute.Pointer,
         logits: cute.Pointer,
-        router_workspace: cute.Pointer,
-        router_counters: cute.Pointer,
+        router_counter: cute.Pointer,
         bias: cute.Pointer,
         ids: cute.Pointer,
         weights: cute.Pointer,
@@ -986,8 +951,7 @@ class RoutedTmaGemv(TmaGemv):
         router = Router(
             router_w,
             logits,
-            router_workspace,
-            router_counters,
+            router_counter,
             bias,
             ids,
             weights,
@@ -996,9 +960,8 @@ class RoutedTmaGemv(TmaGemv):
             self.experts,
             p.k,
             self.router_stride,
-            self.experts // p.tiles,
-            p.splits,
-            p.tiles,
+            self.experts // p.ctas,
+            p.ctas,
             self.top_k,
         )
         self.stream_tile(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride, None, router)
@@ -1019,7 +982,6 @@ def compile_tma_routed(
         fake_pointer(Int32, 4),
         fake_pointer(Float32),
         fake_pointer(Float32, 4),
-        fake_pointer(Float32),
         fake_pointer(Int32, 4),
         fake_pointer(Float32, 4),
         fake_pointer(Int32, 4),

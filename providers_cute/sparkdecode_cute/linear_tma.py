@@ -207,12 +207,9 @@ class RoutedPooler:
     pooled)`` and the top-``top_k`` routing of the logits into ``topk`` (as
     cuda.moe's routing kernel: fn.route's bits for those logits) in one launch. The
     pooler's sums are its TmaWeight's bits; the router's are fp32 sums of the same
-    products in another order (gemv_tma's ``Router``). ``workspace``: fp32 of at
-    least splits x E x 8; ``counters``: int32 of at least tiles + 1, zero."""
+    products in another order (gemv_tma's ``Router``). ``counter``: int32, zero."""
 
-    def __init__(
-        self, pooler: TmaWeight, router: torch.Tensor, top_k: int, workspace: torch.Tensor, counters: torch.Tensor
-    ):
+    def __init__(self, pooler: TmaWeight, router: torch.Tensor, top_k: int, counter: torch.Tensor):
         from . import gemv_tma
 
         p = pooler.plan
@@ -223,8 +220,8 @@ class RoutedPooler:
         reason = gemv_tma.router_reason(p, router.shape[0], router.shape[1], router.stride(0), top_k)
         if reason:
             raise ValueError(f"cute.linear_tma_routed: {reason}")
-        if workspace.numel() < p.splits * router.shape[0] * p.cols or counters.numel() < p.tiles + 1:
-            raise ValueError("cute.linear_tma_routed: the router's workspace or counters are too small")
+        if counter.dtype != torch.int32 or counter.numel() < 1:
+            raise ValueError("cute.linear_tma_routed: the router's counter is not int32")
         self.pooler, self.router, self.experts, self.top_k = pooler, router, router.shape[0], top_k
         stride = router.stride(0)
         self.kernel = compiled(
@@ -232,8 +229,8 @@ class RoutedPooler:
             lambda: gemv_tma.compile_tma_routed(p, self.experts, stride, top_k),
         )
         self.w_ptr = pointer(router, VECTOR_BYTES)
-        self.shared = (workspace, counters)  # held: the kernel has only their addresses
-        self.scratch = (pointer(workspace, VECTOR_BYTES), pointer(counters, 4))
+        self.counter = counter  # held: the kernel has only its address
+        self.counter_ptr = pointer(counter, 4)
 
     def __call__(
         self,
@@ -264,7 +261,7 @@ class RoutedPooler:
             *self.pooler.buffers,
             self.w_ptr,
             pointer(logits, 4),
-            *self.scratch,
+            self.counter_ptr,
             pointer(bias, 4),
             pointer(topk.ids, 4),
             pointer(topk.weights, 4),
@@ -295,11 +292,9 @@ class CuteLinearTmaRouted(CuteLinearTma):
         if isinstance(pooler, TmaWeight) and w.dtype == torch.float32:
             p = pooler.plan
             if gemv_tma.router_reason(p, w.shape[0], w.shape[1], w.stride(0), top_k) is None:
-                size = p.splits * w.shape[0] * p.cols
-                workspace = ctx.scratch(f"{self.name}.router_workspace.{size}", (size,), torch.float32)
-                counters = ctx.scratch(f"{self.name}.router_counters.{p.tiles + 1}", (p.tiles + 1,), torch.int32)
-                counters.zero_()
-                self.routed = RoutedPooler(pooler, w, top_k, workspace, counters)
+                counter = ctx.scratch(f"{self.name}.router_counter", (1,), torch.int32)
+                counter.zero_()
+                self.routed = RoutedPooler(pooler, w, top_k, counter)
 
     def fuses_router_pooler(self) -> bool:
         """Whether ``run_router_pooler`` runs this layer's router, pooler and routing as one kernel."""

@@ -433,37 +433,3 @@ def test_coresident_linear_plans_within_half_an_sm(tma):
         plan = CoresidentTmaWeight.make_plan(w, False, 8, 132)
         assert plan.smem_bytes <= tma.CORESIDENT_SMEM_BYTES and plan.resident >= 2, (name, plan)
     assert "do not fit 4096 bytes" in tma.plan_tma(8192, 1024, 8, max_smem=4096)
-
-
-@pytest.mark.parametrize("max_rows", [1, 3, 8])
-def test_routed_tma_compiles_for_hopper(tma, capfd, max_rows):
-    """cute.linear_tma_routed's kernel (the router's 256 x 8192 fp32 rows and the
-    routing beside the pooler's plan, 2 rows a CTA) compiles for sm_90a with no
-    register spills."""
-    n, k, _ = TP8["pooler"]
-    plan = tma.plan_tma(n, k, max_rows)
-    assert tma.router_reason(plan, 256, k, k) is None
-    capfd.readouterr()
-    assert tma.compile_tma_routed(plan, 256, k, 8, "sm_90a", "remarks{ptx}") is not None
-    _spill_free(capfd)
-
-
-def test_router_reasons(tma):
-    """What the routed kernel declines: another K, router rows that do not spread over
-    the CTAs (a small pooler's 8: 32 a CTA; a TP-8 column-sharded pooler's 128 take
-    them), experts not whole warps,
-    a top-k past a warp, rows not 16-byte vectors, the helpers' sums past a CTA's
-    shared memory."""
-    plan = tma.plan_tma(*TP8["pooler"][:2], 8)
-    assert "K 4096" in tma.router_reason(plan, 256, 4096, 4096)
-    assert tma.router_reason(tma.plan_tma(*TP8["pooler_tp8_columns"][:2], 8), 256, 8192, 8192) is None
-    assert "CTAs" in tma.router_reason(tma.plan_tma(256, 1024, 8), 256, 1024, 1024)
-    assert "CTAs" in tma.router_reason(plan, 200, 8192, 8192)
-    assert "top-40" in tma.router_reason(plan, 256, 8192, 8192, top_k=40)
-    assert "16-byte" in tma.router_reason(plan, 256, 8192, 8194)
-    small = tma.TmaPlan(256, 1024, 1024, 8, 1, 128, 2)
-    assert tma.router_reason(small, 32, 1024, 1024) is None
-    assert "multiples of 32" in tma.router_reason(small, 16, 1024, 1024)
-    full = tma.TmaPlan(512, 8192, 8192, 8, 2, 256, 5)
-    assert full.smem_bytes <= tma.CTA_SMEM_BYTES
-    assert "shared memory" in tma.router_reason(full, 32, 8192, 8192)

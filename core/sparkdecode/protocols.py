@@ -324,13 +324,6 @@ class LinearOp(Provider, Protocol):
     column-sharded pooler or unpooler just has fewer rows N. ``x`` is bf16 [b, K]
     (b <= ``max_rows``, contiguous rows, any row stride); ``out`` is bf16 [b, N] for
     the bf16 weights; for ``router`` (fp32 [E, H]) ``x`` is the bf16 MoE input, taken
-    to fp32, and ``out`` fp32 [b, E]. Capturable; allocates nothing.
-
-    Optional, for a MoE block to ask for its input's GEMMs and routing at once: a
-    linear with ``fuses_router_pooler() -> bool`` (this layer's shapes take it) offers
-    ``run_router_pooler(x, logits, pooled, bias, scaling, topk)``: ``run("router", x,
-    logits)`` (its sums in any fixed order), ``run("pooler", x, pooled)``, and the
-    routing of those logits into ``topk`` (RoutedTopk) with bits equal to
-    ``reference.functional.route(logits, bias, k, scaling)``, in fewer launches."""
+    to fp32, and ``out`` fp32 [b, E]. Capturable; allocates nothing."""
 
     def run(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None: ...

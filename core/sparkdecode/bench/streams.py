@@ -96,15 +96,13 @@ def linear_context(
     shapes: dict[str, tuple[int, int]], device: torch.device, max_rows: int = ROWS, seed: int = 0
 ) -> SimpleNamespace:
     """What a ``linear`` provider's build reads: one layer's five weights (random,
-    of the real ones' scale; the router fp32), ``max_rows``, the scratch, and the
-    spec's top-k (Muse Spark's 8: a linear that also routes reads it)."""
+    of the real ones' scale; the router fp32), ``max_rows`` and the scratch."""
     g = torch.Generator(device=device).manual_seed(seed)
     layer = SimpleNamespace()
     for name, (n, k) in shapes.items():
         dtype = torch.float32 if name == "router" else torch.bfloat16
         setattr(layer, name, (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype))
-    spec = SimpleNamespace(top_k=8)
-    return own_scratch(SimpleNamespace(layer=lambda i: layer, max_rows=max_rows, spec=spec), device)
+    return own_scratch(SimpleNamespace(layer=lambda i: layer, max_rows=max_rows), device)
 
 
 def own_scratch(ctx: SimpleNamespace, device: torch.device) -> SimpleNamespace:
@@ -114,7 +112,6 @@ def own_scratch(ctx: SimpleNamespace, device: torch.device) -> SimpleNamespace:
     return SimpleNamespace(
         layer=ctx.layer,
         max_rows=ctx.max_rows,
-        spec=getattr(ctx, "spec", None),
         scratch=lambda name, shape, dtype: scratch_buffer(buffers, device, name, shape, dtype),
     )
 

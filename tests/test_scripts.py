@@ -100,6 +100,7 @@ def test_read_pattern_kernels_build():
     builds += [(script.SPECIALIZED, script.specialized_defines(c)) for c in script.SPECIALIZED_CONFIGS]
     builds += [(script.BOXES, script.boxes_defines(c)) for c in script.BOXES_CONFIGS]
     builds.append((script.AHEAD, {}))
+    builds += [(script.AHEAD_LOADS, {"DEPTH": depth}) for _, depth in script.AHEAD_RATE_CONFIGS]
     builds.append((script.STREAM, {}))
     for text, defines in builds:
         if (log := compiles(text, defines)) is not None:

@@ -210,6 +210,12 @@ def test_cuda_moe_provider(shape):
     routing must be the reference's for those logits (bitwise), and the output close
     (the two norms' one-ulp differences through the unpooler GEMM: 2e-2 relative)."""
     spec, weights, executor, provider, x = cuda_moe(shape)
+    moe_block_equals_reference(spec, weights, executor, provider, x)
+
+
+def moe_block_equals_reference(spec, weights, executor, provider, x) -> torch.Tensor:
+    """Layer 0's cuda.moe on x against reference.model.moe (test_cuda_moe_provider's
+    checks); the block's output."""
     provider.run(None, x)
     got = executor.mailboxes[0].gather(8).clone()
     ref_ids, ref_w = fn.route(provider.logits[:8], weights.layers[0].expert_bias, spec.top_k, 1.0)
@@ -219,6 +225,7 @@ def test_cuda_moe_provider(shape):
     ref = model.moe(spec, weights.layers[0], x, executor.collectives)
     err = (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
     assert err.max() < 2e-2, err
+    return got
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tp8-rank"])
@@ -318,15 +325,7 @@ def test_cuda_moe_with_the_routed_pooler():
     provider = executor.layers[0].moe
     assert provider.fused and provider.side is None
     x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
-    provider.run(None, x)
-    got = executor.mailboxes[0].gather(8).clone()
-    ref_ids, ref_w = fn.route(provider.logits[:8], weights.layers[0].expert_bias, spec.top_k, 1.0)
-    assert torch.equal(provider.ids[:8], ref_ids)
-    assert torch.equal(provider.weights[:8], ref_w)
-    torch.testing.assert_close(provider.logits[:8], model.router_logits(weights.layers[0], x), rtol=1e-5, atol=1e-5)
-    ref = model.moe(spec, weights.layers[0], x, executor.collectives)
-    err = (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
-    assert err.max() < 2e-2, err
+    got = moe_block_equals_reference(spec, weights, executor, provider, x)
     eager = [t[:8].clone() for t in (provider.logits, provider.ids, provider.weights)] + [got]
     warm = torch.cuda.Stream()
     warm.wait_stream(torch.cuda.current_stream())

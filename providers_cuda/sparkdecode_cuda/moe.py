@@ -89,32 +89,30 @@ class MoEKernels:
         self.tail_all_reduce = Kernel(SOURCE, "tail_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.route_norm_kernel = Kernel(SOURCE, "route_norm_kernel", ctx.device, defines, COMPILE_OPTIONS)
 
-    def route(self, logits: torch.Tensor, bias: torch.Tensor, scaling: float, topk: RoutedTopk) -> None:
-        b = logits.shape[0]
-        self.routing.launch(
-            (b, 1, 1),
-            (32, 1, 1),
-            [
-                ptr(logits),
-                i32(logits.stride(0)),
-                ptr(bias),
-                ptr(topk.ids),
-                ptr(topk.weights),
-                i32(self.top_k),
-                f32(scaling),
-                f32(1e-15),
-            ],
-        )
+    def _route_args(self, logits: torch.Tensor, bias: torch.Tensor, scaling: float, topk: RoutedTopk) -> list:
+        return [
+            ptr(logits),
+            i32(logits.stride(0)),
+            ptr(bias),
+            ptr(topk.ids),
+            ptr(topk.weights),
+            i32(self.top_k),
+            f32(scaling),
+            f32(1e-15),
+        ]
 
-    def pre_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    @staticmethod
+    def _norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> list:
         check_aligned("x", x, strided=True)
         check_aligned("weight", weight)
         check_aligned("out", out)
-        self.norm.launch(
-            (x.shape[0], 1, 1),
-            (self.threads, 1, 1),
-            [ptr(x), i32(x.stride(0)), ptr(weight), f32(eps), f32(1.0), ptr(out)],
-        )
+        return [ptr(x), i32(x.stride(0)), ptr(weight), f32(eps), f32(1.0), ptr(out)]
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, scaling: float, topk: RoutedTopk) -> None:
+        self.routing.launch((logits.shape[0], 1, 1), (32, 1, 1), self._route_args(logits, bias, scaling, topk))
+
+    def pre_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+        self.norm.launch((x.shape[0], 1, 1), (self.threads, 1, 1), self._norm_args(x, weight, eps, out))
 
     def route_norm(
         self,
@@ -128,31 +126,9 @@ class MoEKernels:
         out: torch.Tensor,
     ) -> None:
         """``route`` and ``pre_norm`` in one launch (route_norm_kernel: the same bits)."""
-        check_aligned("x", x, strided=True)
-        check_aligned("weight", weight)
-        check_aligned("out", out)
         b = logits.shape[0]
-        self.route_norm_kernel.launch(
-            (2 * b, 1, 1),
-            (self.threads, 1, 1),
-            [
-                ptr(x),
-                i32(x.stride(0)),
-                ptr(weight),
-                f32(eps),
-                f32(1.0),
-                ptr(out),
-                ptr(logits),
-                i32(logits.stride(0)),
-                ptr(bias),
-                ptr(topk.ids),
-                ptr(topk.weights),
-                i32(self.top_k),
-                f32(scaling),
-                f32(1e-15),
-                i32(b),
-            ],
-        )
+        args = self._norm_args(x, weight, eps, out) + self._route_args(logits, bias, scaling, topk) + [i32(b)]
+        self.route_norm_kernel.launch((2 * b, 1, 1), (self.threads, 1, 1), args)
 
     def finish(
         self, rows: torch.Tensor, weights: torch.Tensor, norm: torch.Tensor, eps: float, out: torch.Tensor

@@ -213,6 +213,19 @@ def test_cuda_moe_provider(shape):
     moe_block_equals_reference(spec, weights, executor, provider, x)
 
 
+def moe_block_graph(provider, x: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """The MoE block on x run once on a side stream (warm-up), then captured in a graph."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        provider.run(None, x)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        provider.run(None, x)
+    return graph
+
+
 def moe_block_equals_reference(spec, weights, executor, provider, x) -> torch.Tensor:
     """Layer 0's cuda.moe on x against reference.model.moe (test_cuda_moe_provider's
     checks); the block's output."""
@@ -249,14 +262,7 @@ def test_cuda_moe_side_stream_keeps_the_bits(shape):
     serial = result(lambda: provider.run(None, x))
     provider.side = side
     eager = result(lambda: provider.run(None, x))
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        provider.run(None, x)
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # fails unless the side stream is joined back
-        provider.run(None, x)
+    graph = moe_block_graph(provider, x)  # fails unless the side stream is joined back
     replayed = result(graph.replay)
     assert not any(t.float().isnan().any() for t in serial)  # every output written
     for got in (eager, replayed):
@@ -327,14 +333,7 @@ def test_cuda_moe_with_the_routed_pooler():
     x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
     got = moe_block_equals_reference(spec, weights, executor, provider, x)
     eager = [t[:8].clone() for t in (provider.logits, provider.ids, provider.weights)] + [got]
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        provider.run(None, x)
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        provider.run(None, x)
+    graph = moe_block_graph(provider, x)
     for t in (provider.logits, provider.weights):
         t.fill_(float("nan"))
     graph.replay()

@@ -246,14 +246,19 @@ class CudaMoE(_Cuda):
         self.router_linear.run("router", x, logits)
         self.kernels.route(logits, self.layer.expert_bias, self.spec.routed_scaling_factor, topk)
 
+    def _full_width(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The pooler's output gathered over the ranks where it is column-sharded."""
+        if pooled.shape[1] != self.spec.P:
+            pooled = self.collectives.gather_columns(pooled, self.spec.P)
+        return pooled
+
     def _fused_front(self, x: torch.Tensor, topk: RoutedTopk) -> torch.Tensor:
         """The router and the pooler in one kernel, then the routing and the pre-expert
         norm in one: the experts' input h."""
         spec, b = self.spec, x.shape[0]
         logits, pooled = self.logits[:b], self.pooled[:b]
         self.linear.run_router_pooler(x, logits, pooled)
-        if pooled.shape[1] != spec.P:  # a column-sharded pooler
-            pooled = self.collectives.gather_columns(pooled, spec.P)
+        pooled = self._full_width(pooled)
         h = self.h[:b]
         self.kernels.route_norm(
             logits,
@@ -283,8 +288,7 @@ class CudaMoE(_Cuda):
                 self.join.record(side)
         pooled = self.pooled[:b]
         self.linear.run("pooler", x, pooled)
-        if pooled.shape[1] != spec.P:  # a column-sharded pooler
-            pooled = self.collectives.gather_columns(pooled, spec.P)
+        pooled = self._full_width(pooled)
         h = self.h[:b]
         self.kernels.pre_norm(pooled, layer.pre_expert_norm, spec.rms_norm_eps, h)
         if current is not None:  # join: the routing is read from here on

@@ -35,8 +35,7 @@ class ReadAhead:
             raise ValueError(f"read-ahead: {blocks_per_sm} blocks an SM, {depth} loads a thread")
         self.weights = weights
         self.nbytes = sum(w.numel() * w.element_size() for w in weights)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        self.blocks = sms * blocks_per_sm
+        self.blocks = torch.cuda.get_device_properties(device).multi_processor_count * blocks_per_sm
         self.sink = torch.zeros(1, dtype=torch.int32, device=device)
         self.kernel = Kernel(SOURCE, "read_ahead_kernel", device, {"DEPTH": depth}, ())
 

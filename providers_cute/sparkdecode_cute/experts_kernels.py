@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from .experts_shape import LANES, VEC, WARPS, ExpertsShape, Plan, shape_unsupported
-from .gemv import fake_pointer
+from .gemv import compile_for, fake_pointer
 
 
 def _warp_sum(v: Float32) -> Float32:
@@ -444,8 +444,7 @@ def compile_experts(shape: ExpertsShape, arch: str | None = None, options: str =
     GPU's), with further ``options`` for ``cute.compile`` (e.g. ``remarks{ptx}``);
     call it with the real pointers."""
     bf16 = fake_pointer(BFloat16)
-    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
-    return cute.compile(
+    return compile_for(
         kind(shape),
         bf16,
         Int32(shape.width // VEC),
@@ -458,5 +457,6 @@ def compile_experts(shape: ExpertsShape, arch: str | None = None, options: str =
         Int32(0),
         Int32(264),
         cute.runtime.make_fake_stream(),
-        **({"options": flags} if flags else {}),
+        arch=arch,
+        options=options,
     )

@@ -188,6 +188,13 @@ def fake_pointer(dtype, align: int = VECTOR_BYTES):
     return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
 
+def compile_for(kernel, *args, arch: str | None = None, options: str = ""):
+    """``cute.compile(kernel, *args)`` for ``arch`` (e.g. ``sm_90a``; by default
+    ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` (e.g. ``remarks{ptx}``)."""
+    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
+    return cute.compile(kernel, *args, **({"options": flags} if flags else {}))
+
+
 def compile_fake(gemv, *scratch, arch: str | None = None, options: str = ""):
     """``gemv`` (a GEMV of ``__call__(w, x, out, *scratch, b, x_stride, out_stride,
     stream)``, its ``plan`` and ``weight_dtype`` set) compiled on fake pointers (the
@@ -195,8 +202,7 @@ def compile_fake(gemv, *scratch, arch: str | None = None, options: str = ""):
     ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for ``cute.compile``
     (e.g. ``remarks{ptx}``)."""
     dtype, plan = gemv.weight_dtype, gemv.plan
-    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
-    return cute.compile(
+    return compile_for(
         gemv,
         fake_pointer(dtype),
         fake_pointer(BFloat16),
@@ -206,7 +212,8 @@ def compile_fake(gemv, *scratch, arch: str | None = None, options: str = ""):
         Int32(plan.k),
         Int32(plan.n),
         cute.runtime.make_fake_stream(),
-        **({"options": flags} if flags else {}),
+        arch=arch,
+        options=options,
     )
 
 

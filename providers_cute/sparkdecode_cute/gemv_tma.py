@@ -59,7 +59,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
-from .gemv import VECTOR_BYTES, fake_pointer
+from .gemv import VECTOR_BYTES, compile_for, fake_pointer
 from .gemv_splitk import (
     CTA_RESERVED_BYTES,
     H200_SMS,
@@ -339,7 +339,7 @@ class TmaGemv(SplitKKernel):
         if cutlass.const_expr(router is not None):
             helper = tidx - HELPER_WARP * 32
             r_buffers = router.buffers()
-            r_acc = cute.make_rmem_tensor((router.rows * MMA_N,), Float32)
+            r_acc = cute.make_rmem_tensor((router.count,), Float32)
             r_acc.fill(0.0)
             if warp >= HELPER_WARP:
                 router.prefetch(r_buffers, helper, tile, split)
@@ -626,8 +626,7 @@ class PublishingTmaGemv(TmaGemv):
 def compile_tma_publishing(plan: TmaPlan, arch: str | None = None, options: str = ""):
     """``PublishingTmaGemv(plan)`` compiled on fake pointers (out 16-byte aligned) for
     ``arch``, with further ``options``, as ``compile_tma``."""
-    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
-    return cute.compile(
+    return compile_for(
         PublishingTmaGemv(plan),
         fake_pointer(BFloat16),
         fake_pointer(BFloat16),
@@ -643,7 +642,8 @@ def compile_tma_publishing(plan: TmaPlan, arch: str | None = None, options: str 
         Int32(plan.k),
         Int32(plan.n),
         cute.runtime.make_fake_stream(),
-        **({"options": flags} if flags else {}),
+        arch=arch,
+        options=options,
     )
 
 
@@ -702,8 +702,19 @@ class Router:
         depth = min(ROUTER_DEPTH, self.steps)
         return [[cute.make_rmem_tensor((ROUTER_VECTOR,), Float32) for _ in range(self.rows)] for _ in range(depth)]
 
+    @property
+    def count(self) -> int:
+        """Router sums of a tile: its rows x x's 8 rows."""
+        return self.rows * MMA_N
+
     def weights(self) -> cute.Tensor:
         return cute.make_tensor(self.w, cute.make_layout((self.e, self.k), stride=(self.w_stride, 1)))
+
+    def sums(self) -> cute.Tensor:
+        """The workspace: fp32 [splits, e * 8], each split's sums."""
+        return cute.make_tensor(
+            self.workspace, cute.make_layout((self.splits, self.e * MMA_N), stride=(self.e * MMA_N, 1))
+        )
 
     @cute.jit
     def load(self, buffers: list, step: cutlass.Constexpr, helper: Int32, tile: Int32, split: Int32):
@@ -766,7 +777,7 @@ class Router:
         into ``workspace[split]``; a barrier after, so the tile's last CTA (this one
         without a split) reads them in ``store``."""
         tidx, _, _ = cute.arch.thread_idx()
-        count = self.rows * MMA_N
+        count = self.count
         sR = cute.make_tensor(
             cute.recast_ptr(ring, dtype=Float32) + SUMS_BYTES // 4,
             cute.make_layout((HELPERS, count), stride=(count, 1)),
@@ -775,9 +786,7 @@ class Router:
             for q in cutlass.range_constexpr(count):
                 sR[helper, q] = acc[q]
         cute.arch.sync_threads()
-        mWs = cute.make_tensor(
-            self.workspace, cute.make_layout((self.splits, self.e * MMA_N), stride=(self.e * MMA_N, 1))
-        )
+        mWs = self.sums()
         if tidx < count:
             total = Float32(0.0)
             for h in cutlass.range(HELPERS, unroll_full=True):
@@ -800,11 +809,9 @@ class Router:
         ``store_elements``, then the tile's router logits, the splits in split order."""
         store_elements(mO, total, b, n0, tile_rows, cols, out_dtype)
         tidx, _, _ = cute.arch.thread_idx()
-        count = self.rows * MMA_N
+        count = self.count
         tile = n0 // tile_rows
-        mWs = cute.make_tensor(
-            self.workspace, cute.make_layout((self.splits, self.e * MMA_N), stride=(self.e * MMA_N, 1))
-        )
+        mWs = self.sums()
         mL = cute.make_tensor(self.logits, cute.make_layout((MMA_N, self.e), stride=(self.logits_stride, 1)))
         if tidx < count:
             r = tidx // MMA_N
@@ -897,8 +904,7 @@ class RoutedTmaGemv(TmaGemv):
 def compile_tma_routed(plan: TmaPlan, experts: int, router_stride: int, arch: str | None = None, options: str = ""):
     """``RoutedTmaGemv(plan, experts, router_stride)`` compiled on fake pointers for
     ``arch``, with further ``options``, as ``compile_tma``."""
-    flags = " ".join(f for f in (options, "" if arch is None else f"--gpu-arch {arch}") if f)
-    return cute.compile(
+    return compile_for(
         RoutedTmaGemv(plan, experts, router_stride),
         fake_pointer(BFloat16),
         fake_pointer(BFloat16),
@@ -913,5 +919,6 @@ def compile_tma_routed(plan: TmaPlan, experts: int, router_stride: int, arch: st
         Int32(plan.n),
         Int32(experts),
         cute.runtime.make_fake_stream(),
-        **({"options": flags} if flags else {}),
+        arch=arch,
+        options=options,
     )

@@ -22,11 +22,12 @@
 #endif
 #define EPL ((EXPERTS + 31) / 32)
 
-// One row's routing by one warp (lane = its lane), the PDL trigger and wait inside.
-__device__ __forceinline__ void route_row(const float* __restrict__ logits, int logits_stride,
-                                          const float* __restrict__ bias, int* __restrict__ ids,
-                                          float* __restrict__ weights, int top_k, float scaling, float eps,
-                                          int row, int lane) {
+extern "C" __global__ void __launch_bounds__(32) routing_kernel(
+    const float* __restrict__ logits, int logits_stride,  // [b, E] fp32 (output multiplier folded)
+    const float* __restrict__ bias,                       // [E]
+    int* __restrict__ ids, float* __restrict__ weights,   // [b, k]
+    int top_k, float scaling, float eps) {
+  const int row = blockIdx.x, lane = threadIdx.x;
   float b_[EPL];
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
@@ -85,17 +86,8 @@ __device__ __forceinline__ void route_row(const float* __restrict__ logits, int 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(32) routing_kernel(
-    const float* __restrict__ logits, int logits_stride,  // [b, E] fp32 (output multiplier folded)
-    const float* __restrict__ bias,                       // [E]
-    int* __restrict__ ids, float* __restrict__ weights,   // [b, k]
-    int top_k, float scaling, float eps) {
-  route_row(logits, logits_stride, bias, ids, weights, top_k, scaling, eps, blockIdx.x, threadIdx.x);
-}
-
-// bf16 out = bf16(rms(x, eps) * (w + center)), one block per row of WIDTH (16-byte
-// loads and stores of a thread's 8 values).
-// One row's norm by a block of THREADS, the PDL trigger and wait inside.
+// bf16 out = bf16(rms(x, eps) * (w + center)) of one row of WIDTH by a block of THREADS
+// (16-byte loads and stores of a thread's 8 values), the PDL trigger and wait inside.
 __device__ __forceinline__ void norm_row(const bf16_t* __restrict__ x, int x_stride,
                                          const bf16_t* __restrict__ weight, float eps, float center,
                                          bf16_t* __restrict__ out, int row) {
@@ -125,11 +117,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
 }
 
 // One row's routing by a whole block of THREADS (route_norm_kernel), the same operations
-// and bits as route_row for finite logits: p and p + bias per expert, then each expert's
+// and bits as routing_kernel's warp for finite logits: p and p + bias per expert, then each expert's
 // rank in the selection order (the count of experts with a higher score, or an equal one
 // at a lower index), counted over RANK_SPLIT parts of the experts in parallel; the experts
 // ranked below top_k take their slots, and each output lane sums the slots' p in slot
-// order, as route_row's selection order. The PDL trigger and wait inside.
+// order, as routing_kernel's selection order. The PDL trigger and wait inside.
 #define RANK_SPLIT (THREADS >= EXPERTS ? THREADS / EXPERTS : 1)
 __device__ __forceinline__ void rank_route_row(const float* __restrict__ logits, int logits_stride,
                                                const float* __restrict__ bias, int* __restrict__ ids,

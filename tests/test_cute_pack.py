@@ -433,29 +433,3 @@ def test_coresident_linear_plans_within_half_an_sm(tma):
         plan = CoresidentTmaWeight.make_plan(w, False, 8, 132)
         assert plan.smem_bytes <= tma.CORESIDENT_SMEM_BYTES and plan.resident >= 2, (name, plan)
     assert "do not fit 4096 bytes" in tma.plan_tma(8192, 1024, 8, max_smem=4096)
-
-
-@pytest.mark.parametrize("max_rows", [1, 3, 8])
-def test_routed_tma_compiles_for_hopper(tma, capfd, max_rows):
-    """cute.linear_tma_routed's kernel (the router's 256 x 8192 fp32 rows beside the
-    pooler's plan, 4 a tile of 64) compiles for sm_90a with no register spills."""
-    n, k, _ = TP8["pooler"]
-    plan = tma.plan_tma(n, k, max_rows)
-    assert tma.router_reason(plan, 256, k, k) is None
-    capfd.readouterr()
-    assert tma.compile_tma_routed(plan, 256, k, "sm_90a", "remarks{ptx}") is not None
-    _spill_free(capfd)
-
-
-def test_router_reasons(tma):
-    """What the routed kernel declines: another K, router rows that do not spread over
-    the tiles (a column-sharded pooler's 8 tiles: 32 a tile), rows not 16-byte
-    vectors, a ring too small for the helpers' sums."""
-    plan = tma.plan_tma(*TP8["pooler"][:2], 8)
-    assert "K 4096" in tma.router_reason(plan, 256, 4096, 4096)
-    assert "tiles" in tma.router_reason(tma.plan_tma(*TP8["pooler_tp8_columns"][:2], 8), 256, 8192, 8192)
-    assert "tiles" in tma.router_reason(plan, 200, 8192, 8192)
-    assert "16-byte" in tma.router_reason(plan, 256, 8192, 8194)
-    small = tma.TmaPlan(64, 1024, 1024, 8, 1, 128, 2)
-    assert tma.router_reason(small, 4, 1024, 1024) is None
-    assert "ring" in tma.router_reason(small, 8, 1024, 1024)

@@ -8,8 +8,7 @@ TP8-rank shapes (cute.linear_tma_coresident's tilings, within half an SM's share
 memory, too); the split-K counters back at 0; every tiling of the planner's
 first few within the bounds; and the weight streams of torch.mm, cute.linear_mma
 and cute.linear_tma, and of each tiling, printed (run with -s; nothing asserted
-about speed). cute.linear_tma_routed's router inside the pooler's kernel: the
-pooler's bits, the router's logits within the same bounds.
+about speed).
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ from sparkdecode_cute.linear_mma import CuteLinearMma  # noqa: E402
 from sparkdecode_cute.linear_tma import (  # noqa: E402
     CuteLinearTma,
     CuteLinearTmaCoresident,
-    CuteLinearTmaRouted,
-    RoutedPooler,
     TmaWeight,
 )
 
@@ -111,91 +108,3 @@ def test_tilings_equal_reference_and_print_their_streams():
             yield Tiling(plan, split_weight(TmaWeight, name, w, sms, plan), head)
 
     tilings_equal_reference(tilings, bf16_only=True, same_bits=True)
-
-
-@pytest.mark.parametrize("case", list(SMALLEST))
-def test_routed_smallest_equals_reference(case):
-    """The router beside one tile of W [64, K] (4 router rows a tile, 256 vectors a
-    split's chunk: 3 helper steps, the last a partial one), unsplit and in two splits."""
-    from sparkdecode_cute.gemv_tma import TmaPlan
-
-    k, splits = SMALLEST[case]
-    plan = TmaPlan(64, k, k, 8, splits, 128, 2)
-    g = torch.Generator(device="cuda").manual_seed(10 + splits)
-    w = torch.randn(64, k, generator=g, device="cuda").to(torch.bfloat16)
-    wr = torch.randn(4, k, generator=g, device="cuda")
-    x = torch.randn(3, k, generator=g, device="cuda").to(torch.bfloat16)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    pooler = split_weight(TmaWeight, "pooler", w, sms, plan)
-    routed = RoutedPooler(pooler, wr, torch.empty(splits * 4 * 8, device="cuda"))
-    pooled = torch.empty(3, 64, dtype=torch.bfloat16, device="cuda")
-    logits = torch.full((4, 4), float("nan"), device="cuda")
-    routed(x, logits[:3], pooled)
-    alone = torch.empty_like(pooled)
-    pooler(x, alone)
-    torch.cuda.synchronize()
-    assert torch.equal(pooled, alone), "the pooler's bits differ from its kernel alone"
-    check_close(f"router [4, {k}] beside {plan}", x, wr, logits[:3], x.float() @ wr.t())
-    assert torch.isnan(logits[3]).all(), "a row past b written"
-    assert not pooler.shared[1].any(), "tile counter not back at 0"
-
-
-@pytest.mark.parametrize("shape", ["tp1", "tp8-rank"])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_routed_pooler_equals_reference(shape, rows):
-    """``run_router_pooler`` at Muse Spark's shapes: the pooler's bits as cute.linear_tma
-    runs it alone, the router within the bounds against the reference, rows past b
-    untouched, the same bits replayed from a CUDA graph, the counters back at 0."""
-    from sparkdecode.reference.providers import ReferenceLinear
-
-    ctx = streams.linear_context(SHAPES[shape], torch.device("cuda"))
-    op = CuteLinearTmaRouted.build(ctx, 0)
-    assert op.fuses_router_pooler()
-    ref = ReferenceLinear.build(ctx, 0)
-    lw = ctx.layer(0)
-    g = torch.Generator(device="cuda").manual_seed(20 + rows)
-    wide = torch.randn(8, 8192 + 64, generator=g, device="cuda").to(torch.bfloat16)
-    x = wide[:rows, 32 : 32 + 8192]
-    logits = torch.full((8, 256 + 4), float("nan"), device="cuda")[:, 4:]
-    pooled = torch.full((8, 4096 + 8), float("nan"), dtype=torch.bfloat16, device="cuda")[:, 8:]
-    op.run_router_pooler(x, logits[:rows], pooled[:rows])
-    alone = torch.empty(rows, 4096, dtype=torch.bfloat16, device="cuda")
-    op.run("pooler", x, alone)
-    ref_logits = torch.empty(rows, 256, device="cuda")
-    ref.run("router", x, ref_logits)
-    torch.cuda.synchronize()
-    assert torch.equal(pooled[:rows], alone), "the pooler's bits differ from its kernel alone"
-    assert torch.isnan(pooled[rows:].float()).all() and torch.isnan(logits[rows:]).all(), "rows past b written"
-    check_close("router", x, lw.router, logits[:rows], ref_logits)
-    first = (logits[:rows].clone(), pooled[:rows].clone())
-
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        logits.fill_(0)
-        pooled.fill_(0)
-        with torch.cuda.graph(graph, stream=stream):
-            op.run_router_pooler(x, logits[:rows], pooled[:rows])
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(logits[:rows], first[0]) and torch.equal(pooled[:rows], first[1]), "replay differs"
-    assert not op.counters.any(), "tile counters not back at 0"
-
-
-def test_routed_declines_what_it_cannot_fuse():
-    """A column-sharded pooler of 8 tiles would need 32 router rows a tile: not fused,
-    and ``run_router_pooler`` is then the two kernels of cute.linear_tma."""
-    ctx = streams.linear_context(SHAPES["tp8-rank-sharded-pooler"], torch.device("cuda"))
-    op = CuteLinearTmaRouted.build(ctx, 0)
-    assert not op.fuses_router_pooler()
-    x = torch.randn(2, 8192, device="cuda").to(torch.bfloat16)
-    logits, pooled = torch.empty(2, 256, device="cuda"), torch.empty(2, 512, dtype=torch.bfloat16, device="cuda")
-    op.run_router_pooler(x, logits, pooled)
-    ref_logits, ref_pooled = torch.empty_like(logits), torch.empty_like(pooled)
-    op.run("router", x, ref_logits)
-    op.run("pooler", x, ref_pooled)
-    torch.cuda.synchronize()
-    assert torch.equal(logits, ref_logits) and torch.equal(pooled, ref_pooled)

@@ -82,7 +82,7 @@ def compiles(text: str, defines: dict[str, int]) -> str | None:
 
     opts = ["--gpu-architecture=sm_90a", *(f"-D{k}={v}" for k, v in defines.items())]
     try:
-        nvrtc._compile("k.cu", text, nvrtc._headers(text), opts)
+        nvrtc._compile("k.cu", text, {}, opts)
     except nvrtc.CompileError as e:
         return str(e)
     return None

@@ -324,12 +324,6 @@ class LinearOp(Provider, Protocol):
     column-sharded pooler or unpooler just has fewer rows N. ``x`` is bf16 [b, K]
     (b <= ``max_rows``, contiguous rows, any row stride); ``out`` is bf16 [b, N] for
     the bf16 weights; for ``router`` (fp32 [E, H]) ``x`` is the bf16 MoE input, taken
-    to fp32, and ``out`` fp32 [b, E]. Capturable; allocates nothing.
-
-    Optional, for a MoE block to ask for both GEMMs of its input at once: a linear
-    with ``fuses_router_pooler() -> bool`` (this layer's shapes take it) offers
-    ``run_router_pooler(x, logits, pooled)``, the same as ``run("router", x, logits)``
-    and ``run("pooler", x, pooled)`` (the router's sums in any fixed order) in fewer
-    launches."""
+    to fp32, and ``out`` fp32 [b, E]. Capturable; allocates nothing."""
 
     def run(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None: ...

@@ -88,22 +88,10 @@ class CudaAttention(_Cuda):
         if hook is not None:
             hook(host)
 
-    def fork(self) -> None:
-        """After the QKV+gate GEMM: work beside the attention core (none here)."""
-
-    def join(self) -> None:
-        """After the o_proj: the end of what ``fork`` started (none here)."""
-
     def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
-        self.attend(step, x, partial)
-        self.join()
-
-    def attend(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
-        """The block's kernels, ``fork`` after the QKV+gate GEMM."""
         b, kv = x.shape[0], step.kv[self.index]
         qkvg, q, o, gated = self.qkvg[:b], self.q[:b], self.o[:b], self.gated[:b]
         self.linear.run("qkvg", x, qkvg)
-        self.fork()
         s0, s1, s2, _ = kv.k.stride()
         self.front.launch(
             (b, self.heads + 2 * self.kv_heads, 1),
@@ -145,35 +133,3 @@ class CudaAttention(_Cuda):
             ],
         )
         self.linear.run("o_proj", gated, partial)
-
-
-class CudaAttentionReadAhead(CudaAttention):
-    """``cuda.attention`` that, after its QKV+gate GEMM, forks a side stream reading its
-    o_proj's weight into L2 by ordinary loads (read_ahead.py) while the attention core's
-    kernels leave the memory idle (about 10.5 us a layer at a TP-8 rank), joined after
-    the o_proj. The reads write nothing a result depends on: the same results as
-    ``cuda.attention``. Not registered: not yet run on a GPU (bench/NOTES.md v18: the o_proj
-    streams from L2 in 3.1 us against 5.4 from the DRAM, but v12's bulk prefetch beside
-    fa2's prefill cost the prefill 2-3 us a layer)."""
-
-    name = "cuda.attention_read_ahead"
-    blocks_per_sm, depth = 1, 16  # the read-ahead's launch (read_ahead.py)
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        from .read_ahead import ReadAhead
-
-        self.read_ahead = ReadAhead(ctx.device, [self.layer.o_proj], self.blocks_per_sm, self.depth)
-        self.side = torch.cuda.Stream(ctx.device)
-        self.forked, self.done = torch.cuda.Event(), torch.cuda.Event()
-
-    def fork(self) -> None:
-        current = torch.cuda.current_stream(self.read_ahead.sink.device)
-        self.forked.record(current)
-        self.side.wait_event(self.forked)
-        with torch.cuda.stream(self.side):
-            self.read_ahead.launch()
-            self.done.record(self.side)
-
-    def join(self) -> None:
-        torch.cuda.current_stream(self.read_ahead.sink.device).wait_event(self.done)

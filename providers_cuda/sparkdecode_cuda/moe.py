@@ -10,14 +10,7 @@ At TP > 1 with ``cuda.all_reduce`` as the resolved sub-op, the reduction and the
 tail are one kernel (tail_all_reduce_kernel, the same Lamport call and the same
 bits as the sub-op's); with another all-reduce, the sub-op runs between kernels.
 
-Where the resolved linear runs the router inside the pooler's kernel (LinearOp's
-optional ``run_router_pooler``, e.g. cute.linear_tma_routed), the front is one GEMM
-launch and then route_norm_kernel (the pre-expert norm and the routing in one launch
-of 2b blocks, the routing a whole block a row by ranks, the same bits as the two
-kernels), all on the current stream; the routing is then behind a programmatic
-dependency only (``RoutedTopk.final`` False).
-
-Otherwise, on CUDA the router GEMM and the routing kernel run on a side stream, beside the
+On CUDA the router GEMM and the routing kernel run on a side stream, beside the
 pooler GEMM and the pre-expert norm on the current stream (issue 8: 31 us and 30 us
 at a TP-8 rank, back to back before): the side stream waits on an event recorded on
 the current stream (the fork), and the current stream waits on an event recorded
@@ -87,48 +80,33 @@ class MoEKernels:
         self.norm = Kernel(SOURCE, "rmsnorm_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail = Kernel(SOURCE, "tail_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail_all_reduce = Kernel(SOURCE, "tail_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        self.route_norm_kernel = Kernel(SOURCE, "route_norm_kernel", ctx.device, defines, COMPILE_OPTIONS)
 
-    def _route_args(self, logits: torch.Tensor, bias: torch.Tensor, scaling: float, topk: RoutedTopk) -> list:
-        return [
-            ptr(logits),
-            i32(logits.stride(0)),
-            ptr(bias),
-            ptr(topk.ids),
-            ptr(topk.weights),
-            i32(self.top_k),
-            f32(scaling),
-            f32(1e-15),
-        ]
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, scaling: float, topk: RoutedTopk) -> None:
+        b = logits.shape[0]
+        self.routing.launch(
+            (b, 1, 1),
+            (32, 1, 1),
+            [
+                ptr(logits),
+                i32(logits.stride(0)),
+                ptr(bias),
+                ptr(topk.ids),
+                ptr(topk.weights),
+                i32(self.top_k),
+                f32(scaling),
+                f32(1e-15),
+            ],
+        )
 
-    @staticmethod
-    def _norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> list:
+    def pre_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
         check_aligned("x", x, strided=True)
         check_aligned("weight", weight)
         check_aligned("out", out)
-        return [ptr(x), i32(x.stride(0)), ptr(weight), f32(eps), f32(1.0), ptr(out)]
-
-    def route(self, logits: torch.Tensor, bias: torch.Tensor, scaling: float, topk: RoutedTopk) -> None:
-        self.routing.launch((logits.shape[0], 1, 1), (32, 1, 1), self._route_args(logits, bias, scaling, topk))
-
-    def pre_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-        self.norm.launch((x.shape[0], 1, 1), (self.threads, 1, 1), self._norm_args(x, weight, eps, out))
-
-    def route_norm(
-        self,
-        logits: torch.Tensor,
-        bias: torch.Tensor,
-        scaling: float,
-        topk: RoutedTopk,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        out: torch.Tensor,
-    ) -> None:
-        """``route`` and ``pre_norm`` in one launch (route_norm_kernel: the same bits)."""
-        b = logits.shape[0]
-        args = self._norm_args(x, weight, eps, out) + self._route_args(logits, bias, scaling, topk) + [i32(b)]
-        self.route_norm_kernel.launch((2 * b, 1, 1), (self.threads, 1, 1), args)
+        self.norm.launch(
+            (x.shape[0], 1, 1),
+            (self.threads, 1, 1),
+            [ptr(x), i32(x.stride(0)), ptr(weight), f32(eps), f32(1.0), ptr(out)],
+        )
 
     def finish(
         self, rows: torch.Tensor, weights: torch.Tensor, norm: torch.Tensor, eps: float, out: torch.Tensor
@@ -208,15 +186,11 @@ class CudaMoE(_Cuda):
         fusable = ctx.tp > 1 and ctx.ops.get("all_reduce") is CudaAllReduce and self.reduce_rows != self.reduce_out
         self.workspace = workspace(ctx) if fusable else None
         self.linear = ctx.ops["linear"].build(ctx, layer)
-        # A linear that runs the router inside the pooler's kernel (LinearOp's
-        # ``run_router_pooler``): one launch, then the routing and the norm in one.
-        fuses = getattr(self.linear, "fuses_router_pooler", None)
-        self.fused = ctx.device.type == "cuda" and callable(fuses) and bool(fuses())
-        # Else the router on a side stream (CUDA only): its own linear op and scratch,
-        # the stream and the fork/join events made here, outside any capture.
+        # The router on a side stream (CUDA only): its own linear op and scratch, the
+        # stream and the fork/join events made here, outside any capture.
         self.side: torch.cuda.Stream | None = None
         self.router_linear = self.linear
-        if ctx.device.type == "cuda" and not self.fused:
+        if ctx.device.type == "cuda":
             self.side = torch.cuda.Stream(ctx.device)
             self.fork, self.join = torch.cuda.Event(), torch.cuda.Event()
             self.router_linear = ctx.ops["linear"].build(side_context(ctx), layer)
@@ -246,36 +220,10 @@ class CudaMoE(_Cuda):
         self.router_linear.run("router", x, logits)
         self.kernels.route(logits, self.layer.expert_bias, self.spec.routed_scaling_factor, topk)
 
-    def _full_width(self, pooled: torch.Tensor) -> torch.Tensor:
-        """The pooler's output gathered over the ranks where it is column-sharded."""
-        if pooled.shape[1] != self.spec.P:
-            pooled = self.collectives.gather_columns(pooled, self.spec.P)
-        return pooled
-
-    def _fused_front(self, x: torch.Tensor, topk: RoutedTopk) -> torch.Tensor:
-        """The router and the pooler in one kernel, then the routing and the pre-expert
-        norm in one: the experts' input h."""
-        spec, b = self.spec, x.shape[0]
-        logits, pooled = self.logits[:b], self.pooled[:b]
-        self.linear.run_router_pooler(x, logits, pooled)
-        pooled = self._full_width(pooled)
-        h = self.h[:b]
-        self.kernels.route_norm(
-            logits,
-            self.layer.expert_bias,
-            spec.routed_scaling_factor,
-            topk,
-            pooled,
-            self.layer.pre_expert_norm,
-            spec.rms_norm_eps,
-            h,
-        )
-        return h
-
-    def _side_front(self, x: torch.Tensor, topk: RoutedTopk) -> torch.Tensor:
-        """The router (and the routing) on the side stream beside the pooler and the
-        pre-expert norm, joined before the experts: the experts' input h."""
+    def run(self, step: Step, x: torch.Tensor) -> None:
         spec, layer, b = self.spec, self.layer, x.shape[0]
+        # behind the side stream's join the routing is complete when the experts launch
+        topk = RoutedTopk(self.ids[:b], self.weights[:b], final=self.side is not None)
         side, current = self.side, None
         if side is None:
             self._route(x, topk)
@@ -288,27 +236,12 @@ class CudaMoE(_Cuda):
                 self.join.record(side)
         pooled = self.pooled[:b]
         self.linear.run("pooler", x, pooled)
-        pooled = self._full_width(pooled)
+        if pooled.shape[1] != spec.P:  # a column-sharded pooler
+            pooled = self.collectives.gather_columns(pooled, spec.P)
         h = self.h[:b]
         self.kernels.pre_norm(pooled, layer.pre_expert_norm, spec.rms_norm_eps, h)
         if current is not None:  # join: the routing is read from here on
             current.wait_event(self.join)
-        return h
-
-    def run(self, step: Step, x: torch.Tensor) -> None:
-        b = x.shape[0]
-        if self.fused:
-            topk = RoutedTopk(self.ids[:b], self.weights[:b])
-            h = self._fused_front(x, topk)
-        else:
-            # behind the side stream's join the routing is complete when the experts launch
-            topk = RoutedTopk(self.ids[:b], self.weights[:b], final=self.side is not None)
-            h = self._side_front(x, topk)
-        self._experts_on(h, topk)
-
-    def _experts_on(self, h: torch.Tensor, topk: RoutedTopk) -> None:
-        """The routed experts on h, the tail and the unpooler into the next mailbox."""
-        spec, layer, b = self.spec, self.layer, h.shape[0]
         rows = self.rows[:b]
         self.experts.run(ExpertsInput(h), topk, rows)
         m = self.m[:b]

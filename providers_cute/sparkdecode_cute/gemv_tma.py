@@ -70,8 +70,6 @@ from .gemv_splitk import (
     compile_split,
     first_plan,
     split_counts,
-    split_sum,
-    store_elements,
     tiling_reason,
     wave_key,
 )
@@ -92,11 +90,6 @@ BARRIER_BYTES = 2048  # the mbarriers (padded to the ring's 1024-byte alignment)
 SUMS_BYTES = WARPS * TILE_ROWS * MMA_N * 4  # the epilogue's fp32 sums in the drained ring
 STAGING_BYTES = MMA_N * TILE_ROWS * 2  # the published epilogue's bf16 tile, after the sums
 MAX_TP = 8  # ranks of a Lamport mailbox (lamport.py's MAX_TP)
-HELPER_WARP = 5  # RoutedTmaGemv: warps 5-7 stream the router beside the weight
-HELPERS = (WARPS - HELPER_WARP) * 32
-ROUTER_VECTOR = 4  # fp32 router elements per 16-byte load
-ROUTER_DEPTH = 4  # a helper's steps of router vectors in flight
-MAX_ROUTER_ROWS = 8  # router rows a tile (a helper sums rows x 8 in registers)
 
 
 @dataclass(frozen=True)
@@ -291,12 +284,9 @@ class TmaGemv(SplitKKernel):
         x_stride: Int32,
         out_stride: Int32,
         publisher: cutlass.Constexpr,
-        router: cutlass.Constexpr = None,
     ):
         """The kernel's body: the CTA's tile and split of K, ended by ``finish_tile``
-        (with ``publisher``'s store, a ``Publisher`` of the ring, where given). With a
-        ``Router``, warps 5-7 also stream the router's rows of this tile over the
-        CTA's chunk of K beside the weight, and the tile's last CTA stores them."""
+        (with ``publisher``'s store, a ``Publisher`` of the ring, where given)."""
         p = self.plan
         TK, KB = p.chunk, p.stage_k // MMA_K
         tidx, _, _ = cute.arch.thread_idx()
@@ -336,13 +326,6 @@ class TmaGemv(SplitKKernel):
             for _ in cutlass.range_constexpr(prefetch):
                 self.produce(ring, ahead, tma_atom, tWgW, tWsW, k_tile0)
                 ahead.advance()
-        if cutlass.const_expr(router is not None):
-            helper = tidx - HELPER_WARP * 32
-            r_buffers = router.buffers()
-            r_acc = cute.make_rmem_tensor((router.count,), Float32)
-            r_acc.fill(0.0)
-            if warp >= HELPER_WARP:
-                router.prefetch(r_buffers, helper, tile, split)
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
 
@@ -398,9 +381,6 @@ class TmaGemv(SplitKKernel):
                 cute.nvgpu.warpgroup.wait_group(0)
                 ring.consumer_release(consumed)
                 consumed.advance()
-        if cutlass.const_expr(router is not None):
-            if warp >= HELPER_WARP:
-                router.multiply(r_buffers, r_acc, x, b, x_stride, helper, tile, split)
         cute.arch.sync_threads()
 
         # The ring is free: partial[0, row * 8 + i] holds the tile's sums (each from
@@ -421,9 +401,6 @@ class TmaGemv(SplitKKernel):
         cute.arch.sync_threads()
 
         store = None if publisher is None else publisher.store_at(sW.iterator)
-        if cutlass.const_expr(router is not None):
-            router.reduce(sW.iterator, r_acc, warp, helper, tile, split)
-            store = router.store
         self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, store)
 
 
@@ -641,283 +618,6 @@ def compile_tma_publishing(plan: TmaPlan, arch: str | None = None, options: str 
         Int32(1),
         Int32(plan.k),
         Int32(plan.n),
-        cute.runtime.make_fake_stream(),
-        arch=arch,
-        options=options,
-    )
-
-
-def router_reason(plan: TmaPlan, experts: int, k: int, w_stride: int) -> str | None:
-    """Why ``RoutedTmaGemv`` does not take the fp32 router W_r [experts, k] (rows
-    ``w_stride`` apart) beside ``plan``, if so: the same K, its rows spread evenly
-    over the tiles (at most ``MAX_ROUTER_ROWS`` a tile), 16-byte rows, and the
-    helpers' sums beside the tile's in the drained ring."""
-    if k != plan.k:
-        return f"the router's K {k} is not the weight's {plan.k}"
-    if experts % plan.tiles or experts // plan.tiles > MAX_ROUTER_ROWS:
-        return f"{experts} router rows do not spread over {plan.tiles} tiles at most {MAX_ROUTER_ROWS} a tile"
-    if w_stride % ROUTER_VECTOR:
-        return f"router rows {w_stride} apart are not whole 16-byte vectors"
-    rows = experts // plan.tiles
-    if plan.stages * plan.stage_bytes < SUMS_BYTES + HELPERS * rows * MMA_N * 4:
-        return f"{plan}: a ring of {plan.stages * plan.stage_bytes} bytes cannot hold the tile's and the router's sums"
-    return None
-
-
-@dataclass(frozen=True)
-class Router:
-    """The fp32 router streamed beside a ``RoutedTmaGemv``'s weight: ``w`` fp32 [e, k]
-    (rows ``w_stride`` apart); ``logits`` fp32 [b, e] (rows ``logits_stride`` apart);
-    ``workspace`` fp32 [splits, e * 8] (each split's sums, no zeroing needed). Tile t
-    owns router rows t * rows .. + rows - 1 (``rows`` = e / tiles); the CTA of (t, s)
-    sums them over split s's chunk of K on the helper warps (5-7): helper h takes
-    the 16-byte vectors h, h + 96, ... of the chunk, all ``rows`` rows of each,
-    against x's 8 rows (rows past b repeat row b - 1) read from global memory (fp32 of
-    the bf16 x, exact), ``ROUTER_DEPTH`` steps of weight in flight, the first issued
-    before the PDL wait. Each sum runs in K order within a helper, then over the
-    helpers in index order, then over the splits in split order; one fp32 result."""
-
-    w: cute.Pointer
-    logits: cute.Pointer
-    workspace: cute.Pointer
-    logits_stride: Int32
-    e: int
-    k: int
-    w_stride: int
-    rows: int
-    splits: int
-
-    @property
-    def vectors(self) -> int:
-        """16-byte router vectors of one row in a split's chunk."""
-        return self.k // self.splits // ROUTER_VECTOR
-
-    @property
-    def steps(self) -> int:
-        """A helper's steps (one vector of each of its rows a step) over the chunk."""
-        return (self.vectors + HELPERS - 1) // HELPERS
-
-    def buffers(self) -> list:
-        """The register ring of router vectors: ``ROUTER_DEPTH`` steps x ``rows``."""
-        depth = min(ROUTER_DEPTH, self.steps)
-        return [[cute.make_rmem_tensor((ROUTER_VECTOR,), Float32) for _ in range(self.rows)] for _ in range(depth)]
-
-    @property
-    def count(self) -> int:
-        """Router sums of a tile: its rows x x's 8 rows."""
-        return self.rows * MMA_N
-
-    def weights(self) -> cute.Tensor:
-        return cute.make_tensor(self.w, cute.make_layout((self.e, self.k), stride=(self.w_stride, 1)))
-
-    def sums(self) -> cute.Tensor:
-        """The workspace: fp32 [splits, e * 8], each split's sums."""
-        return cute.make_tensor(
-            self.workspace, cute.make_layout((self.splits, self.e * MMA_N), stride=(self.e * MMA_N, 1))
-        )
-
-    @cute.jit
-    def load(self, buffers: list, step: cutlass.Constexpr, helper: Int32, tile: Int32, split: Int32):
-        """Step ``step``'s vectors of the tile's router rows into its buffer."""
-        mW = self.weights()
-        v = helper + step * HELPERS
-        if v < self.vectors:
-            for r in cutlass.range_constexpr(self.rows):
-                vector = cute.local_tile(mW, (1, ROUTER_VECTOR), (tile * self.rows + r, split * self.vectors + v))
-                buffers[step % len(buffers)][r].store(vector.load())
-
-    @cute.jit
-    def prefetch(self, buffers: list, helper: Int32, tile: Int32, split: Int32):
-        """The first ``ROUTER_DEPTH`` steps (before the PDL wait: the weight is constant)."""
-        for step in cutlass.range_constexpr(len(buffers)):
-            self.load(buffers, step, helper, tile, split)
-
-    @cute.jit
-    def multiply(
-        self,
-        buffers: list,
-        acc: cute.Tensor,
-        x: cute.Pointer,
-        b: Int32,
-        x_stride: Int32,
-        helper: Int32,
-        tile: Int32,
-        split: Int32,
-    ):
-        """``acc[r * 8 + i] += w[r] . x[i]`` over the helper's steps (after the PDL
-        wait: x is the kernel before's output), each buffer refilled ``ROUTER_DEPTH``
-        steps ahead as soon as it is used."""
-        depth = len(buffers)
-        xs = cute.assume(x_stride, divby=VECTOR)
-        mX = cute.make_tensor(x, cute.make_layout((MMA_N, self.k), stride=(xs, 1)))
-        for step in cutlass.range_constexpr(self.steps):
-            v = helper + step * HELPERS
-            if v < self.vectors:
-                xv = [
-                    cute.local_tile(mX, (1, ROUTER_VECTOR), (cutlass.min(i, b - 1), split * self.vectors + v))
-                    .load()
-                    .to(Float32)
-                    for i in range(MMA_N)
-                ]
-                for r in cutlass.range_constexpr(self.rows):
-                    wv = buffers[step % depth][r].load()
-                    for i in cutlass.range_constexpr(MMA_N):
-                        total = acc[r * MMA_N + i]
-                        for e in cutlass.range_constexpr(ROUTER_VECTOR):
-                            total = total + wv[e] * xv[i][e]
-                        acc[r * MMA_N + i] = total
-            if cutlass.const_expr(step + depth < self.steps):
-                self.load(buffers, step + depth, helper, tile, split)
-
-    @cute.jit
-    def reduce(self, ring: cute.Pointer, acc: cute.Tensor, warp: Int32, helper: Int32, tile: Int32, split: Int32):
-        """The helpers' sums of the CTA (after the ring is drained and the tile's sums
-        are in it): each helper's into the ring past the tile's sums, then element q
-        of the tile's router rows summed over the helpers in index order by thread q
-        into ``workspace[split]``; a barrier after, so the tile's last CTA (this one
-        without a split) reads them in ``store``."""
-        tidx, _, _ = cute.arch.thread_idx()
-        count = self.count
-        sR = cute.make_tensor(
-            cute.recast_ptr(ring, dtype=Float32) + SUMS_BYTES // 4,
-            cute.make_layout((HELPERS, count), stride=(count, 1)),
-        )
-        if warp >= HELPER_WARP:
-            for q in cutlass.range_constexpr(count):
-                sR[helper, q] = acc[q]
-        cute.arch.sync_threads()
-        mWs = self.sums()
-        if tidx < count:
-            total = Float32(0.0)
-            for h in cutlass.range(HELPERS, unroll_full=True):
-                total = total + sR[h, tidx]
-            mWs[split, tile * count + tidx] = total
-        cute.arch.sync_threads()
-
-    @cute.jit
-    def store(
-        self,
-        mO: cute.Tensor,
-        total: cutlass.Constexpr,
-        b: Int32,
-        n0: Int32,
-        tile_rows: cutlass.Constexpr,
-        cols: cutlass.Constexpr,
-        out_dtype: cutlass.Constexpr,
-    ):
-        """``finish_tile``'s store of the tile's last CTA: the weight's sums as
-        ``store_elements``, then the tile's router logits, the splits in split order."""
-        store_elements(mO, total, b, n0, tile_rows, cols, out_dtype)
-        tidx, _, _ = cute.arch.thread_idx()
-        count = self.count
-        tile = n0 // tile_rows
-        mWs = self.sums()
-        mL = cute.make_tensor(self.logits, cute.make_layout((MMA_N, self.e), stride=(self.logits_stride, 1)))
-        if tidx < count:
-            r = tidx // MMA_N
-            i = tidx - r * MMA_N
-            if i < b:
-                mL[i, tile * self.rows + r] = split_sum(mWs, tile * count, self.splits, tidx)
-
-
-class RoutedTmaGemv(TmaGemv):
-    """``TmaGemv`` (the pooler's) with the fp32 router streamed beside it (``Router``):
-    one launch for both GEMMs of the MoE's input, ``__call__(w, x, out, workspace,
-    counters, router_w, logits, router_workspace, b, x_stride, out_stride,
-    logits_stride, stream)``; router_w fp32 [experts, k] rows ``router_stride`` apart,
-    logits fp32 [b, experts], router_workspace fp32 of ``plan.splits * experts * 8``."""
-
-    def __init__(self, plan: TmaPlan, experts: int, router_stride: int):
-        reason = router_reason(plan, experts, plan.k, router_stride)
-        if reason:
-            raise ValueError(reason)
-        super().__init__(plan)
-        self.experts, self.router_stride = experts, router_stride
-
-    @cute.jit
-    def __call__(
-        self,
-        w: cute.Pointer,
-        x: cute.Pointer,
-        out: cute.Pointer,
-        workspace: cute.Pointer,
-        counters: cute.Pointer,
-        router_w: cute.Pointer,
-        logits: cute.Pointer,
-        router_workspace: cute.Pointer,
-        b: Int32,
-        x_stride: Int32,
-        out_stride: Int32,
-        logits_stride: Int32,
-        stream: cuda.CUstream,
-    ):
-        p = self.plan
-        tma_atom, tma_w = self.tma_of(w)
-        self.kernel(
-            tma_atom,
-            tma_w,
-            x,
-            out,
-            workspace,
-            counters,
-            router_w,
-            logits,
-            router_workspace,
-            b,
-            x_stride,
-            out_stride,
-            logits_stride,
-        ).launch(grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True)
-
-    @cute.kernel
-    def kernel(
-        self,
-        tma_atom: cute.CopyAtom,
-        tma_w: cute.Tensor,
-        x: cute.Pointer,
-        out: cute.Pointer,
-        workspace: cute.Pointer,
-        counters: cute.Pointer,
-        router_w: cute.Pointer,
-        logits: cute.Pointer,
-        router_workspace: cute.Pointer,
-        b: Int32,
-        x_stride: Int32,
-        out_stride: Int32,
-        logits_stride: Int32,
-    ):
-        p = self.plan
-        router = Router(
-            router_w,
-            logits,
-            router_workspace,
-            logits_stride,
-            self.experts,
-            p.k,
-            self.router_stride,
-            self.experts // p.tiles,
-            p.splits,
-        )
-        self.stream_tile(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride, None, router)
-
-
-def compile_tma_routed(plan: TmaPlan, experts: int, router_stride: int, arch: str | None = None, options: str = ""):
-    """``RoutedTmaGemv(plan, experts, router_stride)`` compiled on fake pointers for
-    ``arch``, with further ``options``, as ``compile_tma``."""
-    return compile_for(
-        RoutedTmaGemv(plan, experts, router_stride),
-        fake_pointer(BFloat16),
-        fake_pointer(BFloat16),
-        fake_pointer(BFloat16),
-        fake_pointer(Float32),
-        fake_pointer(Int32, 4),
-        fake_pointer(Float32),
-        fake_pointer(Float32, 4),
-        fake_pointer(Float32),
-        Int32(1),
-        Int32(plan.k),
-        Int32(plan.n),
-        Int32(experts),
         cute.runtime.make_fake_stream(),
         arch=arch,
         options=options,

@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from sparkdecode.protocols import BuildContext
-
 from .common import compiled, current_stream, pointer
 from .linear import VECTOR_BYTES
 from .linear_mma import CuteLinearMma, MmaWeight
@@ -198,98 +196,3 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
     name = "cute.linear_tma_coresident"
     bf16_weight = CoresidentTmaWeight
-
-
-class RoutedPooler:
-    """The pooler's TMA kernel with the fp32 router streamed beside it (gemv_tma's
-    ``RoutedTmaGemv``, the pooler's plan): ``__call__(x, logits, pooled)`` is
-    ``run("router", x, logits)`` and ``run("pooler", x, pooled)`` in one launch. The
-    pooler's sums are its TmaWeight's bits; the router's are fp32 sums of the same
-    products in another order (gemv_tma's ``Router``). ``workspace``: fp32 of at
-    least splits x E x 8 (no zeroing needed)."""
-
-    def __init__(self, pooler: TmaWeight, router: torch.Tensor, workspace: torch.Tensor):
-        from . import gemv_tma
-
-        p = pooler.plan
-        if router.dtype != torch.float32 or router.dim() != 2 or router.stride(1) != 1:
-            raise ValueError(
-                f"cute.linear_tma_routed: the router is {tuple(router.shape)} {router.dtype}, not fp32 rows"
-            )
-        reason = gemv_tma.router_reason(p, router.shape[0], router.shape[1], router.stride(0))
-        if reason:
-            raise ValueError(f"cute.linear_tma_routed: {reason}")
-        if workspace.numel() < p.splits * router.shape[0] * p.cols:
-            raise ValueError("cute.linear_tma_routed: the router's workspace is too small")
-        self.pooler, self.router, self.experts = pooler, router, router.shape[0]
-        stride = router.stride(0)
-        self.kernel = compiled(
-            ("gemv_tma_routed", p, self.experts, stride),
-            lambda: gemv_tma.compile_tma_routed(p, self.experts, stride),
-        )
-        self.w_ptr = pointer(router, VECTOR_BYTES)
-        self.workspace = workspace  # held: the kernel has only its address
-        self.workspace_ptr = pointer(workspace, VECTOR_BYTES)
-
-    def __call__(self, x: torch.Tensor, logits: torch.Tensor, pooled: torch.Tensor) -> None:
-        from cutlass import Int32
-
-        self.pooler.check(x, pooled)
-        b = x.shape[0]
-        if logits.dtype != torch.float32 or tuple(logits.shape) != (b, self.experts) or logits.stride(1) != 1:
-            raise ValueError(
-                f"cute.linear_tma_routed: logits {tuple(logits.shape)} {logits.dtype} is not fp32 [{b}, {self.experts}] rows"
-            )
-        self.kernel(
-            self.pooler.w_ptr,
-            pointer(x, VECTOR_BYTES),
-            pointer(pooled, pooled.element_size()),
-            *self.pooler.buffers,
-            self.w_ptr,
-            pointer(logits, 4),
-            self.workspace_ptr,
-            Int32(b),
-            Int32(x.stride(0)),
-            Int32(pooled.stride(0)),
-            Int32(logits.stride(0)),
-            current_stream(),
-        )
-
-
-class CuteLinearTmaRouted(CuteLinearTma):
-    """cute.linear_tma whose router runs inside the pooler's kernel (``RoutedPooler``):
-    the MoE block asks for both GEMMs of its input at once (``run_router_pooler``)
-    instead of running the router beside the pooler on a second stream. Where the
-    shapes do not take it (``fuses_router_pooler`` False) it is cute.linear_tma.
-
-    Not registered: correct on the H200 and the router with the pooler 20.7-21.9 us a
-    layer against 23-24.2, but with the routing then after it (one warp a row) the
-    62-layer step 10.28 ms against 10.10 (bench/NOTES.md v18); cuda.moe's routing a
-    block a row by ranks (route_norm_kernel) is built for it, not yet measured."""
-
-    name = "cute.linear_tma_routed"
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        from . import gemv_tma
-
-        super().__init__(ctx, layer)
-        self.routed: RoutedPooler | None = None
-        pooler, router = self.weights["pooler"], self.weights["router"]
-        if isinstance(pooler, TmaWeight) and router.w.dtype == torch.float32:
-            w = router.w
-            if gemv_tma.router_reason(pooler.plan, w.shape[0], w.shape[1], w.stride(0)) is None:
-                size = pooler.plan.splits * w.shape[0] * pooler.plan.cols
-                workspace = ctx.scratch(f"{self.name}.router_workspace.{size}", (size,), torch.float32)
-                self.routed = RoutedPooler(pooler, w, workspace)
-
-    def fuses_router_pooler(self) -> bool:
-        """Whether ``run_router_pooler`` runs this layer's router and pooler as one kernel."""
-        return self.routed is not None
-
-    def run_router_pooler(self, x: torch.Tensor, logits: torch.Tensor, pooled: torch.Tensor) -> None:
-        """``run("router", x, logits)`` and ``run("pooler", x, pooled)`` in one launch."""
-        if self.routed is None:
-            self.run("router", x, logits)
-            self.run("pooler", x, pooled)
-            return
-        self.routed(x, logits, pooled)

@@ -86,14 +86,14 @@ extern "C" __global__ void __launch_bounds__(32) routing_kernel(
   }
 }
 
-// bf16 out = bf16(rms(x, eps) * (w + center)) of one row of WIDTH by a block of THREADS
-// (16-byte loads and stores of a thread's 8 values), the PDL trigger and wait inside.
-__device__ __forceinline__ void norm_row(const bf16_t* __restrict__ x, int x_stride,
-                                         const bf16_t* __restrict__ weight, float eps, float center,
-                                         bf16_t* __restrict__ out, int row) {
+// bf16 out = bf16(rms(x, eps) * (w + center)), one block per row of WIDTH (16-byte
+// loads and stores of a thread's 8 values).
+extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
+    const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ weight, float eps, float center,
+    bf16_t* __restrict__ out) {
   static_assert(ITEMS == 8, "8 values a thread");
   __shared__ float scratch[32];
-  const int base = threadIdx.x * ITEMS;
+  const int row = blockIdx.x, base = threadIdx.x * ITEMS;
   float w[ITEMS];
   load_bf16x8(weight + base, w);
 #pragma unroll
@@ -108,80 +108,6 @@ __device__ __forceinline__ void norm_row(const bf16_t* __restrict__ x, int x_str
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) v[i] = v[i] * inv * w[i];
   store_bf16x8(out + (long)row * WIDTH + base, v);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
-    const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ weight, float eps, float center,
-    bf16_t* __restrict__ out) {
-  norm_row(x, x_stride, weight, eps, center, out, blockIdx.x);
-}
-
-// One row's routing by a whole block of THREADS (route_norm_kernel), the same operations
-// and bits as routing_kernel's warp for finite logits: p and p + bias per expert, then each expert's
-// rank in the selection order (the count of experts with a higher score, or an equal one
-// at a lower index), counted over RANK_SPLIT parts of the experts in parallel; the experts
-// ranked below top_k take their slots, and each output lane sums the slots' p in slot
-// order, as routing_kernel's selection order. The PDL trigger and wait inside.
-#define RANK_SPLIT (THREADS >= EXPERTS ? THREADS / EXPERTS : 1)
-__device__ __forceinline__ void rank_route_row(const float* __restrict__ logits, int logits_stride,
-                                               const float* __restrict__ bias, int* __restrict__ ids,
-                                               float* __restrict__ weights, int top_k, float scaling, float eps,
-                                               int row) {
-  __shared__ float score[EXPERTS], prob[EXPERTS], slot_p[32];
-  __shared__ int rank_part[RANK_SPLIT * EXPERTS], slot_e[32];
-  const int t = threadIdx.x;
-  pdl_launch_dependents();
-  pdl_wait();
-  const float* z = logits + (long)row * logits_stride;
-  for (int e = t; e < EXPERTS; e += THREADS) {
-    const float p = 1.0f / (1.0f + expf(-z[e]));
-    prob[e] = p;
-    score[e] = p + bias[e];
-  }
-  __syncthreads();
-  for (int u = t; u < RANK_SPLIT * EXPERTS; u += THREADS) {
-    const int e = u % EXPERTS, q = u / EXPERTS;
-    const float mine = score[e];
-    int rank = 0;
-    for (int j = q * EXPERTS / RANK_SPLIT; j < (q + 1) * EXPERTS / RANK_SPLIT; ++j) {
-      const float o = score[j];
-      rank += (o > mine) | ((o == mine) & (j < e));
-    }
-    rank_part[u] = rank;
-  }
-  __syncthreads();
-  for (int e = t; e < EXPERTS; e += THREADS) {
-    int rank = 0;
-#pragma unroll
-    for (int q = 0; q < RANK_SPLIT; ++q) rank += rank_part[q * EXPERTS + e];
-    if (rank < top_k) {
-      slot_e[rank] = e;
-      slot_p[rank] = prob[e];
-    }
-  }
-  __syncthreads();
-  if (t < top_k) {
-    float total = 0.f;
-    for (int j = 0; j < top_k; ++j) total += slot_p[j];
-    const float inv = scaling / (total + eps);
-    ids[row * top_k + t] = slot_e[t];
-    weights[row * top_k + t] = slot_p[t] * inv;
-  }
-}
-
-// The routing and the pre-expert norm of b rows in one launch of 2b blocks of THREADS
-// (the router's logits and the pooler's output from one kernel before it): blocks
-// 0..b-1 norm row blockIdx.x as rmsnorm_kernel, blocks b..2b-1 route row blockIdx.x - b
-// (rank_route_row: routing_kernel's bits for finite logits).
-extern "C" __global__ void __launch_bounds__(THREADS) route_norm_kernel(
-    const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ weight, float eps, float center,
-    bf16_t* __restrict__ out, const float* __restrict__ logits, int logits_stride, const float* __restrict__ bias,
-    int* __restrict__ ids, float* __restrict__ weights, int top_k, float scaling, float route_eps, int b) {
-  if ((int)blockIdx.x < b) {
-    norm_row(x, x_stride, weight, eps, center, out, blockIdx.x);
-  } else {
-    rank_route_row(logits, logits_stride, bias, ids, weights, top_k, scaling, route_eps, blockIdx.x - b);
-  }
 }
 
 // The tail, one block per row: m = bf16(sum_j w[j] * rms(y_j * (1 + n), eps)), the

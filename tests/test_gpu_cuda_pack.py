@@ -262,7 +262,9 @@ def test_cuda_attention_provider(shape, layer_index):
     """Against reference.model.attention on a copy of the same random cache, at a
     context past the window and a page edge: the K/V written agree (V bitwise, K to
     one ulp), the o_proj partial to 2e-2 relative per row (one-ulp differences in q,
-    k and the gated output through the softmax and o_proj)."""
+    k and the gated output through the softmax and o_proj). The ``linear`` sub-op is pinned
+    to ``reference.linear`` (cuBLAS, as the reference computes the QKV+gate GEMM), so the
+    block's own kernels are what is compared; the faster linears have their own tests."""
     from sparkdecode.reference.kvcache import PagedKVCache
     from sparkdecode.weights import Sharding
 
@@ -272,7 +274,10 @@ def test_cuda_attention_provider(shape, layer_index):
         spec, sharding = ModelSpec.preset("muse-spark-open", 2), Sharding(8, 0, "tp")
     weights = random_weights(spec, seed=3, device="cuda", sharding=sharding)
     max_context = 4096
-    executor = SpecializedDecode(weights, DecodeConfig(max_context=max_context, pins={"attention": "cuda.attention"}))
+    executor = SpecializedDecode(
+        weights,
+        DecodeConfig(max_context=max_context, pins={"attention": "cuda.attention", "linear": "reference.linear"}),
+    )
     lw = weights.layers[layer_index]
     caches = []
     for _ in range(2):

@@ -2,7 +2,8 @@
 box: scripts/experts-bounds' source patches still find their places in the experts kernels
 and the patched kernels build spill-free, scripts/read-pattern's synthetic kernels
 build in every configuration it runs (NVRTC for sm_90a; skipped without NVRTC), and
-scripts/step-compare runs the bench once a layout (the tiny config, on the CPU)."""
+scripts/step-compare runs the bench once a layout (the tiny config, on the CPU), and
+scripts/ncu-sass-mix reads an Nsight Compute source page."""
 
 from __future__ import annotations
 
@@ -149,3 +150,26 @@ def test_step_compare_runs_each_layout(tmp_path):
         timeout=600,
     )
     assert bad.returncode == 1 and "== bad rc=" in bad.stdout and "nope.x" in bad.stdout
+
+
+def test_ncu_sass_mix_counts_a_page():
+    """scripts/ncu-sass-mix on a small source page: the instructions an HMMA, the stall
+    shares, the lines grouped by times run; a page without the counters is refused."""
+    mix = load_script("ncu-sass-mix")
+    header = ['"Address"', '"Source"', f'"{mix.SAMPLES}"', f'"{mix.EXECUTED}"', '"stall_long_sb"', '"stall_math"']
+    body = [
+        ["0x10", "@P0 LDG.E.128 R8, desc[UR4][R2.64]", "2", "100", "0", "2"],
+        ["0x20", "LOP3.LUT R1, R8, 0x81c081c0, RZ, 0xc0, !PT", "6", "100", "6", "0"],
+        ["0x30", "HMMA.16816.F32.BF16 R4, R1, R2, R4", "2", "100", "1", "1"],
+        ["0x40", "BRA 0x10", "0", "10", "0", "0"],
+    ]
+    page = '"Kernel Name","k",\n' + ",".join(header) + "\n" + "\n".join(",".join(f'"{v}"' for v in r) for r in body)
+    lines = mix.read_page(page)
+    assert [line.opcode for line in lines] == ["LDG", "LOP3", "HMMA", "BRA"]
+    out = "\n".join(mix.report(lines))
+    assert "310 warp instructions executed, 10 samples" in out
+    assert "3.1 instructions a HMMA" in out
+    assert "long_sb 70.0%, math 30.0%" in out
+    assert "x100: 3 lines, 96.8% of the instructions, 100.0% of the samples, 3.0 a HMMA" in out
+    with pytest.raises(ValueError, match="Address"):
+        mix.read_page('"Kernel Name","k",\n"a","b"\n')

@@ -173,3 +173,22 @@ def test_ncu_sass_mix_counts_a_page():
     assert "x100: 3 lines, 96.8% of the instructions, 100.0% of the samples, 3.0 a HMMA" in out
     with pytest.raises(ValueError, match="Address"):
         mix.read_page('"Kernel Name","k",\n"a","b"\n')
+
+
+def test_layouts_pin_registered_providers():
+    """scripts/layouts.sh's ALLPINS names, for every kind, a provider registered for it."""
+    import shlex
+    import subprocess
+
+    from sparkdecode.plugins import discover
+
+    out = subprocess.run(
+        ["bash", "-c", f"source {SCRIPTS / 'layouts.sh'}; echo $ALLPINS"], capture_output=True, text=True, check=True
+    ).stdout
+    words = shlex.split(out)
+    pins = dict(w.split("=", 1) for flag, w in zip(words[::2], words[1::2]) if flag == "--pin")
+    assert len(pins) == 10, pins
+    registry = discover()
+    for kind, name in pins.items():
+        found = registry.find(name)
+        assert found is not None and found.block == kind, (kind, name)

@@ -466,3 +466,26 @@ def test_marlin_v3_down_scatter_variants(width, intermediate, cls, parent, defin
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(cls.kernel_defines(width, intermediate, 8), cls)
+
+
+@pytest.mark.parametrize(
+    "cls", ["CudaExpertsNvfp4MarlinV3Half4ScatterUpK2", "CudaExpertsNvfp4MarlinV3Half4ScatterUpK1"]
+)
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls):
+    """_half4_scatter_up_k2 / _k1: _half4_scatter_up's defines plus EXPERTS_DOWN_WK (2 or 1)
+    at expert TP's slice, _half4_scatter_up's own under EP; spill-free and fitting; not
+    registered (not yet run on a GPU)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = getattr(experts_mod, cls)
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    if intermediate <= experts_mod.SLICE_WK1:
+        assert defines == {**base, "EXPERTS_DOWN_WK": cls.slice_wk}
+    else:
+        assert defines == base
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)

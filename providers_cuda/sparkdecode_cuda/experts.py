@@ -741,6 +741,29 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUp(CudaExpertsNvfp4MarlinV3Half4Scatte
     up_scatter = 1
 
 
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUp):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up`` whose down kernel takes 2 warps along K
+    at expert TP's slice (EXPERTS_DOWN_WK = 2, ``_SliceDown``), ``_half4_scatter_up``'s
+    elsewhere: a warp's item 16 k-steps of its 4 tiles instead of 8, so the item's own
+    instructions (the K reduction's stores, the route masks, the stores) are spread over
+    twice the MMAs, 2 tiles a warp in the scattered epilogue. At expert TP 38% of the down
+    kernel's instructions are outside its loop (bench/NOTES.md v19). The same products
+    summed in other K-slices: not ``_half4_scatter_up``'s bits (the fp32 order). Not
+    registered: not yet run on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_k2"
+    slice_wk = 2
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpK1(CudaExpertsNvfp4MarlinV3Half4ScatterUpK2):
+    """``_half4_scatter_up_k2`` with one warp along K at expert TP's slice (EXPERTS_DOWN_WK =
+    1): a warp's item the whole K-slice, no K reduction, its 4 tiles' epilogue its own.
+    Not registered: not yet run on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_k1"
+    slice_wk = 1
+
+
 class CudaExpertsSlice2(_SliceDown, CudaExperts):
     """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
     (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four

@@ -489,3 +489,22 @@ def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls):
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_pipe_variant(width, intermediate):
+    """_half4_scatter_up_pipe: _half4_scatter_up's defines plus EXPERTS_PIPE, spill-free and
+    fitting both kernels' blocks an SM; no other class sets the define; not registered (not
+    yet run on a GPU)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_PIPE": 1}
+    others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
+    assert [c for c in others if c.pipe] == [cls]
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)

@@ -135,12 +135,13 @@ def provider(fmt: str):
     EXPERTS_DOWN_SCATTER (the down kernel's K reduction as a reduce-scatter),
     "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the route masks made once a block),
     "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
+    "-v3half4scatteruppipe": that with EXPERTS_PIPE (the loads half a batch ahead),
     "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the down kernel's warps 2 or 1
     along K at expert TP's slice,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
-    _half_lean, _half4_scatter, _half4_scatter_masks, _half4_scatter_up_k2 / _k1 and the two V3
-    bulk unregistered)."""
+    _half_lean, _half4_scatter, _half4_scatter_masks, _half4_scatter_up_pipe, _k2, _k1 and the two
+    V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -169,6 +170,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatter": experts_mod.CudaExpertsNvfp4MarlinV3Half4Scatter,
         "nvfp4_marlin-v3half4scattermasks": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterMasks,
         "nvfp4_marlin-v3half4scatterup": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
+        "nvfp4_marlin-v3half4scatteruppipe": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe,
         "nvfp4_marlin-v3half4scatterupk2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK2,
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
@@ -219,6 +221,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatter",
         "-v3half4scattermasks",
         "-v3half4scatterup",
+        "-v3half4scatteruppipe",
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
         "-v3bulk",
@@ -498,3 +501,26 @@ def test_early_routing_is_half4_bit_for_bit(shape):
         rows.fill_(float("nan"))
         graph.replay()
         check(i)
+
+
+@pytest.mark.parametrize("shape", ["tp8-rank-expert-tp", "tp8-rank-ep"])
+def test_pipe_is_scatter_up_bit_for_bit(shape):
+    """_half4_scatter_up_pipe (the loads half a batch ahead) gives _half4_scatter_up's bits:
+    the same MMAs in the same order, at 1 and 8 rows with experts shared across rows (its
+    graph replays are test_experts_replay_with_changing_ids's)."""
+    spec, sharding = SHAPES[shape]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=5)
+    ctx = context(spec, experts)
+    ops = [provider(f).build(ctx, 0) for f in ("nvfp4_marlin-v3half4scatterup", "nvfp4_marlin-v3half4scatteruppipe")]
+    g = torch.Generator().manual_seed(11)
+    for b in (1, 8):
+        x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
+        ids = routing(b, spec.top_k, spec.E, "duplicates", g)
+        got = []
+        for op in ops:
+            rows = torch.full((b, spec.top_k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
+            op.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(b, spec.top_k, device="cuda")), rows)
+            got.append(rows)
+        torch.cuda.synchronize()
+        assert not got[0].float().isnan().any()
+        assert torch.equal(got[0], got[1])

@@ -130,6 +130,7 @@ SWITCHES = (
     ("down_scatter", "EXPERTS_DOWN_SCATTER"),
     ("slot_masks", "EXPERTS_SLOT_MASKS"),
     ("up_scatter", "EXPERTS_UP_SCATTER"),
+    ("pipe", "EXPERTS_PIPE"),
 )
 
 
@@ -163,6 +164,8 @@ class CudaExperts(_Cuda):
     slot_masks: ClassVar[int] = 0
     # experts.cu's EXPERTS_UP_SCATTER: the EXPERTS_HALF up kernel's item tail shared the same way
     up_scatter: ClassVar[int] = 0
+    # experts.cu's EXPERTS_PIPE: the V3 Marlin loop's loads half a batch ahead of its MMAs
+    pipe: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -739,6 +742,17 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUp(CudaExpertsNvfp4MarlinV3Half4Scatte
     # Above _half4_early (20): the fastest NVFP4 kernel in the H200's step.
     priority = 25
     up_scatter = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up`` with experts.cu's EXPERTS_PIPE: both
+    kernels' Marlin loops load each half-batch before the MMAs of the half before it, in
+    the registers of one batch, so a warp's loads are in flight beside its own MMAs (ncu: a
+    third of the stall samples on a code word's first use, bench/NOTES.md v19). The same
+    MMAs in the same order: the same bits. Not registered: not yet run on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_pipe"
+    pipe = 1
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUp):

@@ -575,12 +575,13 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
     marlin_batch_load<N, NBLK, HB>(qb, sb, wp, sp);
     marlin_batch_advance<N, NBLK, HB>(wp, sp);
     marlin_batch_mma<NBLK, HB>(qa, sa, xp, xrow, c);
+    xp += HB * 8;
     if (batch + SB < steps) {
       marlin_batch_load<N, NBLK, HB>(qa, sa, wp, sp);
       marlin_batch_advance<N, NBLK, HB>(wp, sp);
     }
-    marlin_batch_mma<NBLK, HB>(qb, sb, xp + HB * 8, xrow, c);
-    xp += SB * 8;
+    marlin_batch_mma<NBLK, HB>(qb, sb, xp, xrow, c);
+    xp += HB * 8;
 #elif EXPERTS_V3
     uint4 q[SB][NBLK];
     uint2 sc[SB][NBLK];

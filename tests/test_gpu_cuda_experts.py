@@ -136,12 +136,13 @@ def provider(fmt: str):
     "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the route masks made once a block),
     "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
     "-v3half4scatteruppipe": that with EXPERTS_PIPE (the loads half a batch ahead),
+    "-v3half4scatteruppipek2": that with the down kernel's warps 2 along K at expert TP's slice,
     "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the down kernel's warps 2 or 1
     along K at expert TP's slice,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
-    _half_lean, _half4_scatter, _half4_scatter_masks, _half4_scatter_up_pipe, _k2, _k1 and the two
-    V3 bulk unregistered)."""
+    _half_lean, _half4_scatter, _half4_scatter_masks, _half4_scatter_up_pipe, _pipe_k2, _k2, _k1 and
+    the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -171,6 +172,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scattermasks": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterMasks,
         "nvfp4_marlin-v3half4scatterup": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
         "nvfp4_marlin-v3half4scatteruppipe": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe,
+        "nvfp4_marlin-v3half4scatteruppipek2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpPipeK2,
         "nvfp4_marlin-v3half4scatterupk2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK2,
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
@@ -222,6 +224,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scattermasks",
         "-v3half4scatterup",
         "-v3half4scatteruppipe",
+        "-v3half4scatteruppipek2",
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
         "-v3bulk",

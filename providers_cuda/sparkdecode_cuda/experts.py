@@ -778,6 +778,16 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpK1(CudaExpertsNvfp4MarlinV3Half4Scat
     slice_wk = 1
 
 
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpPipeK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe):
+    """``_half4_scatter_up_pipe`` with ``_half4_scatter_up_k2``'s down kernel on 2 warps along K
+    at expert TP's slice: a warp's item 4 batches instead of 2, so more of its loads are
+    ahead of their MMAs. Not ``_half4_scatter_up``'s bits (``_k2``'s). Not registered: not yet
+    run on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_pipe_k2"
+    slice_wk = 2
+
+
 class CudaExpertsSlice2(_SliceDown, CudaExperts):
     """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
     (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four

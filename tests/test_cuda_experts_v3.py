@@ -512,3 +512,41 @@ def test_marlin_v3_pipe_variant(width, intermediate):
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (1024, 256)])
+def test_marlin_v3_up_stream_variant(width, intermediate):
+    """_half4_scatter_up_stream: _half4_scatter_up's defines plus EXPERTS_UP_STREAM, spill-free
+    and fitting both kernels' blocks an SM; not registered (not yet run on a GPU)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpStream
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_UP_STREAM": 1}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+
+
+def test_up_stream_runs_cover_items_in_at_most_three_pieces():
+    """experts.cu's StreamRuns, in Python: for every item count up to 512 items of 16 batches
+    and the H200's 528 blocks, the runs tile the units, each at least half an item, and an
+    item is in at most 3 runs; run_of inverts start."""
+    nbat, grid = 16, 528
+    minimum = (nbat + 1) // 2
+    for items in range(1, 513):
+        t = items * nbat
+        g = min(grid, t // minimum)
+        starts = [r * t // g for r in range(g + 1)]
+        assert starts[0] == 0 and starts[-1] == t
+        assert all(b - a >= minimum for a, b in zip(starts, starts[1:]))
+
+        def run_of(u: int, t: int = t, g: int = g) -> int:
+            return ((u + 1) * g - 1) // t
+
+        for r in range(g):
+            assert run_of(starts[r]) == r and run_of(starts[r + 1] - 1) == r
+        for item in range(items):
+            assert run_of(item * nbat + nbat - 1) - run_of(item * nbat) + 1 <= 3

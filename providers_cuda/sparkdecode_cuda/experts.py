@@ -131,6 +131,7 @@ SWITCHES = (
     ("slot_masks", "EXPERTS_SLOT_MASKS"),
     ("up_scatter", "EXPERTS_UP_SCATTER"),
     ("pipe", "EXPERTS_PIPE"),
+    ("up_stream", "EXPERTS_UP_STREAM"),
 )
 
 
@@ -166,6 +167,9 @@ class CudaExperts(_Cuda):
     up_scatter: ClassVar[int] = 0
     # experts.cu's EXPERTS_PIPE: the V3 Marlin loop's loads half a batch ahead of its MMAs
     pipe: ClassVar[int] = 0
+    # experts.cu's EXPERTS_UP_STREAM: the EXPERTS_HALF up kernel's batches cut evenly over its
+    # blocks, an item split over up to 3 blocks added through `up_part` and `up_count`
+    up_stream: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -203,6 +207,15 @@ class CudaExperts(_Cuda):
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
+        if self.up_stream:
+            # experts.cu's runs: every block of the grid has one, up to STREAM_PIECES (3) pieces
+            # an item of PART_FLOATS floats (both sides' sums of the item's tiles, 8 rows); the
+            # counts zero between launches (each launch leaves them so)
+            self.grid_up = self.up_blocks * sms
+            items, part = max(slots, 1) * tiles_up, 2 * (8 // _warps_k(spec.P, chunk)) * UP_COLS[self.format] * MAX_ROWS
+            self.up_part = ctx.scratch(f"cuda_experts_up_part_{items}_{part}", (items, 3, part), torch.float32)
+            self.up_count = ctx.scratch(f"cuda_experts_up_count_{items}", (items,), torch.int32)
+            self.up_count.zero_()
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
@@ -253,7 +266,10 @@ class CudaExperts(_Cuda):
     def _routing_args(self, topk: RoutedTopk) -> list[Arg]:
         """What the up kernel takes of the routing beyond its ids (EXPERTS_EARLY: whether
         they are final at launch)."""
-        return [i32(int(topk.final))] if self.early else []
+        args = [i32(int(topk.final))] if self.early else []
+        if self.up_stream:
+            args += [ptr(self.up_part), ptr(self.up_count)]
+        return args
 
     def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
         """The up kernel's arguments (those of every experts kernel's up, first):
@@ -753,6 +769,20 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe(CudaExpertsNvfp4MarlinV3Half4Sc
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_pipe"
     pipe = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpStream(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up`` with experts.cu's EXPERTS_UP_STREAM: the
+    up kernel's batches cut evenly over its blocks (a run of at least half an item each)
+    instead of an item a block. A block's time is its warps' chain of batches whatever the
+    SM's other blocks do (on the H200 43-47 us for 320 to 512 items over 528 blocks,
+    bench/NOTES.md v20), so at expert TP's 440-odd items a sixth of the blocks had none; here
+    every block has about 13 batches a warp where it had 16 or none. An item cut between
+    blocks is added over its pieces in piece order: not ``_half4_scatter_up``'s bits there (the
+    fp32 order), the same elsewhere. Not registered: not yet run on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_stream"
+    up_stream = 1
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUp):

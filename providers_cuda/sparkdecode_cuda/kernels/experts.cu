@@ -137,6 +137,21 @@
 // batch's first half before the second half's. The same MMAs in the same order: the same
 // bits.
 //
+// EXPERTS_UP_STREAM (a define, 0 when absent; EXPERTS_HALF only): the up kernel's work
+// split evenly over its blocks by batches instead of by items. A block's time is its
+// warps' chain of batches (a warp's 16 at expert TP's shapes, each its loads' latency and
+// its decode and MMAs), whatever the SM's other blocks do: on the H200 the up kernel takes
+// 43-47 us for anything from 320 to 512 items over the 528 blocks (bench/NOTES.md v20), so
+// at 440 items 88 blocks' worth of the GPU waits. Here the items' batches (NBAT a warp an
+// item) are cut into G contiguous runs, one a block: block b takes units
+// [b T / G, (b + 1) T / G) of the T = items x NBAT, G the grid or fewer, so that a run is
+// at least half an item (an item then in at most 3 pieces). A block whose run holds a
+// whole item finishes it as before; a piece of an item stores the warps' sums (after the
+// block's K reduction) to `up_part` [item][piece], counts itself in `up_count[item]`,
+// and the block that counts the item's last piece adds the pieces in piece order, resets
+// the count to 0 and finishes the item. The sums of a split item in another order (by
+// pieces): not `_half4_scatter_up`'s bits where an item is split, the same elsewhere.
+//
 // EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
 // kernel's route masks made once a block, after find_experts: per slot and row, the
 // routes of the row to the slot; per row, its routes to experts not held. An item's
@@ -159,6 +174,12 @@
 #endif
 #ifndef EXPERTS_SLOT_MASKS
 #define EXPERTS_SLOT_MASKS 0
+#endif
+#ifndef EXPERTS_UP_STREAM
+#define EXPERTS_UP_STREAM 0
+#endif
+#if EXPERTS_UP_STREAM && !EXPERTS_UP_SCATTER
+#error "EXPERTS_UP_STREAM is for the EXPERTS_UP_SCATTER up kernel"
 #endif
 #if EXPERTS_SLOT_MASKS && !EXPERTS_ROUTE_MASK
 #error "EXPERTS_SLOT_MASKS is for the EXPERTS_ROUTE_MASK epilogue"
@@ -900,6 +921,32 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
 
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
+#if EXPERTS_HALF
+// EXPERTS_HALF's warps: steps of 16 k an item (a warp's K-slice), warp_gemm_marlin's batch
+// of steps, batches an item.
+constexpr int HALF_STEPS = P_DIM / (WK1 / 2) / 16;
+constexpr int HALF_SB = HALF_STEPS < 4 ? HALF_STEPS : 4;
+constexpr int NBAT = HALF_STEPS / HALF_SB;
+#endif
+
+#if EXPERTS_UP_STREAM
+constexpr int STREAM_MIN = (NBAT + 1) / 2;           // a block's run: at least half an item's batches,
+constexpr int STREAM_PIECES = 3;                     // so an item is in at most 3 runs
+constexpr int PART_FLOATS = 2 * WM1 * TPB * 4 * 32;  // a piece: both sides' sums of the item's tiles
+
+// The up kernel's runs (see the top): T units (an item's NBAT batches each) cut into g
+// contiguous runs, run r [r T / g, (r + 1) T / g), one a block; no work: g = 0.
+struct StreamRuns {
+  long t;
+  int g;
+  __device__ __forceinline__ explicit StreamRuns(int items)
+      : t((long)items * NBAT), g((int)min((long)gridDim.x, t / STREAM_MIN)) {}
+  __device__ __forceinline__ long start(int r) const { return (long)r * t / g; }
+  // the run that holds unit u: the last r with start(r) <= u
+  __device__ __forceinline__ int run_of(long u) const { return (int)(((u + 1) * g - 1) / t); }
+};
+#endif
+
 #if EXPERTS_EARLY
 // The first batch of the block's first item (EXPERTS_HALF's warps: the gate or the up rows,
 // hk's K-slice) into L2, as the item loop prefetches each next item's.
@@ -907,12 +954,19 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
                                                     const unsigned char* w13_scale, const float* w13_global) {
   constexpr int WKH = WK1 / 2;
   const int warp = threadIdx.x >> 5, side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
-  const int item = blockIdx.x;
+#if EXPERTS_UP_STREAM
+  const StreamRuns runs(routes.n_slots * TILES1);
+  if ((int)blockIdx.x >= runs.g) return;
+  const long u = runs.start(blockIdx.x);
+  const int item = (int)(u / NBAT), k0 = (int)(u % NBAT) * HALF_SB * 16;
+#else
+  const int item = blockIdx.x, k0 = 0;
   if (item >= routes.n_slots * TILES1) return;
+#endif
   const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
   const int row0[1] = {side ? I_LOCAL + n0 : n0};
   prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
-                                             row0, hk * (P_DIM / WKH));
+                                             row0, hk * (P_DIM / WKH) + k0);
 }
 #endif
 
@@ -922,12 +976,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const unsigned char* __restrict__ w13,                         // [E_local, 2I, P] bf16 or [E_local, 2I, P/2]
     const unsigned char* __restrict__ w13_scale,                   // NVFP4: [E_local, 2I, P/16]
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
+    bf16_t* __restrict__ act                                       // [slots, 8, I_LOCAL]
 #if EXPERTS_EARLY
-    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
-    int ids_final) {                                               // the ids complete at launch (see the top)
-#else
-    bf16_t* __restrict__ act) {                                    // [slots, 8, I_LOCAL]
+    ,
+    int ids_final  // the ids complete at launch (see the top)
 #endif
+#if EXPERTS_UP_STREAM
+    ,
+    float* __restrict__ up_part,  // [items, STREAM_PIECES, PART_FLOATS]: the pieces' sums
+    int* __restrict__ up_count    // [items]: the pieces counted, zeros between launches
+#endif
+) {
   __shared__ Routes routes;
 #if EXPERTS_RING
   extern __shared__ uint4 up_smem[];  // UP_SMEM_BYTES: the warps' rings, red over them (see the top)
@@ -963,20 +1022,43 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
   __shared__ float xch[WM1 * HALF_FLOATS];  // the up side's sums, for the gate side
   const int items = routes.n_slots * TILES1;
+#if EXPERTS_UP_STREAM
+  // The block's run of units (see the top), an item's batches [a0, a1) at a time.
+  __shared__ int stream_last;
+  const StreamRuns runs(items);
+  const bool has_run = (int)blockIdx.x < runs.g;
+  const long u_end = has_run ? runs.start(blockIdx.x + 1) : 0;
+  for (long u = has_run ? runs.start(blockIdx.x) : 0; u < u_end;) {
+    const int item = (int)(u / NBAT), a0 = (int)(u % NBAT);
+    const int a1 = (int)min((long)NBAT, u_end - (long)item * NBAT);
+    u = (long)item * NBAT + a1;
+    const int first = runs.run_of((long)item * NBAT);
+    const int pieces = runs.run_of((long)item * NBAT + NBAT - 1) - first + 1;
+    const bool has_next = u < u_end;
+    const int next = item + 1;
+#else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const bool has_next = item + (int)gridDim.x < items;
+    const int next = item + gridDim.x;
+#endif
     const int slot = item / TILES1, tile = item % TILES1;
     const int e = routes.slot_expert[slot];
     const int i0 = (tile * WM1 + hm) * UP_COLS;
     const Weights W = up_weights(w13, w13_scale, w13_global, e);
     const int row0[1] = {side ? I_LOCAL + i0 : i0};
-    if (item + (int)gridDim.x < items) {  // the next item's first batch
-      const int next = item + gridDim.x, n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
+    if (has_next) {  // the next item's first batch
+      const int n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
       const int nrow0[1] = {side ? I_LOCAL + n0 : n0};
       prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
           up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
     }
     float h[TPB][4];  // this side's tiles
+#if EXPERTS_UP_STREAM
+    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH) + a0 * HALF_SB * 16, x, x_stride, b, h,
+                                             (a1 - a0) * HALF_SB);
+#else
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
+#endif
 #if EXPERTS_UP_SCATTER
     // Each warp of a side adds the tiles it owns (a % WKH == hk: OWN of them, or where
     // there are more warps than tiles, tile hk alone), the up side passes them over, and
@@ -994,6 +1076,39 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
         for (int r = 1; r < OWNERS; ++r)
           if (hk == r) mine[j][e4] = h[j * WKH + r][e4];
       }
+#if EXPERTS_UP_STREAM
+    if (pieces > 1) {  // a piece of the item: its sums out, and the last piece's block adds them all
+      float* const part = up_part + (long)item * STREAM_PIECES * PART_FLOATS;
+      const int side_base = (side * WM1 + hm) * TPB * 4;
+      if (hk < OWNERS) {
+#pragma unroll
+        for (int j = 0; j < OWN; ++j)
+#pragma unroll
+          for (int e4 = 0; e4 < 4; ++e4)
+            __stcg(part + (long)((int)blockIdx.x - first) * PART_FLOATS + (side_base + (j * WKH + hk) * 4 + e4) * 32 +
+                       lane,
+                   mine[j][e4]);
+        __threadfence();
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) stream_last = atomicAdd(up_count + item, 1) == pieces - 1;
+      __syncthreads();
+      if (!stream_last) continue;
+      __threadfence();
+      if (hk < OWNERS) {
+#pragma unroll
+        for (int j = 0; j < OWN; ++j)
+#pragma unroll
+          for (int e4 = 0; e4 < 4; ++e4) {
+            const float* const at = part + (side_base + (j * WKH + hk) * 4 + e4) * 32 + lane;
+            float sum = __ldcg(at);
+            for (int p = 1; p < pieces; ++p) sum += __ldcg(at + (long)p * PART_FLOATS);
+            mine[j][e4] = sum;
+          }
+      }
+      if (threadIdx.x == 0) up_count[item] = 0;  // for the next launch
+    }
+#endif
     __syncthreads();  // xch read for the item before
     if (side == 1 && hk < OWNERS) {
 #pragma unroll

@@ -480,7 +480,7 @@ def test_marlin_v3_down_scatter_variants(width, intermediate, cls, parent, defin
 def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls, parent):
     """_half4_scatter_up_k2 / _k1 and _half4_scatter_up_pipe_k2: their parent's defines plus
     EXPERTS_DOWN_WK (2 or 1) at expert TP's slice, the parent's own under EP; spill-free and
-    fitting; not registered (not yet run on a GPU)."""
+    fitting; not registered (no faster in the H200 step)."""
     from sparkdecode_cuda import nvrtc, plugin
 
     cls, parent = getattr(experts_mod, cls), getattr(experts_mod, parent)
@@ -499,7 +499,7 @@ def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls, parent)
 def test_marlin_v3_pipe_variant(width, intermediate):
     """_half4_scatter_up_pipe: _half4_scatter_up's defines plus EXPERTS_PIPE, spill-free and
     fitting both kernels' blocks an SM; no class but it and its subclasses sets the define; not
-    registered (not yet run on a GPU)."""
+    registered (no faster on the H200)."""
     from sparkdecode_cuda import nvrtc, plugin
 
     cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe

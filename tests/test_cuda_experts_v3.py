@@ -530,13 +530,31 @@ def test_marlin_v3_up_stream_variant(width, intermediate):
     assert_kernels_fit(defines, cls)
 
 
-def test_up_stream_runs_cover_items_in_at_most_three_pieces():
-    """experts.cu's StreamRuns, in Python: for every item count up to 512 items of 16 batches
-    and the H200's 528 blocks, the runs tile the units, each at least half an item, and an
-    item is in at most 3 runs; run_of inverts start."""
-    nbat, grid = 16, 528
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (1024, 256)])
+def test_marlin_v3_streams_variant(width, intermediate):
+    """_half4_scatter_up_streams: _half4_scatter_up_stream's defines plus EXPERTS_DOWN_STREAM,
+    spill-free and fitting; not registered (not yet run on a GPU)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpStreams
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpStream
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_DOWN_STREAM": 1}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize("nbat", [1, 2, 3, 16])
+def test_stream_runs_cover_items_in_at_most_three_pieces(nbat):
+    """experts.cu's StreamRuns, in Python: for every item count up to 512 items of nbat
+    batches (16: the up kernel's at the TP-8 rank shapes, 2: the down kernel's) and the H200's
+    528 blocks, the runs tile the units, each at least half an item, and an item is in at
+    most 3 runs; run_of inverts start."""
+    grid = 528
     minimum = (nbat + 1) // 2
-    for items in range(1, 513):
+    for items in range(1, 2049 if nbat <= 2 else 513):
         t = items * nbat
         g = min(grid, t // minimum)
         starts = [r * t // g for r in range(g + 1)]

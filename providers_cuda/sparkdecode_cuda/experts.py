@@ -132,6 +132,7 @@ SWITCHES = (
     ("up_scatter", "EXPERTS_UP_SCATTER"),
     ("pipe", "EXPERTS_PIPE"),
     ("up_stream", "EXPERTS_UP_STREAM"),
+    ("down_stream", "EXPERTS_DOWN_STREAM"),
 )
 
 
@@ -170,6 +171,8 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_UP_STREAM: the EXPERTS_HALF up kernel's batches cut evenly over its
     # blocks, an item split over up to 3 blocks added through `up_part` and `up_count`
     up_stream: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_STREAM: the same for the down kernel (`down_part`, `down_count`)
+    down_stream: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -216,6 +219,15 @@ class CudaExperts(_Cuda):
             self.up_part = ctx.scratch(f"cuda_experts_up_part_{items}_{part}", (items, 3, part), torch.float32)
             self.up_count = ctx.scratch(f"cuda_experts_up_count_{items}", (items,), torch.int32)
             self.up_count.zero_()
+        if self.down_stream:
+            # the same for the down kernel: PART2_FLOATS floats a piece (the item's WM2 x 64
+            # output rows, 8 rows of x)
+            self.grid_down = self.down_blocks * sms
+            wm2 = 8 // self.down_warps_k(spec.P, self.intermediate)
+            items, part = max(slots, 1) * tiles_down, wm2 * DOWN_ROWS[self.format] * MAX_ROWS
+            self.down_part = ctx.scratch(f"cuda_experts_down_part_{items}_{part}", (items, 3, part), torch.float32)
+            self.down_count = ctx.scratch(f"cuda_experts_down_count_{items}", (items,), torch.int32)
+            self.down_count.zero_()
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
@@ -304,6 +316,7 @@ class CudaExperts(_Cuda):
             ptr(w2_scale),
             ptr(w2_global),
             ptr(rows),
+            *([ptr(self.down_part), ptr(self.down_count)] if self.down_stream else []),
         ]
 
     def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
@@ -785,6 +798,18 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpStream(CudaExpertsNvfp4MarlinV3Half4
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_stream"
     up_stream = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpStreams(CudaExpertsNvfp4MarlinV3Half4ScatterUpStream):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_stream`` with experts.cu's
+    EXPERTS_DOWN_STREAM: the down kernel's batches cut the same way. Its time follows the
+    most items a block has (on the H200 19.5, 26.4-27.7 and 28.8-35.8 us for 2, 3 and 4,
+    bench/NOTES.md v20); at expert TP's 55 experts 1760 items of 2 batches a warp over 528
+    blocks, so 7 batches a block where the most was 8. Split items added by pieces: not
+    ``_half4_scatter_up``'s bits there. Not registered: not yet run on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_streams"
+    down_stream = 1
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUp):

@@ -152,6 +152,14 @@
 // the count to 0 and finishes the item. The sums of a split item in another order (by
 // pieces): not `_half4_scatter_up`'s bits where an item is split, the same elsewhere.
 //
+// EXPERTS_DOWN_STREAM (a define, 0 when absent; the V3 Marlin down kernel with
+// EXPERTS_DOWN_SCATTER): the same cut for the down kernel, whose time follows the most
+// items a block has (bench/NOTES.md v20): its items' batches (NBAT2 a warp an item) in one
+// run a block, a split item's pieces (each owner warp's tiles after the block's K
+// reduce-scatter) stored to `down_part`, counted in `down_count`, and added in piece order
+// by the block that counts the last one, which runs the item's epilogue. With no expert
+// held an item's zeros are stored by its first piece's block.
+//
 // EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
 // kernel's route masks made once a block, after find_experts: per slot and row, the
 // routes of the row to the slot; per row, its routes to experts not held. An item's
@@ -180,6 +188,12 @@
 #endif
 #if EXPERTS_UP_STREAM && !EXPERTS_UP_SCATTER
 #error "EXPERTS_UP_STREAM is for the EXPERTS_UP_SCATTER up kernel"
+#endif
+#ifndef EXPERTS_DOWN_STREAM
+#define EXPERTS_DOWN_STREAM 0
+#endif
+#if EXPERTS_DOWN_STREAM && !(EXPERTS_DOWN_SCATTER && EXPERTS_V2 >= 2 && FMT == 2)
+#error "EXPERTS_DOWN_STREAM is for the V3 Marlin down kernel with EXPERTS_DOWN_SCATTER"
 #endif
 #if EXPERTS_SLOT_MASKS && !EXPERTS_ROUTE_MASK
 #error "EXPERTS_SLOT_MASKS is for the EXPERTS_ROUTE_MASK epilogue"
@@ -929,22 +943,32 @@ constexpr int HALF_SB = HALF_STEPS < 4 ? HALF_STEPS : 4;
 constexpr int NBAT = HALF_STEPS / HALF_SB;
 #endif
 
-#if EXPERTS_UP_STREAM
-constexpr int STREAM_MIN = (NBAT + 1) / 2;           // a block's run: at least half an item's batches,
-constexpr int STREAM_PIECES = 3;                     // so an item is in at most 3 runs
-constexpr int PART_FLOATS = 2 * WM1 * TPB * 4 * 32;  // a piece: both sides' sums of the item's tiles
+#if EXPERTS_UP_STREAM || EXPERTS_DOWN_STREAM
+constexpr int STREAM_PIECES = 3;  // a run at least half an item: an item in at most 3 runs
 
-// The up kernel's runs (see the top): T units (an item's NBAT batches each) cut into g
-// contiguous runs, run r [r T / g, (r + 1) T / g), one a block; no work: g = 0.
+// A kernel's runs (see the top): T units (an item's NB_ batches each) cut into g contiguous
+// runs, run r [r T / g, (r + 1) T / g), one a block, each at least half an item; no work: g = 0.
+template <int NB_>
 struct StreamRuns {
+  static constexpr int MIN = (NB_ + 1) / 2;
   long t;
   int g;
   __device__ __forceinline__ explicit StreamRuns(int items)
-      : t((long)items * NBAT), g((int)min((long)gridDim.x, t / STREAM_MIN)) {}
+      : t((long)items * NB_), g((int)min((long)gridDim.x, t / MIN)) {}
   __device__ __forceinline__ long start(int r) const { return (long)r * t / g; }
   // the run that holds unit u: the last r with start(r) <= u
   __device__ __forceinline__ int run_of(long u) const { return (int)(((u + 1) * g - 1) / t); }
 };
+#endif
+#if EXPERTS_UP_STREAM
+constexpr int PART_FLOATS = 2 * WM1 * TPB * 4 * 32;  // a piece: both sides' sums of the item's tiles
+#endif
+#if EXPERTS_DOWN_STREAM
+// the down kernel's warps: steps of 16 k an item, warp_gemm_marlin's batch, batches an item
+constexpr int DOWN_STEPS = I_LOCAL / WK2 / 16;
+constexpr int DOWN_SB = DOWN_STEPS < 4 ? DOWN_STEPS : 4;
+constexpr int NBAT2 = DOWN_STEPS / DOWN_SB;
+constexpr int PART2_FLOATS = WM2 * NT2 * 4 * 32;  // a piece: the item's tiles' sums
 #endif
 
 #if EXPERTS_EARLY
@@ -955,7 +979,7 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
   constexpr int WKH = WK1 / 2;
   const int warp = threadIdx.x >> 5, side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
 #if EXPERTS_UP_STREAM
-  const StreamRuns runs(routes.n_slots * TILES1);
+  const StreamRuns<NBAT> runs(routes.n_slots * TILES1);
   if ((int)blockIdx.x >= runs.g) return;
   const long u = runs.start(blockIdx.x);
   const int item = (int)(u / NBAT), k0 = (int)(u % NBAT) * HALF_SB * 16;
@@ -1025,7 +1049,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #if EXPERTS_UP_STREAM
   // The block's run of units (see the top), an item's batches [a0, a1) at a time.
   __shared__ int stream_last;
-  const StreamRuns runs(items);
+  const StreamRuns<NBAT> runs(items);
   const bool has_run = (int)blockIdx.x < runs.g;
   const long u_end = has_run ? runs.start(blockIdx.x + 1) : 0;
   for (long u = has_run ? runs.start(blockIdx.x) : 0; u < u_end;) {
@@ -1191,7 +1215,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]
     const unsigned char* __restrict__ w2_scale,                    // NVFP4: [E_local, P, I/16]
     const float* __restrict__ w2_global,                           // NVFP4: [E_local]
-    bf16_t* __restrict__ rows) {                                   // [b, TOP_K, P]
+    bf16_t* __restrict__ rows                                      // [b, TOP_K, P]
+#if EXPERTS_DOWN_STREAM
+    ,
+    float* __restrict__ down_part,  // [items, STREAM_PIECES, PART2_FLOATS]: the pieces' sums
+    int* __restrict__ down_count    // [items]: the pieces counted, zeros between launches
+#endif
+) {
   __shared__ Routes routes;
   __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
@@ -1215,9 +1245,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   const int items = (n_slots > 0 ? n_slots : 1) * TILES2;
   constexpr long EXPERT_BYTES = (long)P_DIM * (FMT >= 1 ? I_LOCAL / 2 : I_LOCAL * 2);
   // Warm the first item's weights into L2 before waiting for act.
-  if (n_slots > 0 && (int)blockIdx.x < items) {
-    const int e = routes.slot_expert[blockIdx.x / TILES2];
-    const int p0 = (blockIdx.x % TILES2) * WM2 * DOWN_ROWS;
+#if EXPERTS_DOWN_STREAM
+  const StreamRuns<NBAT2> runs(items);
+  const bool has_run = (int)blockIdx.x < runs.g;
+  const int warm_item = has_run ? (int)(runs.start(blockIdx.x) / NBAT2) : items;
+#else
+  const int warm_item = blockIdx.x;
+#endif
+  if (n_slots > 0 && warm_item < items) {
+    const int e = routes.slot_expert[warm_item / TILES2];
+    const int p0 = (warm_item % TILES2) * WM2 * DOWN_ROWS;
 #if FMT == 2
     // Marlin: the item's rows are a run of 8 bytes a row in each of the I / 16 rows of tiles.
     constexpr int RUN = 8 * WM2 * DOWN_ROWS;
@@ -1233,7 +1270,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   }
   pdl_wait();
   pdl_launch_dependents();
+#if EXPERTS_DOWN_STREAM
+  // The block's run of units (see the top), an item's batches [a0, a1) at a time.
+  __shared__ int stream_last;
+  const long u_end = has_run ? runs.start(blockIdx.x + 1) : 0;
+  for (long u = has_run ? runs.start(blockIdx.x) : 0; u < u_end;) {
+    const int item = (int)(u / NBAT2), a0 = (int)(u % NBAT2);
+    const int a1 = (int)min((long)NBAT2, u_end - (long)item * NBAT2);
+    u = (long)item * NBAT2 + a1;
+    const int first = runs.run_of((long)item * NBAT2);
+    const int pieces = runs.run_of((long)item * NBAT2 + NBAT2 - 1) - first + 1;
+    const bool has_next = u < u_end;
+    const int next = item + 1;
+#else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const bool has_next = item + (int)gridDim.x < items;
+    const int next = item + gridDim.x;
+#endif
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
     float c[NT2][4];
@@ -1249,8 +1302,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #pragma unroll
       for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
 #if EXPERTS_V2
-      if (item + (int)gridDim.x < items) {  // the next item's first batch
-        const int next = item + gridDim.x;
+      if (has_next) {  // the next item's first batch
         int nrow0[NT2 / TPB];
 #pragma unroll
         for (int r = 0; r < NT2 / TPB; ++r) nrow0[r] = (next % TILES2 * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;
@@ -1258,10 +1310,49 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
                                                 nrow0, wk * (I_LOCAL / WK2));
       }
 #endif
+#if EXPERTS_DOWN_STREAM
+      expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2) + a0 * DOWN_SB * 16,
+                                            act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c, (a1 - a0) * DOWN_SB);
+#else
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL,
                                             NB, c);
+#endif
       reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
+#if EXPERTS_DOWN_STREAM
+      if (pieces > 1) {  // a piece of the item: its owners' sums out, the last piece's block adds them all
+        float* const part = down_part + (long)item * STREAM_PIECES * PART2_FLOATS;
+#pragma unroll
+        for (int a = 0; a < NT2; ++a) {
+          if (!owns_tile<WK2, NT2>(a, wk)) continue;
+#pragma unroll
+          for (int e4 = 0; e4 < 4; ++e4)
+            __stcg(part + (long)((int)blockIdx.x - first) * PART2_FLOATS + ((wm * NT2 + a) * 4 + e4) * 32 + lane,
+                   c[a][e4]);
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) stream_last = atomicAdd(down_count + item, 1) == pieces - 1;
+        __syncthreads();
+        if (!stream_last) continue;
+        __threadfence();
+#pragma unroll
+        for (int a = 0; a < NT2; ++a) {
+          if (!owns_tile<WK2, NT2>(a, wk)) continue;
+#pragma unroll
+          for (int e4 = 0; e4 < 4; ++e4) {
+            const float* const at = part + ((wm * NT2 + a) * 4 + e4) * 32 + lane;
+            float sum = __ldcg(at);
+            for (int p = 1; p < pieces; ++p) sum += __ldcg(at + (long)p * PART2_FLOATS);
+            c[a][e4] = sum;
+          }
+        }
+        if (threadIdx.x == 0) down_count[item] = 0;  // for the next launch
+      }
+#endif
     }
+#if EXPERTS_DOWN_STREAM
+    if (n_slots == 0 && a0 != 0) continue;  // no expert held: the item's zeros stored by its first piece
+#endif
 #if EXPERTS_DOWN_SCATTER
     if (wk >= NT2) continue;  // owns no tile
 #else

@@ -948,16 +948,18 @@ constexpr int STREAM_PIECES = 3;  // a run at least half an item: an item in at 
 
 // A kernel's runs (see the top): T units (an item's NB_ batches each) cut into g contiguous
 // runs, run r [r T / g, (r + 1) T / g), one a block, each at least half an item; no work: g = 0.
-template <int NB_>
+// ITEMS_: the most items a launch has. 32-bit: T times the grid (at most 2^12 blocks here)
+// stays below 2^31.
+template <int NB_, int ITEMS_>
 struct StreamRuns {
   static constexpr int MIN = (NB_ + 1) / 2;
-  long t;
-  int g;
+  static_assert((long)ITEMS_ * NB_ * 4096 < (1L << 31), "StreamRuns: 32-bit products");
+  int t, g;
   __device__ __forceinline__ explicit StreamRuns(int items)
-      : t((long)items * NB_), g((int)min((long)gridDim.x, t / MIN)) {}
-  __device__ __forceinline__ long start(int r) const { return (long)r * t / g; }
+      : t(items * NB_), g(min((int)min(gridDim.x, 4096u), t / MIN)) {}
+  __device__ __forceinline__ int start(int r) const { return r * t / g; }
   // the run that holds unit u: the last r with start(r) <= u
-  __device__ __forceinline__ int run_of(long u) const { return (int)(((u + 1) * g - 1) / t); }
+  __device__ __forceinline__ int run_of(int u) const { return ((u + 1) * g - 1) / t; }
 };
 #endif
 #if EXPERTS_UP_STREAM
@@ -979,10 +981,10 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
   constexpr int WKH = WK1 / 2;
   const int warp = threadIdx.x >> 5, side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
 #if EXPERTS_UP_STREAM
-  const StreamRuns<NBAT> runs(routes.n_slots * TILES1);
+  const StreamRuns<NBAT, MAX_ROUTES * TILES1> runs(routes.n_slots * TILES1);
   if ((int)blockIdx.x >= runs.g) return;
-  const long u = runs.start(blockIdx.x);
-  const int item = (int)(u / NBAT), k0 = (int)(u % NBAT) * HALF_SB * 16;
+  const int u = runs.start(blockIdx.x);
+  const int item = u / NBAT, k0 = u % NBAT * HALF_SB * 16;
 #else
   const int item = blockIdx.x, k0 = 0;
   if (item >= routes.n_slots * TILES1) return;
@@ -1049,15 +1051,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #if EXPERTS_UP_STREAM
   // The block's run of units (see the top), an item's batches [a0, a1) at a time.
   __shared__ int stream_last;
-  const StreamRuns<NBAT> runs(items);
+  const StreamRuns<NBAT, MAX_ROUTES * TILES1> runs(items);
   const bool has_run = (int)blockIdx.x < runs.g;
-  const long u_end = has_run ? runs.start(blockIdx.x + 1) : 0;
-  for (long u = has_run ? runs.start(blockIdx.x) : 0; u < u_end;) {
-    const int item = (int)(u / NBAT), a0 = (int)(u % NBAT);
-    const int a1 = (int)min((long)NBAT, u_end - (long)item * NBAT);
-    u = (long)item * NBAT + a1;
-    const int first = runs.run_of((long)item * NBAT);
-    const int pieces = runs.run_of((long)item * NBAT + NBAT - 1) - first + 1;
+  const int u_end = has_run ? runs.start(blockIdx.x + 1) : 0;
+  for (int u = has_run ? runs.start(blockIdx.x) : 0; u < u_end;) {
+    const int item = u / NBAT, a0 = u % NBAT;
+    const int a1 = min(NBAT, u_end - item * NBAT);
+    u = item * NBAT + a1;
+    const int first = runs.run_of(item * NBAT);
+    const int pieces = runs.run_of(item * NBAT + NBAT - 1) - first + 1;
     const bool has_next = u < u_end;
     const int next = item + 1;
 #else
@@ -1246,9 +1248,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   constexpr long EXPERT_BYTES = (long)P_DIM * (FMT >= 1 ? I_LOCAL / 2 : I_LOCAL * 2);
   // Warm the first item's weights into L2 before waiting for act.
 #if EXPERTS_DOWN_STREAM
-  const StreamRuns<NBAT2> runs(items);
+  const StreamRuns<NBAT2, MAX_ROUTES * TILES2> runs(items);
   const bool has_run = (int)blockIdx.x < runs.g;
-  const int warm_item = has_run ? (int)(runs.start(blockIdx.x) / NBAT2) : items;
+  const int warm_item = has_run ? runs.start(blockIdx.x) / NBAT2 : items;
 #else
   const int warm_item = blockIdx.x;
 #endif
@@ -1273,13 +1275,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #if EXPERTS_DOWN_STREAM
   // The block's run of units (see the top), an item's batches [a0, a1) at a time.
   __shared__ int stream_last;
-  const long u_end = has_run ? runs.start(blockIdx.x + 1) : 0;
-  for (long u = has_run ? runs.start(blockIdx.x) : 0; u < u_end;) {
-    const int item = (int)(u / NBAT2), a0 = (int)(u % NBAT2);
-    const int a1 = (int)min((long)NBAT2, u_end - (long)item * NBAT2);
-    u = (long)item * NBAT2 + a1;
-    const int first = runs.run_of((long)item * NBAT2);
-    const int pieces = runs.run_of((long)item * NBAT2 + NBAT2 - 1) - first + 1;
+  const int u_end = has_run ? runs.start(blockIdx.x + 1) : 0;
+  for (int u = has_run ? runs.start(blockIdx.x) : 0; u < u_end;) {
+    const int item = u / NBAT2, a0 = u % NBAT2;
+    const int a1 = min(NBAT2, u_end - item * NBAT2);
+    u = item * NBAT2 + a1;
+    const int first = runs.run_of(item * NBAT2);
+    const int pieces = runs.run_of(item * NBAT2 + NBAT2 - 1) - first + 1;
     const bool has_next = u < u_end;
     const int next = item + 1;
 #else

@@ -961,6 +961,27 @@ struct StreamRuns {
   // the run that holds unit u: the last r with start(r) <= u
   __device__ __forceinline__ int run_of(int u) const { return ((u + 1) * g - 1) / t; }
 };
+
+// After this block's stores of its piece of an item: whether it counted the item's last
+// piece (`count` the item's counter, `flag` a shared int); that block then sees every
+// piece's stores, and the counter is back at 0 for the next launch.
+__device__ __forceinline__ bool last_piece(int* count, int pieces, int* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(count, 1) == pieces - 1;
+  __syncthreads();
+  if (!*flag) return false;
+  __threadfence();
+  if (threadIdx.x == 0) *count = 0;
+  return true;
+}
+
+// A value's pieces (at `at`, a piece `stride` floats further) added in piece order.
+__device__ __forceinline__ float piece_sum(const float* at, int pieces, int stride) {
+  float sum = __ldcg(at);
+  for (int p = 1; p < pieces; ++p) sum += __ldcg(at + (long)p * stride);
+  return sum;
+}
 #endif
 #if EXPERTS_UP_STREAM
 constexpr int PART_FLOATS = 2 * WM1 * TPB * 4 * 32;  // a piece: both sides' sums of the item's tiles
@@ -1114,25 +1135,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
             __stcg(part + (long)((int)blockIdx.x - first) * PART_FLOATS + (side_base + (j * WKH + hk) * 4 + e4) * 32 +
                        lane,
                    mine[j][e4]);
-        __threadfence();
       }
-      __syncthreads();
-      if (threadIdx.x == 0) stream_last = atomicAdd(up_count + item, 1) == pieces - 1;
-      __syncthreads();
-      if (!stream_last) continue;
-      __threadfence();
+      if (!last_piece(up_count + item, pieces, &stream_last)) continue;
       if (hk < OWNERS) {
 #pragma unroll
         for (int j = 0; j < OWN; ++j)
 #pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4) {
-            const float* const at = part + (side_base + (j * WKH + hk) * 4 + e4) * 32 + lane;
-            float sum = __ldcg(at);
-            for (int p = 1; p < pieces; ++p) sum += __ldcg(at + (long)p * PART_FLOATS);
-            mine[j][e4] = sum;
-          }
+          for (int e4 = 0; e4 < 4; ++e4)
+            mine[j][e4] = piece_sum(part + (side_base + (j * WKH + hk) * 4 + e4) * 32 + lane, pieces, PART_FLOATS);
       }
-      if (threadIdx.x == 0) up_count[item] = 0;  // for the next launch
     }
 #endif
     __syncthreads();  // xch read for the item before
@@ -1331,24 +1342,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
             __stcg(part + (long)((int)blockIdx.x - first) * PART2_FLOATS + ((wm * NT2 + a) * 4 + e4) * 32 + lane,
                    c[a][e4]);
         }
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) stream_last = atomicAdd(down_count + item, 1) == pieces - 1;
-        __syncthreads();
-        if (!stream_last) continue;
-        __threadfence();
+        if (!last_piece(down_count + item, pieces, &stream_last)) continue;
 #pragma unroll
         for (int a = 0; a < NT2; ++a) {
           if (!owns_tile<WK2, NT2>(a, wk)) continue;
 #pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4) {
-            const float* const at = part + ((wm * NT2 + a) * 4 + e4) * 32 + lane;
-            float sum = __ldcg(at);
-            for (int p = 1; p < pieces; ++p) sum += __ldcg(at + (long)p * PART2_FLOATS);
-            c[a][e4] = sum;
-          }
+          for (int e4 = 0; e4 < 4; ++e4)
+            c[a][e4] = piece_sum(part + ((wm * NT2 + a) * 4 + e4) * 32 + lane, pieces, PART2_FLOATS);
         }
-        if (threadIdx.x == 0) down_count[item] = 0;  // for the next launch
       }
 #endif
     }

@@ -136,6 +136,16 @@ SWITCHES = (
 )
 
 
+def _stream_scratch(ctx: BuildContext, kernel: str, items: int, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stream-cut kernel's scratch (experts.cu's EXPERTS_UP_STREAM): STREAM_PIECES (3)
+    pieces of ``part`` floats an item, and the items' piece counts, zeroed here (each launch
+    leaves them at zero)."""
+    pieces = ctx.scratch(f"cuda_experts_{kernel}_part_{items}_{part}", (items, 3, part), torch.float32)
+    count = ctx.scratch(f"cuda_experts_{kernel}_count_{items}", (items,), torch.int32)
+    count.zero_()
+    return pieces, count
+
+
 class CudaExperts(_Cuda):
     """Sub-op ``experts``: bf16 routed experts on this pack's kernels."""
 
@@ -210,24 +220,14 @@ class CudaExperts(_Cuda):
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
-        if self.up_stream:
-            # experts.cu's runs: every block of the grid has one, up to STREAM_PIECES (3) pieces
-            # an item of PART_FLOATS floats (both sides' sums of the item's tiles, 8 rows); the
-            # counts zero between launches (each launch leaves them so)
+        if self.up_stream:  # every block of the grid has a run; a piece: both sides' sums (PART_FLOATS)
             self.grid_up = self.up_blocks * sms
-            items, part = max(slots, 1) * tiles_up, 2 * (8 // _warps_k(spec.P, chunk)) * UP_COLS[self.format] * MAX_ROWS
-            self.up_part = ctx.scratch(f"cuda_experts_up_part_{items}_{part}", (items, 3, part), torch.float32)
-            self.up_count = ctx.scratch(f"cuda_experts_up_count_{items}", (items,), torch.int32)
-            self.up_count.zero_()
-        if self.down_stream:
-            # the same for the down kernel: PART2_FLOATS floats a piece (the item's WM2 x 64
-            # output rows, 8 rows of x)
+            part = 2 * (8 // _warps_k(spec.P, chunk)) * UP_COLS[self.format] * MAX_ROWS
+            self.up_part, self.up_count = _stream_scratch(ctx, "up", max(slots, 1) * tiles_up, part)
+        if self.down_stream:  # the same; a piece: the item's WM2 x 64 output rows (PART2_FLOATS)
             self.grid_down = self.down_blocks * sms
-            wm2 = 8 // self.down_warps_k(spec.P, self.intermediate)
-            items, part = max(slots, 1) * tiles_down, wm2 * DOWN_ROWS[self.format] * MAX_ROWS
-            self.down_part = ctx.scratch(f"cuda_experts_down_part_{items}_{part}", (items, 3, part), torch.float32)
-            self.down_count = ctx.scratch(f"cuda_experts_down_count_{items}", (items,), torch.int32)
-            self.down_count.zero_()
+            part = 8 // self.down_warps_k(spec.P, self.intermediate) * DOWN_ROWS[self.format] * MAX_ROWS
+            self.down_part, self.down_count = _stream_scratch(ctx, "down", max(slots, 1) * tiles_down, part)
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:

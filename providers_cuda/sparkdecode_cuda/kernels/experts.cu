@@ -1263,9 +1263,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   const bool has_run = (int)blockIdx.x < runs.g;
   const int warm_item = has_run ? runs.start(blockIdx.x) / NBAT2 : items;
 #else
-  const int warm_item = blockIdx.x;
+  // unsigned, and the next item's test in the loop below written where it is used: the
+  // down kernel without EXPERTS_DOWN_STREAM compiles to the instructions measured before it
+  // (in signed arithmetic the _k1 variant spills at expert TP's slice)
+  const unsigned warm_item = blockIdx.x;
 #endif
-  if (n_slots > 0 && warm_item < items) {
+  if (n_slots > 0 && (int)warm_item < items) {
     const int e = routes.slot_expert[warm_item / TILES2];
     const int p0 = (warm_item % TILES2) * WM2 * DOWN_ROWS;
 #if FMT == 2
@@ -1297,8 +1300,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const int next = item + 1;
 #else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const bool has_next = item + (int)gridDim.x < items;
-    const int next = item + gridDim.x;
 #endif
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
@@ -1315,7 +1316,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #pragma unroll
       for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
 #if EXPERTS_V2
+#if EXPERTS_DOWN_STREAM
       if (has_next) {  // the next item's first batch
+#else
+      if (item + (int)gridDim.x < items) {  // the next item's first batch
+        const int next = item + gridDim.x;
+#endif
         int nrow0[NT2 / TPB];
 #pragma unroll
         for (int r = 0; r < NT2 / TPB; ++r) nrow0[r] = (next % TILES2 * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;

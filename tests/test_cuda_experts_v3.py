@@ -257,36 +257,32 @@ def test_marlin_v3_ring_stages_clip_to_a_warps_steps():
 
 
 @pytest.mark.parametrize("wk", [1, 2])
-def test_marlin_v3_down_wk_compiles_spill_free_and_refuses_what_it_cannot_tile(wk):
-    """EXPERTS_DOWN_WK (the down kernel's warps along K, unregistered variants) at the TP8
-    rank's expert-TP slice: no stack or spills at 4 blocks an SM; a width its 64 x 8 / wk rows
-    an item do not divide is refused by name before any compile."""
-    from sparkdecode_cuda import nvrtc
-
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3DownK1 if wk == 1 else experts_mod.CudaExpertsNvfp4MarlinV3DownK2
-    defines = cls.kernel_defines(4096, 512, 8)
-    assert defines["EXPERTS_DOWN_WK"] == wk and cls.down_blocks == 4
-    u = ptxas_usage(defines)["experts_down_kernel"]
-    assert u.stack == 0 and u.spills == 0 and blocks_per_sm(u.registers) >= 4, u
-    fmt = cls.format
+def test_down_wk_refuses_what_it_cannot_tile(wk):
+    """EXPERTS_DOWN_WK (the down kernel's warps along K): a width its 64 x 8 / wk rows an item
+    do not divide, or an I-slice under one chunk a warp, is refused by name before any compile."""
+    fmt = experts_mod.CudaExpertsNvfp4MarlinV3Slice.format
     assert experts_mod.shape_unsupported(4096, 512, fmt, 8, 8, down_wk=wk) is None
     assert "moe_hidden_size 128" in experts_mod.shape_unsupported(128, 512, fmt, 8, 8, down_wk=wk)
     assert "moe_intermediate_size 32" in experts_mod.shape_unsupported(4096, 32, fmt, 8, 8, down_wk=wk)
 
 
-def test_marlin_v3_slice_builds_the_down_k1_or_the_occ_kernel():
-    """The Slice variant (unregistered) compiles exactly `_down_k1`'s kernels at the TP8 rank's
-    expert-TP slice (I 512) and `_occ`'s for whole experts (EP, I 4096) and where the width
-    does not tile 512 rows an item: no kernel of its own to check on the GPU."""
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Slice
-    k1, occ = experts_mod.CudaExpertsNvfp4MarlinV3DownK1, experts_mod.CudaExpertsNvfp4MarlinV3Occ
-    assert cls.kernel_defines(4096, 512, 8) == k1.kernel_defines(4096, 512, 8)
+def test_marlin_v3_slice_builds_one_warp_along_k_or_the_occ_kernel():
+    """The Slice variant compiles `_occ`'s kernels with the down kernel on one warp along K
+    (EXPERTS_DOWN_WK = 1) at the TP8 rank's expert-TP slice (I 512), spill-free at 4 blocks an
+    SM, and exactly `_occ`'s for whole experts (EP, I 4096) and where the width does not tile
+    512 rows an item."""
+    from sparkdecode_cuda import nvrtc
+
+    cls, occ = experts_mod.CudaExpertsNvfp4MarlinV3Slice, experts_mod.CudaExpertsNvfp4MarlinV3Occ
+    assert cls.kernel_defines(4096, 512, 8) == {**occ.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_WK": 1}
     assert cls.kernel_defines(4096, 4096, 8) == occ.kernel_defines(4096, 4096, 8)
     assert cls.kernel_defines(256, 512, 8) == occ.kernel_defines(256, 512, 8)
     assert (cls.down_warps_k(4096, 512), cls.down_warps_k(4096, 4096), cls.down_warps_k(256, 512)) == (1, 8, 4)
-    assert occ.down_warps_k(4096, 512) == 4 and k1.down_warps_k(4096, 4096) == 1
+    assert occ.down_warps_k(4096, 512) == 4 and cls.down_blocks == 4
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    u = ptxas_usage(cls.kernel_defines(4096, 512, 8))["experts_down_kernel"]
+    assert u.stack == 0 and u.spills == 0 and blocks_per_sm(u.registers) >= 4, u
 
 
 @pytest.mark.parametrize("blocks", [3, 4])
@@ -314,101 +310,48 @@ def test_marlin_v3_half_compiles_spill_free(width, intermediate, blocks):
 
 
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_ring_slice_is_the_ring_with_the_slice_down_kernel(width, intermediate):
-    """The ring variant's up kernel (its ring define, 3 blocks an SM, its dynamic shared
-    memory) with _slice's choice of the down kernel's warps along K; spill-free and fitting."""
+def test_marlin_v3_route_mask_variant_adds_only_its_define(width, intermediate):
+    """_half4_mask: _half4's defines plus EXPERTS_ROUTE_MASK, spill-free and fitting; every
+    class outside it and its subclasses leaves the define out (their cubins as before)."""
     from sparkdecode_cuda import nvrtc
 
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3RingSlice
-    ring, slice_ = experts_mod.CudaExpertsNvfp4MarlinV3Ring, experts_mod.CudaExpertsNvfp4MarlinV3Slice
-    defines = cls.kernel_defines(width, intermediate, 8)
-    want = {**ring.kernel_defines(width, intermediate, 8), **slice_.kernel_defines(width, intermediate, 8)}
-    assert defines == want and (cls.up_blocks, cls.down_blocks, cls.ring) == (3, 4, 4)
-    assert cls.down_warps_k(width, intermediate) == slice_.down_warps_k(width, intermediate)
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(defines, cls, experts_mod.ring_smem_bytes(width, cls.ring))
-
-
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_half4_slice_is_half4_with_the_slice_down_kernel(width, intermediate):
-    """_half4's up kernel (EXPERTS_HALF, 4 blocks an SM) with _slice's choice of the down
-    kernel's warps along K; spill-free and fitting."""
-    from sparkdecode_cuda import nvrtc
-
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4Slice
-    half4, slice_ = experts_mod.CudaExpertsNvfp4MarlinV3Half4, experts_mod.CudaExpertsNvfp4MarlinV3Slice
-    defines = cls.kernel_defines(width, intermediate, 8)
-    want = {**half4.kernel_defines(width, intermediate, 8), **slice_.kernel_defines(width, intermediate, 8)}
-    assert defines == want and (cls.up_blocks, cls.down_blocks) == (4, 4) and defines["EXPERTS_HALF"] == 1
-    assert cls.down_warps_k(width, intermediate) == slice_.down_warps_k(width, intermediate)
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(defines, cls)
-
-
-@pytest.mark.parametrize("blocks", [3, 4])
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_route_mask_variants_add_only_their_define(blocks, width, intermediate):
-    """_half_mask / _half4_mask: their parent's defines plus EXPERTS_ROUTE_MASK, spill-free
-    and fitting; every other class leaves the define out (their cubins as before)."""
-    from sparkdecode_cuda import nvrtc
-
-    cls, parent = (
-        (experts_mod.CudaExpertsNvfp4MarlinV3HalfMask, experts_mod.CudaExpertsNvfp4MarlinV3Half)
-        if blocks == 3
-        else (experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask, experts_mod.CudaExpertsNvfp4MarlinV3Half4)
-    )
+    cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask, experts_mod.CudaExpertsNvfp4MarlinV3Half4
     defines = cls.kernel_defines(width, intermediate, 8)
     assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_ROUTE_MASK": 1}
     others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    for other in others:
-        if not issubclass(
-            other, (experts_mod.CudaExpertsNvfp4MarlinV3HalfMask, experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask)
-        ):
-            assert other.route_mask == 0, other.name
+    assert [c.name for c in others if c.route_mask and not issubclass(c, cls)] == []
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
 
 
-LEAN = (experts_mod.CudaExpertsNvfp4MarlinV3HalfLean, experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean)
-
-
-@pytest.mark.parametrize("cls", LEAN, ids=lambda c: c.name)
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_lean_variants_add_only_their_define(cls, width, intermediate):
-    """_half_lean / _half4_lean: their _mask parent's defines plus EXPERTS_LEAN, spill-free
-    and fitting; no other class sets the define (every registered cubin as before)."""
+def test_marlin_v3_lean_variant_adds_only_its_define(width, intermediate):
+    """_half4_lean: _half4_mask's defines plus EXPERTS_LEAN, spill-free and fitting; no class
+    outside it and its subclasses sets the define (every other cubin as before)."""
     from sparkdecode_cuda import nvrtc
 
-    parent = cls.__mro__[1]
+    cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean, experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask
     defines = cls.kernel_defines(width, intermediate, 8)
     assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_LEAN": 1}
     others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    assert all(issubclass(c, LEAN) for c in others if c.lean)
-    from sparkdecode_cuda import plugin
-
-    # registered on the H200's figures: _half4_lean, not _half_lean (bench/NOTES.md v10)
-    assert (cls in plugin.PROVIDERS) == (cls is experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean)
+    assert [c.name for c in others if c.lean and not issubclass(c, cls)] == []
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
 
 
-@pytest.mark.parametrize("cls", [experts_mod.CudaExpertsSlice2, experts_mod.CudaExpertsSlice1], ids=lambda c: c.name)
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
-def test_bf16_slice_variants(cls, width, intermediate):
-    """The bf16 slice variants: cuda.experts' defines plus their warps along K for the down
-    kernel at expert TP's slice (at most SLICE_WK1), cuda.experts' own elsewhere; spill-free
-    and fitting 2 blocks an SM."""
-    from sparkdecode_cuda import nvrtc, plugin
+def test_bf16_slice_variant(width, intermediate):
+    """cuda.experts_slice2: cuda.experts' defines plus 2 warps along K for the down kernel at
+    expert TP's slice (at most SLICE_WK1), cuda.experts' own elsewhere; spill-free and
+    fitting 2 blocks an SM."""
+    from sparkdecode_cuda import nvrtc
 
-    base = experts_mod.CudaExperts
-    assert (cls in plugin.PROVIDERS) == (cls is experts_mod.CudaExpertsSlice2)  # the one measured
+    cls, base = experts_mod.CudaExpertsSlice2, experts_mod.CudaExperts
     defines = cls.kernel_defines(width, intermediate, 8)
     if intermediate <= experts_mod.SLICE_WK1:
-        assert defines == {**base.kernel_defines(width, intermediate, 8), "EXPERTS_DOWN_WK": cls.slice_wk}
+        assert defines == {**base.kernel_defines(width, intermediate, 8), "EXPERTS_DOWN_WK": 2}
     else:
         assert defines == base.kernel_defines(width, intermediate, 8)
     if nvrtc.nvrtc_unavailable() is not None:
@@ -473,12 +416,11 @@ def test_marlin_v3_down_scatter_variants(width, intermediate, cls, parent, defin
     [
         ("CudaExpertsNvfp4MarlinV3Half4ScatterUpK2", "CudaExpertsNvfp4MarlinV3Half4ScatterUp"),
         ("CudaExpertsNvfp4MarlinV3Half4ScatterUpK1", "CudaExpertsNvfp4MarlinV3Half4ScatterUp"),
-        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpPipeK2", "CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe"),
     ],
 )
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
 def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls, parent):
-    """_half4_scatter_up_k2 / _k1 and _half4_scatter_up_pipe_k2: their parent's defines plus
+    """_half4_scatter_up_k2 / _k1: _half4_scatter_up's defines plus
     EXPERTS_DOWN_WK (2 or 1) at expert TP's slice, the parent's own under EP; spill-free and
     fitting; not registered (no faster in the H200 step)."""
     from sparkdecode_cuda import nvrtc, plugin
@@ -489,25 +431,6 @@ def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls, parent)
         assert defines == {**base, "EXPERTS_DOWN_WK": cls.slice_wk}
     else:
         assert defines == base
-    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(defines, cls)
-
-
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_pipe_variant(width, intermediate):
-    """_half4_scatter_up_pipe: _half4_scatter_up's defines plus EXPERTS_PIPE, spill-free and
-    fitting both kernels' blocks an SM; no class but it and its subclasses sets the define; not
-    registered (no faster on the H200)."""
-    from sparkdecode_cuda import nvrtc, plugin
-
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe
-    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp
-    defines = cls.kernel_defines(width, intermediate, 8)
-    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_PIPE": 1}
-    others = [c for c in vars(experts_mod).values() if isinstance(c, type) and issubclass(c, experts_mod.CudaExperts)]
-    assert [c for c in others if c.pipe and not issubclass(c, cls)] == []
     assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")

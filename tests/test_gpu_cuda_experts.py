@@ -119,36 +119,29 @@ SHAPES = {
 
 
 def provider(fmt: str):
-    """A format's provider; "bf16-slice2" / "bf16-slice1": bf16 with the down kernel on 2 / 1
-    warps along K at expert TP's slice, "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
+    """A format's provider; "bf16-slice2": bf16 with the down kernel on 2 warps along K at
+    expert TP's slice, "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
     "-v3": its EXPERTS_V3 variant, "-v3occ": Marlin V3 with the down kernel on 4 blocks an
     SM, "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads through shared-memory
-    rings, 3 blocks an SM), "-v3k1" / "-v3k2": -v3occ with the down kernel's warps 1 / 2
-    along K (EXPERTS_DOWN_WK), "-v3slice": -v3k1's down kernel at expert TP's slice, -v3occ's
-    elsewhere, "-v3half": -v3occ with EXPERTS_HALF (each up warp on the gate or the up rows, 3
-    blocks an SM), "-v3half4": the same on 4 blocks an SM,
-    "-v3ringslice": -v3ring with -v3slice's down kernel, "-v3half4slice": -v3half4 with
-    -v3slice's down kernel, "-v3halfmask" / "-v3half4mask": -v3half / -v3half4 with
-    EXPERTS_ROUTE_MASK, "-v3halflean" / "-v3half4lean": those with EXPERTS_LEAN,
+    rings, 3 blocks an SM), "-v3slice": -v3occ with the down kernel on one warp along K
+    (EXPERTS_DOWN_WK = 1) at expert TP's slice, "-v3half": -v3occ with EXPERTS_HALF (each up
+    warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM,
+    "-v3half4mask": -v3half4 with EXPERTS_ROUTE_MASK, "-v3half4lean": that with EXPERTS_LEAN,
     "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found before the PDL wait
     when the routing is final at launch), "-v3half4scatter": -v3half4early with
     EXPERTS_DOWN_SCATTER (the down kernel's K reduction as a reduce-scatter),
     "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the route masks made once a block),
     "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
-    "-v3half4scatteruppipe": that with EXPERTS_PIPE (the loads half a batch ahead),
-    "-v3half4scatteruppipek2": that with the down kernel's warps 2 along K at expert TP's slice,
     "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the down kernel's warps 2 or 1
     along K at expert TP's slice, "-v3half4scatterupstream": -v3half4scatterup with
     EXPERTS_UP_STREAM (the up kernel's batches cut evenly over its blocks),
     "-v3half4scatterupstreams": that with EXPERTS_DOWN_STREAM (the down kernel's too),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
-    (the checkpoint layout's V3, _ring_slice, _half4_slice, _down_k1, _down_k2, the two _mask,
-    _half_lean, _half4_scatter, _half4_scatter_masks, _half4_scatter_up_pipe, _pipe_k2, _k2, _k1,
+    (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
     _stream, _streams and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
-        "bf16-slice1": experts_mod.CudaExpertsSlice1,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
         "nvfp4_marlin": experts_mod.CudaExpertsNvfp4Marlin,
         "nvfp4-v2": experts_mod.CudaExpertsNvfp4V2,
@@ -158,23 +151,15 @@ def provider(fmt: str):
         "nvfp4_marlin-v3": experts_mod.CudaExpertsNvfp4MarlinV3,
         "nvfp4_marlin-v3occ": experts_mod.CudaExpertsNvfp4MarlinV3Occ,
         "nvfp4_marlin-v3ring": experts_mod.CudaExpertsNvfp4MarlinV3Ring,
-        "nvfp4_marlin-v3k1": experts_mod.CudaExpertsNvfp4MarlinV3DownK1,
-        "nvfp4_marlin-v3k2": experts_mod.CudaExpertsNvfp4MarlinV3DownK2,
         "nvfp4_marlin-v3slice": experts_mod.CudaExpertsNvfp4MarlinV3Slice,
         "nvfp4_marlin-v3half": experts_mod.CudaExpertsNvfp4MarlinV3Half,
         "nvfp4_marlin-v3half4": experts_mod.CudaExpertsNvfp4MarlinV3Half4,
-        "nvfp4_marlin-v3ringslice": experts_mod.CudaExpertsNvfp4MarlinV3RingSlice,
-        "nvfp4_marlin-v3half4slice": experts_mod.CudaExpertsNvfp4MarlinV3Half4Slice,
-        "nvfp4_marlin-v3halfmask": experts_mod.CudaExpertsNvfp4MarlinV3HalfMask,
         "nvfp4_marlin-v3half4mask": experts_mod.CudaExpertsNvfp4MarlinV3Half4Mask,
-        "nvfp4_marlin-v3halflean": experts_mod.CudaExpertsNvfp4MarlinV3HalfLean,
         "nvfp4_marlin-v3half4lean": experts_mod.CudaExpertsNvfp4MarlinV3Half4Lean,
         "nvfp4_marlin-v3half4early": experts_mod.CudaExpertsNvfp4MarlinV3Half4Early,
         "nvfp4_marlin-v3half4scatter": experts_mod.CudaExpertsNvfp4MarlinV3Half4Scatter,
         "nvfp4_marlin-v3half4scattermasks": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterMasks,
         "nvfp4_marlin-v3half4scatterup": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
-        "nvfp4_marlin-v3half4scatteruppipe": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe,
-        "nvfp4_marlin-v3half4scatteruppipek2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpPipeK2,
         "nvfp4_marlin-v3half4scatterupk2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK2,
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
         "nvfp4_marlin-v3half4scatterupstream": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpStream,
@@ -212,23 +197,15 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3",
         "-v3occ",
         "-v3ring",
-        "-v3k1",
-        "-v3k2",
         "-v3slice",
         "-v3half",
         "-v3half4",
-        "-v3ringslice",
-        "-v3half4slice",
-        "-v3halfmask",
         "-v3half4mask",
-        "-v3halflean",
         "-v3half4lean",
         "-v3half4early",
         "-v3half4scatter",
         "-v3half4scattermasks",
         "-v3half4scatterup",
-        "-v3half4scatteruppipe",
-        "-v3half4scatteruppipek2",
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
         "-v3half4scatterupstream",
@@ -237,7 +214,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3bulk2",
     )
 ]
-FORMATS = ["bf16", "bf16-slice2", "bf16-slice1", *NVFP4_FORMATS]
+FORMATS = ["bf16", "bf16-slice2", *NVFP4_FORMATS]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -407,9 +384,7 @@ def test_experts_bulk_split_k_deterministic(fmt, shape):
 @pytest.mark.parametrize(
     "fmt",
     [
-        "nvfp4_marlin-v3halfmask",
         "nvfp4_marlin-v3half4mask",
-        "nvfp4_marlin-v3halflean",
         "nvfp4_marlin-v3half4lean",
     ],
 )
@@ -510,29 +485,6 @@ def test_early_routing_is_half4_bit_for_bit(shape):
         rows.fill_(float("nan"))
         graph.replay()
         check(i)
-
-
-@pytest.mark.parametrize("shape", ["tp8-rank-expert-tp", "tp8-rank-ep"])
-def test_pipe_is_scatter_up_bit_for_bit(shape):
-    """_half4_scatter_up_pipe (the loads half a batch ahead) gives _half4_scatter_up's bits:
-    the same MMAs in the same order, at 1 and 8 rows with experts shared across rows (its
-    graph replays are test_experts_replay_with_changing_ids's)."""
-    spec, sharding = SHAPES[shape]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=5)
-    ctx = context(spec, experts)
-    ops = [provider(f).build(ctx, 0) for f in ("nvfp4_marlin-v3half4scatterup", "nvfp4_marlin-v3half4scatteruppipe")]
-    g = torch.Generator().manual_seed(11)
-    for b in (1, 8):
-        x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
-        ids = routing(b, spec.top_k, spec.E, "duplicates", g)
-        got = []
-        for op in ops:
-            rows = torch.full((b, spec.top_k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
-            op.run(ExpertsInput(x), RoutedTopk(ids, torch.ones(b, spec.top_k, device="cuda")), rows)
-            got.append(rows)
-        torch.cuda.synchronize()
-        assert not got[0].float().isnan().any()
-        assert torch.equal(got[0], got[1])
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4_marlin-v3half4scatterupstream", "nvfp4_marlin-v3half4scatterupstreams"])

@@ -130,7 +130,6 @@ SWITCHES = (
     ("down_scatter", "EXPERTS_DOWN_SCATTER"),
     ("slot_masks", "EXPERTS_SLOT_MASKS"),
     ("up_scatter", "EXPERTS_UP_SCATTER"),
-    ("pipe", "EXPERTS_PIPE"),
     ("up_stream", "EXPERTS_UP_STREAM"),
     ("down_stream", "EXPERTS_DOWN_STREAM"),
 )
@@ -160,8 +159,6 @@ class CudaExperts(_Cuda):
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
     # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
     up_shared: int = 0
-    # experts.cu's EXPERTS_DOWN_WK: the down kernel's warps along K (0: _warps_k's choice)
-    down_wk: ClassVar[int] = 0
     # experts.cu's EXPERTS_ROUTE_MASK: the down kernel's epilogue over per-row route masks
     route_mask: ClassVar[int] = 0
     # experts.cu's EXPERTS_LEAN: the V3 Marlin loop's prefetch pointers and shift on the FMA pipe
@@ -176,8 +173,6 @@ class CudaExperts(_Cuda):
     slot_masks: ClassVar[int] = 0
     # experts.cu's EXPERTS_UP_SCATTER: the EXPERTS_HALF up kernel's item tail shared the same way
     up_scatter: ClassVar[int] = 0
-    # experts.cu's EXPERTS_PIPE: the V3 Marlin loop's loads half a batch ahead of its MMAs
-    pipe: ClassVar[int] = 0
     # experts.cu's EXPERTS_UP_STREAM: the EXPERTS_HALF up kernel's batches cut evenly over its
     # blocks, an item split over up to 3 blocks added through `up_part` and `up_count`
     up_stream: ClassVar[int] = 0
@@ -240,7 +235,7 @@ class CudaExperts(_Cuda):
         if cls.down_blocks != BLOCKS_PER_SM:
             defines["EXPERTS_DOWN_BLOCKS"] = cls.down_blocks
         wk = cls.down_warps_k(width, intermediate)
-        if cls.down_wk or wk != _warps_k(intermediate, CHUNK[cls.format]):
+        if wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
         defines.update({define: 1 for attr, define in SWITCHES if getattr(cls, attr)})
         return defines
@@ -249,7 +244,7 @@ class CudaExperts(_Cuda):
     def down_warps_k(cls, width: int, intermediate: int) -> int:
         """The down kernel's warps along K for pooled width P and this rank's I-slice
         (experts.cu's WK2)."""
-        return cls.down_wk or _warps_k(intermediate, CHUNK[cls.format])
+        return _warps_k(intermediate, CHUNK[cls.format])
 
     def _check_layout(self, layer: int) -> None:
         e = self.experts
@@ -578,25 +573,6 @@ class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
         prefer_max_shared(self.up, f"{self.name}: the up kernel")
 
 
-class CudaExpertsNvfp4MarlinV3DownK1(CudaExpertsNvfp4MarlinV3Occ):
-    """``cuda.experts_nvfp4_marlin_v3_occ`` with the down kernel's 8 warps each on its own
-    rows over the whole K-slice (EXPERTS_DOWN_WK = 1: no cross-warp reduction, no barrier an
-    item; 512 output rows an item). The same MMAs over K in order: V3's sums without the
-    warps' split, so not V3's bits (fp32 summation order). Not registered."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_down_k1"
-    down_wk = 1
-
-
-class CudaExpertsNvfp4MarlinV3DownK2(CudaExpertsNvfp4MarlinV3Occ):
-    """``cuda.experts_nvfp4_marlin_v3_occ`` with the down kernel's warps 2 along K
-    (EXPERTS_DOWN_WK = 2: half the cross-warp reductions of the default 4; 256 output rows
-    an item). Not registered."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_down_k2"
-    down_wk = 2
-
-
 # The largest I-slice the Slice variant's down kernel takes on one warp along K (expert TP at
 # TP 8: I / 8 = 512; whole experts under EP keep the default, where one warp along K leaves
 # most blocks without an item).
@@ -620,9 +596,9 @@ class _SliceDown:
 
 class CudaExpertsNvfp4MarlinV3Slice(_SliceDown, CudaExpertsNvfp4MarlinV3Occ):
     """``cuda.experts_nvfp4_marlin_v3_occ`` whose down kernel takes one warp along K
-    (EXPERTS_DOWN_WK = 1, ``_down_k1``'s kernel) where this rank's I-slice is at most
-    ``SLICE_WK1`` and the width tiles, and ``_occ``'s elsewhere: its cubins are those two
-    variants' (tests/test_cuda_experts_v3.py). Registered: 54% of the copy chained at expert
+    (EXPERTS_DOWN_WK = 1: no cross-warp reduction, no barrier an item; 512 output rows an
+    item) where this rank's I-slice is at most ``SLICE_WK1`` and the width tiles, and
+    ``_occ``'s elsewhere (tests/test_cuda_experts_v3.py). Registered: 54% of the copy chained at expert
     TP (bench/NOTES.md v9)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_slice"
@@ -662,57 +638,22 @@ class CudaExpertsNvfp4MarlinV3Half4(CudaExpertsNvfp4MarlinV3Half):
     up_blocks = 4
 
 
-class CudaExpertsNvfp4MarlinV3RingSlice(CudaExpertsNvfp4MarlinV3Slice, CudaExpertsNvfp4MarlinV3Ring):
-    """``cuda.experts_nvfp4_marlin_v3_ring`` (its up kernel's shared-memory rings, 3 blocks an
-    SM; the kernel the step's in-place timing chose) with ``_slice``'s down kernel (one warp
-    along K at expert TP's slice, ``_occ``'s elsewhere). Not registered: no faster than
-    ``_ring`` or ``_slice`` on either stream (bench/NOTES.md v9)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_ring_slice"
-
-
-class CudaExpertsNvfp4MarlinV3Half4Slice(CudaExpertsNvfp4MarlinV3Slice, CudaExpertsNvfp4MarlinV3Half4):
-    """``cuda.experts_nvfp4_marlin_v3_half4``'s up kernel (each warp on the gate or the up
-    rows, 4 blocks an SM) with ``_slice``'s down kernel (one warp along K at expert TP's
-    slice, ``_occ``'s elsewhere): the two kernels that measured fastest at expert TP. Not
-    registered."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_slice"
-
-
-class CudaExpertsNvfp4MarlinV3HalfMask(CudaExpertsNvfp4MarlinV3Half):
-    """``cuda.experts_nvfp4_marlin_v3_half`` with experts.cu's EXPERTS_ROUTE_MASK: the down
+class CudaExpertsNvfp4MarlinV3Half4Mask(CudaExpertsNvfp4MarlinV3Half4):
+    """``cuda.experts_nvfp4_marlin_v3_half4`` with experts.cu's EXPERTS_ROUTE_MASK: the down
     kernel's epilogue stores each value to the routes of its row that a mask made once an
     item names, instead of scanning the row's top-k routes for every value (about a fifth
-    of the down kernel's instructions, from its SASS). The same bits as ``_half``. Not
-    registered."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half_mask"
-    route_mask = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4Mask(CudaExpertsNvfp4MarlinV3Half4):
-    """``cuda.experts_nvfp4_marlin_v3_half4`` with EXPERTS_ROUTE_MASK (as ``_half_mask``):
-    the same bits as ``_half4``. Not registered: ``_half4_lean`` (this with EXPERTS_LEAN) is
+    of the down kernel's instructions, from its SASS). The same bits as ``_half4``. Not registered: ``_half4_lean`` (this with EXPERTS_LEAN) is
     faster (86.4 against 85.0 us a layer chained at expert TP on the H200)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_mask"
     route_mask = 1
 
 
-class CudaExpertsNvfp4MarlinV3HalfLean(CudaExpertsNvfp4MarlinV3HalfMask):
-    """``cuda.experts_nvfp4_marlin_v3_half_mask`` with experts.cu's EXPERTS_LEAN: the Marlin
+class CudaExpertsNvfp4MarlinV3Half4Lean(CudaExpertsNvfp4MarlinV3Half4Mask):
+    """``cuda.experts_nvfp4_marlin_v3_half4_mask`` with experts.cu's EXPERTS_LEAN: the Marlin
     loop of both kernels with fewer integer-pipe instructions (the L2 prefetch's lines as
     pointers advanced a batch at a time, a word's shift by 8 as a multiply-high). The same
-    bits as ``_half``. Not registered."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half_lean"
-    lean = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4Lean(CudaExpertsNvfp4MarlinV3Half4Mask):
-    """``cuda.experts_nvfp4_marlin_v3_half4_mask`` with EXPERTS_LEAN (as ``_half_lean``): the
-    same bits as ``_half4``. Registered: the fastest Marlin kernel at expert TP on the H200
+    bits as ``_half4``. Registered: the fastest Marlin kernel at expert TP on the H200
     (85.0 us a layer chained, 55% of the copy; ``_half4`` 87.6 us), and with
     ``cuda.experts_slice2`` the fastest 62-layer step (bench/NOTES.md v10)."""
 
@@ -773,19 +714,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUp(CudaExpertsNvfp4MarlinV3Half4Scatte
     up_scatter = 1
 
 
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up`` with experts.cu's EXPERTS_PIPE: both
-    kernels' Marlin loops load each half-batch before the MMAs of the half before it, in
-    the registers of one batch, so a warp's loads are in flight beside its own MMAs (ncu: a
-    third of the stall samples on a code word's first use, bench/NOTES.md v19). The same
-    MMAs in the same order: the same bits (on the H200; memcheck clean). Not registered: no
-    faster on the H200, 79.2 us a layer chained against 78.7 and the 62-layer step 10.17 ms
-    against 10.11 (bench/NOTES.md v20)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_pipe"
-    pipe = 1
-
-
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpStream(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
     """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up`` with experts.cu's EXPERTS_UP_STREAM: the
     up kernel's batches cut evenly over its blocks (a run of at least half an item each)
@@ -836,17 +764,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpK1(CudaExpertsNvfp4MarlinV3Half4Scat
     slice_wk = 1
 
 
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpPipeK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUpPipe):
-    """``_half4_scatter_up_pipe`` with ``_half4_scatter_up_k2``'s down kernel on 2 warps along K
-    at expert TP's slice: a warp's item 4 batches instead of 2, so more of its loads are
-    ahead of their MMAs. Not ``_half4_scatter_up``'s bits (``_k2``'s). Not registered: on the
-    H200 76.5 us a layer chained, the 62-layer step 10.16 ms against 10.11 (bench/NOTES.md
-    v20)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_pipe_k2"
-    slice_wk = 2
-
-
 class CudaExpertsSlice2(_SliceDown, CudaExperts):
     """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
     (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four
@@ -860,13 +777,3 @@ class CudaExpertsSlice2(_SliceDown, CudaExperts):
     # Above cuda.experts (10): the faster bf16 stream at expert TP, level under EP.
     priority = 20
     slice_wk = 2
-
-
-class CudaExpertsSlice1(CudaExpertsSlice2):
-    """``cuda.experts_slice2`` with one warp along K at the slice (a warp's 512 k, no
-    cross-warp reduction, 256 output rows an item). Correct on the H200; not registered:
-    slower than ``_slice2`` there (201.1 against 192.8 us a layer chained at expert TP, 83%
-    against 87% of the copy: bench/NOTES.md v11)."""
-
-    name = "cuda.experts_slice1"
-    slice_wk = 1

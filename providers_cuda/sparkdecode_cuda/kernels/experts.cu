@@ -128,15 +128,6 @@
 // a thread, each an expf and a division) while the rest of the block waited. The same
 // sums in the same order: the same bits.
 //
-// EXPERTS_PIPE (a define, 0 when absent; V3 Marlin only): the Marlin loop's loads half a
-// batch ahead of its MMAs. Without it a warp loads a batch of SB steps and multiplies it
-// at once, so the loads' latency (L2 hits after the prefetch) stands between every two
-// batches (ncu: a third of the kernels' stall samples on a code word's first use,
-// bench/NOTES.md v19). Here the batch is two halves in two register sets, the same
-// registers as one batch: the second half is loaded before the first half's MMAs, the next
-// batch's first half before the second half's. The same MMAs in the same order: the same
-// bits.
-//
 // EXPERTS_UP_STREAM (a define, 0 when absent; EXPERTS_HALF only): the up kernel's work
 // split evenly over its blocks by batches instead of by items. A block's time is its
 // warps' chain of batches (a warp's 16 at expert TP's shapes, each its loads' latency and
@@ -170,9 +161,6 @@
 
 #ifndef EXPERTS_DOWN_SCATTER
 #define EXPERTS_DOWN_SCATTER 0
-#endif
-#ifndef EXPERTS_PIPE
-#define EXPERTS_PIPE 0
 #endif
 #ifndef EXPERTS_UP_SCATTER
 #define EXPERTS_UP_SCATTER 0
@@ -242,9 +230,6 @@
 #endif
 #if EXPERTS_LEAN && !(EXPERTS_V3 && FMT == 2)
 #error "EXPERTS_LEAN is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
-#endif
-#if EXPERTS_PIPE && !(EXPERTS_V3 && FMT == 2)
-#error "EXPERTS_PIPE is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
 #endif
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
@@ -577,16 +562,6 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   }
   const u32* xp = reinterpret_cast<const u32*>(xr + k0 + 2 * t);
 #endif
-#if EXPERTS_V3 && EXPERTS_PIPE
-  constexpr int HB = SB / 2;  // steps a half-batch
-  static_assert(SB % 2 == 0, "EXPERTS_PIPE: batches of an even count of steps");
-  uint4 qa[HB][NBLK];
-  uint2 sa[HB][NBLK];
-  if (steps > 0) {
-    marlin_batch_load<N, NBLK, HB>(qa, sa, wp, sp);
-    marlin_batch_advance<N, NBLK, HB>(wp, sp);
-  }
-#endif
 #if EXPERTS_LEAN
   // Batch 1's lines now, then in each batch those of the batch two ahead: ptxas places
   // the predicated prefetch anywhere in its batch (at its end, past the MMAs, in the
@@ -601,23 +576,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
 #elif EXPERTS_V2
     if (batch + SB < steps) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + SB);
 #endif
-#if EXPERTS_V3 && EXPERTS_PIPE
-    // The batch's second half loaded before its first half's MMAs, and the next batch's
-    // first half before its second half's (qa loaded before the loop or by the batch
-    // before): a half-batch always in flight beside the MMAs, in the registers of one.
-    uint4 qb[HB][NBLK];
-    uint2 sb[HB][NBLK];
-    marlin_batch_load<N, NBLK, HB>(qb, sb, wp, sp);
-    marlin_batch_advance<N, NBLK, HB>(wp, sp);
-    marlin_batch_mma<NBLK, HB>(qa, sa, xp, xrow, c);
-    xp += HB * 8;
-    if (batch + SB < steps) {
-      marlin_batch_load<N, NBLK, HB>(qa, sa, wp, sp);
-      marlin_batch_advance<N, NBLK, HB>(wp, sp);
-    }
-    marlin_batch_mma<NBLK, HB>(qb, sb, xp, xrow, c);
-    xp += HB * 8;
-#elif EXPERTS_V3
+#if EXPERTS_V3
     uint4 q[SB][NBLK];
     uint2 sc[SB][NBLK];
     marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);

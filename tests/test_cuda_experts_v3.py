@@ -437,32 +437,27 @@ def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls, parent)
     assert_kernels_fit(defines, cls)
 
 
+@pytest.mark.parametrize(
+    "cls,parent,define",
+    [
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpStream", "CudaExpertsNvfp4MarlinV3Half4ScatterUp", "EXPERTS_UP_STREAM"),
+        (
+            "CudaExpertsNvfp4MarlinV3Half4ScatterUpStreams",
+            "CudaExpertsNvfp4MarlinV3Half4ScatterUpStream",
+            "EXPERTS_DOWN_STREAM",
+        ),
+    ],
+)
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (1024, 256)])
-def test_marlin_v3_up_stream_variant(width, intermediate):
-    """_half4_scatter_up_stream: _half4_scatter_up's defines plus EXPERTS_UP_STREAM, spill-free
-    and fitting both kernels' blocks an SM; not registered (not yet run on a GPU)."""
+def test_marlin_v3_stream_variants(width, intermediate, cls, parent, define):
+    """_half4_scatter_up_stream (_half4_scatter_up's defines plus EXPERTS_UP_STREAM) and
+    _half4_scatter_up_streams (that plus EXPERTS_DOWN_STREAM): spill-free and fitting both
+    kernels' blocks an SM; not registered (not yet run on a GPU)."""
     from sparkdecode_cuda import nvrtc, plugin
 
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpStream
-    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp
+    cls, parent = getattr(experts_mod, cls), getattr(experts_mod, parent)
     defines = cls.kernel_defines(width, intermediate, 8)
-    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_UP_STREAM": 1}
-    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(defines, cls)
-
-
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (1024, 256)])
-def test_marlin_v3_streams_variant(width, intermediate):
-    """_half4_scatter_up_streams: _half4_scatter_up_stream's defines plus EXPERTS_DOWN_STREAM,
-    spill-free and fitting; not registered (not yet run on a GPU)."""
-    from sparkdecode_cuda import nvrtc, plugin
-
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpStreams
-    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpStream
-    defines = cls.kernel_defines(width, intermediate, 8)
-    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_DOWN_STREAM": 1}
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), define: 1}
     assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")

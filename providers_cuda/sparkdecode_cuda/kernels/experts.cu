@@ -919,6 +919,9 @@ struct StreamRuns {
   __device__ __forceinline__ int start(int r) const { return r * t / g; }
   // the run that holds unit u: the last r with start(r) <= u
   __device__ __forceinline__ int run_of(int u) const { return ((u + 1) * g - 1) / t; }
+  // an item's first run, and how many runs hold a piece of it
+  __device__ __forceinline__ int first_run(int item) const { return run_of(item * NB_); }
+  __device__ __forceinline__ int pieces(int item, int first) const { return run_of(item * NB_ + NB_ - 1) - first + 1; }
 };
 
 // After this block's stores of its piece of an item: whether it counted the item's last
@@ -1038,8 +1041,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const int item = u / NBAT, a0 = u % NBAT;
     const int a1 = min(NBAT, u_end - item * NBAT);
     u = item * NBAT + a1;
-    const int first = runs.run_of(item * NBAT);
-    const int pieces = runs.run_of(item * NBAT + NBAT - 1) - first + 1;
+    const int first = runs.first_run(item), pieces = runs.pieces(item, first);
     const bool has_next = u < u_end;
     const int next = item + 1;
 #else
@@ -1253,8 +1255,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const int item = u / NBAT2, a0 = u % NBAT2;
     const int a1 = min(NBAT2, u_end - item * NBAT2);
     u = item * NBAT2 + a1;
-    const int first = runs.run_of(item * NBAT2);
-    const int pieces = runs.run_of(item * NBAT2 + NBAT2 - 1) - first + 1;
+    const int first = runs.first_run(item), pieces = runs.pieces(item, first);
     const bool has_next = u < u_end;
     const int next = item + 1;
 #else

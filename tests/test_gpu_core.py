@@ -24,18 +24,11 @@ pytestmark = [
 MAX_CONTEXT = 1024
 
 
-def reference_only():
-    """The core's reference providers alone, whatever packs are installed."""
-    registry = discover()
-    registry.providers = [p for p in registry.providers if p.pack == "reference"]
-    return registry
-
-
 def harness_on_gpu(graph: bool, prompt_len: int, seed: int = 0) -> DecodeHarness:
     spec = ModelSpec.preset("tiny")
     weights = random_weights(spec, seed=seed, device="cuda")
     executor = SpecializedDecode(
-        weights, DecodeConfig(max_context=MAX_CONTEXT, aux_layers=(0, 2, 4)), registry=reference_only()
+        weights, DecodeConfig(max_context=MAX_CONTEXT, aux_layers=(0, 2, 4)), registry=discover().only("reference")
     )
     harness = DecodeHarness(
         ReferenceModel(weights, MAX_CONTEXT), executor, max_prompt=prompt_len, seed=seed, graph=graph
@@ -77,7 +70,7 @@ class SlowerBoundary(ReferenceAttentionBoundary):
 def test_measured_choice_and_cache(tmp_path):
     spec = ModelSpec.preset("tiny")
     weights = random_weights(spec, device="cuda")
-    registry = reference_only()
+    registry = discover().only("reference")
     registry.providers.append(Registered(SlowerBoundary, "test", "test", "0"))
     config = DecodeConfig(max_context=MAX_CONTEXT)
     executor = SpecializedDecode(weights, config, registry=registry, cache_dir=tmp_path)

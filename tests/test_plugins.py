@@ -163,6 +163,17 @@ def test_fixture_registry(fixture_registry: Registry) -> None:
     assert {name for name, _ in fixture_registry.broken} == {"broken", "badclass"}
 
 
+def test_only_keeps_the_named_packs(fixture_registry: Registry) -> None:
+    reference = fixture_registry.only("reference")
+    assert {r.pack for r in reference.providers} == {"reference"}
+    assert reference.broken == fixture_registry.broken
+    assert len(fixture_registry.only("reference", "extra").providers) == len(fixture_registry.providers)
+    layout = resolve(reference, Deployment(spec=SPEC, max_context=1024))
+    assert layout.provider("attention_boundary") is ReferenceAttentionBoundary
+    with pytest.raises(ValueError, match=r"no provider pack cuda; registered: extra, reference"):
+        fixture_registry.only("reference", "cuda")
+
+
 # The layout over the discovered providers.
 
 

@@ -92,6 +92,16 @@ class Registry:
             added.providers.append(Registered(cls, COMMAND_LINE, getattr(cls, "__module__", "?"), "unregistered"))
         return added
 
+    def only(self, *packs: str) -> Registry:
+        """This registry with the providers of ``packs`` alone (``"reference"``: the
+        core's stock math, whatever packs are installed); an unknown pack name raises
+        ValueError naming the packs there are."""
+        known = {p.pack for p in self.providers}
+        unknown = [p for p in packs if p not in known]
+        if unknown:
+            raise ValueError(f"no provider pack {', '.join(unknown)}; registered: {', '.join(sorted(known))}")
+        return Registry([p for p in self.providers if p.pack in packs], list(self.broken))
+
     def unregistered(self) -> dict[str, str]:
         """The providers ``adding`` took: name -> ``module:Class``."""
         return {p.name: f"{p.cls.__module__}:{p.cls.__qualname__}" for p in self.providers if p.pack == COMMAND_LINE}

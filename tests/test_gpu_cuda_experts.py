@@ -133,12 +133,10 @@ def provider(fmt: str):
     "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the route masks made once a block),
     "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
     "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the down kernel's warps 2 or 1
-    along K at expert TP's slice, "-v3half4scatterupstream": -v3half4scatterup with
-    EXPERTS_UP_STREAM (the up kernel's batches cut evenly over its blocks),
-    "-v3half4scatterupstreams": that with EXPERTS_DOWN_STREAM (the down kernel's too),
+    along K at expert TP's slice,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
-    _stream, _streams and the two V3 bulk unregistered)."""
+    and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -162,8 +160,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterup": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
         "nvfp4_marlin-v3half4scatterupk2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK2,
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
-        "nvfp4_marlin-v3half4scatterupstream": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpStream,
-        "nvfp4_marlin-v3half4scatterupstreams": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpStreams,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -208,8 +204,6 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatterup",
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
-        "-v3half4scatterupstream",
-        "-v3half4scatterupstreams",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -485,48 +479,3 @@ def test_early_routing_is_half4_bit_for_bit(shape):
         rows.fill_(float("nan"))
         graph.replay()
         check(i)
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4_marlin-v3half4scatterupstream", "nvfp4_marlin-v3half4scatterupstreams"])
-@pytest.mark.parametrize("shape", ["tp8-rank-expert-tp", "tp8-rank-ep"])
-def test_up_stream_pieces(shape, fmt):
-    """_half4_scatter_up_stream (and _streams, the down kernel cut too) against
-    _half4_scatter_up, 50 graph replays with the ids
-    changing between them (the piece counts must be back at zero after every launch): at 1
-    row (a few items over many blocks: every item split) and 8 (most items whole, some
-    split), the act rows close to _half4_scatter_up's (the same products, the split items'
-    sums added by pieces) and the routed rows equal to the reference's within the exact
-    weights' bound."""
-    spec, sharding = SHAPES[shape]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=9)
-    ctx = context(spec, experts)
-    base, stream = (provider(f).build(ctx, 0) for f in ("nvfp4_marlin-v3half4scatterup", fmt))
-    g = torch.Generator().manual_seed(13)
-    for b in (1, 8):
-        x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()
-        ids = torch.empty(b, spec.top_k, dtype=torch.int32, device="cuda")
-        rows = torch.empty(b, spec.top_k, spec.P, dtype=torch.bfloat16, device="cuda")
-        topk = RoutedTopk(ids, torch.ones(b, spec.top_k, device="cuda"))
-        ids.copy_(routing(b, spec.top_k, spec.E, "distinct", g))
-        stream.run(ExpertsInput(x), topk, rows)  # the kernels built before the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            stream.run(ExpertsInput(x), topk, rows)
-        for i in range(50):
-            new = routing(b, spec.top_k, spec.E, "distinct", g)
-            ids.copy_(new)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert int(stream.up_count.abs().sum()) == 0
-            if stream.down_stream:
-                assert int(stream.down_count.abs().sum()) == 0
-            got = stream.act.clone()
-            want = torch.full((b, spec.top_k, spec.P), float("nan"), dtype=torch.bfloat16, device="cuda")
-            base.run(ExpertsInput(x), RoutedTopk(new.cuda(), torch.ones(b, spec.top_k, device="cuda")), want)
-            torch.cuda.synchronize()
-            slots = torch.unique(new.flatten() - experts.first_expert)
-            held = int(((slots >= 0) & (slots < experts.num_local)).sum())
-            torch.testing.assert_close(got[:held, :b].float(), base.act[:held, :b].float(), rtol=2e-2, atol=2e-3)
-            if i % 10 == 9 or held == 0:  # the routed rows (all zeros where no expert is held)
-                close(rows, experts, x, ids, True)

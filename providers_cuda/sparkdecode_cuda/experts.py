@@ -130,19 +130,7 @@ SWITCHES = (
     ("down_scatter", "EXPERTS_DOWN_SCATTER"),
     ("slot_masks", "EXPERTS_SLOT_MASKS"),
     ("up_scatter", "EXPERTS_UP_SCATTER"),
-    ("up_stream", "EXPERTS_UP_STREAM"),
-    ("down_stream", "EXPERTS_DOWN_STREAM"),
 )
-
-
-def _stream_scratch(ctx: BuildContext, kernel: str, items: int, part: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stream-cut kernel's scratch (experts.cu's EXPERTS_UP_STREAM): STREAM_PIECES (3)
-    pieces of ``part`` floats an item, and the items' piece counts, zeroed here (each launch
-    leaves them at zero)."""
-    pieces = ctx.scratch(f"cuda_experts_{kernel}_part_{items}_{part}", (items, 3, part), torch.float32)
-    count = ctx.scratch(f"cuda_experts_{kernel}_count_{items}", (items,), torch.int32)
-    count.zero_()
-    return pieces, count
 
 
 class CudaExperts(_Cuda):
@@ -173,11 +161,6 @@ class CudaExperts(_Cuda):
     slot_masks: ClassVar[int] = 0
     # experts.cu's EXPERTS_UP_SCATTER: the EXPERTS_HALF up kernel's item tail shared the same way
     up_scatter: ClassVar[int] = 0
-    # experts.cu's EXPERTS_UP_STREAM: the EXPERTS_HALF up kernel's batches cut evenly over its
-    # blocks, an item split over up to 3 blocks added through `up_part` and `up_count`
-    up_stream: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_STREAM: the same for the down kernel (`down_part`, `down_count`)
-    down_stream: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -215,14 +198,6 @@ class CudaExperts(_Cuda):
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
-        if self.up_stream:  # every block of the grid has a run; a piece: both sides' sums (PART_FLOATS)
-            self.grid_up = self.up_blocks * sms
-            part = 2 * (8 // _warps_k(spec.P, chunk)) * UP_COLS[self.format] * MAX_ROWS
-            self.up_part, self.up_count = _stream_scratch(ctx, "up", max(slots, 1) * tiles_up, part)
-        if self.down_stream:  # the same; a piece: the item's WM2 x 64 output rows (PART2_FLOATS)
-            self.grid_down = self.down_blocks * sms
-            part = 8 // self.down_warps_k(spec.P, self.intermediate) * DOWN_ROWS[self.format] * MAX_ROWS
-            self.down_part, self.down_count = _stream_scratch(ctx, "down", max(slots, 1) * tiles_down, part)
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
@@ -273,10 +248,7 @@ class CudaExperts(_Cuda):
     def _routing_args(self, topk: RoutedTopk) -> list[Arg]:
         """What the up kernel takes of the routing beyond its ids (EXPERTS_EARLY: whether
         they are final at launch)."""
-        args = [i32(int(topk.final))] if self.early else []
-        if self.up_stream:
-            args += [ptr(self.up_part), ptr(self.up_count)]
-        return args
+        return [i32(int(topk.final))] if self.early else []
 
     def _up_args(self, x: torch.Tensor, ids: torch.Tensor) -> list[Arg]:
         """The up kernel's arguments (those of every experts kernel's up, first):
@@ -311,7 +283,6 @@ class CudaExperts(_Cuda):
             ptr(w2_scale),
             ptr(w2_global),
             ptr(rows),
-            *([ptr(self.down_part), ptr(self.down_count)] if self.down_stream else []),
         ]
 
     def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
@@ -712,32 +683,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUp(CudaExpertsNvfp4MarlinV3Half4Scatte
     # Above _half4_early (20): the fastest NVFP4 kernel in the H200's step.
     priority = 25
     up_scatter = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpStream(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up`` with experts.cu's EXPERTS_UP_STREAM: the
-    up kernel's batches cut evenly over its blocks (a run of at least half an item each)
-    instead of an item a block. A block's time is its warps' chain of batches whatever the
-    SM's other blocks do (on the H200 43-47 us for 320 to 512 items over 528 blocks,
-    bench/NOTES.md v20), so at expert TP's 440-odd items a sixth of the blocks had none; here
-    every block has about 13 batches a warp where it had 16 or none. An item cut between
-    blocks is added over its pieces in piece order: not ``_half4_scatter_up``'s bits there (the
-    fp32 order), the same elsewhere. Not registered: not yet run on a GPU."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_stream"
-    up_stream = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpStreams(CudaExpertsNvfp4MarlinV3Half4ScatterUpStream):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_stream`` with experts.cu's
-    EXPERTS_DOWN_STREAM: the down kernel's batches cut the same way. Its time follows the
-    most items a block has (on the H200 19.5, 26.4-27.7 and 28.8-35.8 us for 2, 3 and 4,
-    bench/NOTES.md v20); at expert TP's 55 experts 1760 items of 2 batches a warp over 528
-    blocks, so 7 batches a block where the most was 8. Split items added by pieces: not
-    ``_half4_scatter_up``'s bits there. Not registered: not yet run on a GPU."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_streams"
-    down_stream = 1
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUp):

@@ -128,29 +128,6 @@
 // a thread, each an expf and a division) while the rest of the block waited. The same
 // sums in the same order: the same bits.
 //
-// EXPERTS_UP_STREAM (a define, 0 when absent; EXPERTS_HALF only): the up kernel's work
-// split evenly over its blocks by batches instead of by items. A block's time is its
-// warps' chain of batches (a warp's 16 at expert TP's shapes, each its loads' latency and
-// its decode and MMAs), whatever the SM's other blocks do: on the H200 the up kernel takes
-// 43-47 us for anything from 320 to 512 items over the 528 blocks (bench/NOTES.md v20), so
-// at 440 items 88 blocks' worth of the GPU waits. Here the items' batches (NBAT a warp an
-// item) are cut into G contiguous runs, one a block: block b takes units
-// [b T / G, (b + 1) T / G) of the T = items x NBAT, G the grid or fewer, so that a run is
-// at least half an item (an item then in at most 3 pieces). A block whose run holds a
-// whole item finishes it as before; a piece of an item stores the warps' sums (after the
-// block's K reduction) to `up_part` [item][piece], counts itself in `up_count[item]`,
-// and the block that counts the item's last piece adds the pieces in piece order, resets
-// the count to 0 and finishes the item. The sums of a split item in another order (by
-// pieces): not `_half4_scatter_up`'s bits where an item is split, the same elsewhere.
-//
-// EXPERTS_DOWN_STREAM (a define, 0 when absent; the V3 Marlin down kernel with
-// EXPERTS_DOWN_SCATTER): the same cut for the down kernel, whose time follows the most
-// items a block has (bench/NOTES.md v20): its items' batches (NBAT2 a warp an item) in one
-// run a block, a split item's pieces (each owner warp's tiles after the block's K
-// reduce-scatter) stored to `down_part`, counted in `down_count`, and added in piece order
-// by the block that counts the last one, which runs the item's epilogue. With no expert
-// held an item's zeros are stored by its first piece's block.
-//
 // EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
 // kernel's route masks made once a block, after find_experts: per slot and row, the
 // routes of the row to the slot; per row, its routes to experts not held. An item's
@@ -170,18 +147,6 @@
 #endif
 #ifndef EXPERTS_SLOT_MASKS
 #define EXPERTS_SLOT_MASKS 0
-#endif
-#ifndef EXPERTS_UP_STREAM
-#define EXPERTS_UP_STREAM 0
-#endif
-#if EXPERTS_UP_STREAM && !EXPERTS_UP_SCATTER
-#error "EXPERTS_UP_STREAM is for the EXPERTS_UP_SCATTER up kernel"
-#endif
-#ifndef EXPERTS_DOWN_STREAM
-#define EXPERTS_DOWN_STREAM 0
-#endif
-#if EXPERTS_DOWN_STREAM && !(EXPERTS_DOWN_SCATTER && EXPERTS_V2 >= 2 && FMT == 2)
-#error "EXPERTS_DOWN_STREAM is for the V3 Marlin down kernel with EXPERTS_DOWN_SCATTER"
 #endif
 #if EXPERTS_SLOT_MASKS && !EXPERTS_ROUTE_MASK
 #error "EXPERTS_SLOT_MASKS is for the EXPERTS_ROUTE_MASK epilogue"
@@ -894,68 +859,6 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
 
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
-#if EXPERTS_HALF
-// EXPERTS_HALF's warps: steps of 16 k an item (a warp's K-slice), warp_gemm_marlin's batch
-// of steps, batches an item.
-constexpr int HALF_STEPS = P_DIM / (WK1 / 2) / 16;
-constexpr int HALF_SB = HALF_STEPS < 4 ? HALF_STEPS : 4;
-constexpr int NBAT = HALF_STEPS / HALF_SB;
-#endif
-
-#if EXPERTS_UP_STREAM || EXPERTS_DOWN_STREAM
-constexpr int STREAM_PIECES = 3;  // a run at least half an item: an item in at most 3 runs
-
-// A kernel's runs (see the top): T units (an item's NB_ batches each) cut into g contiguous
-// runs, run r [r T / g, (r + 1) T / g), one a block, each at least half an item; no work: g = 0.
-// ITEMS_: the most items a launch has. 32-bit: T times the grid (at most 2^12 blocks here)
-// stays below 2^31.
-template <int NB_, int ITEMS_>
-struct StreamRuns {
-  static constexpr int MIN = (NB_ + 1) / 2;
-  static_assert((long)ITEMS_ * NB_ * 4096 < (1L << 31), "StreamRuns: 32-bit products");
-  int t, g;
-  __device__ __forceinline__ explicit StreamRuns(int items)
-      : t(items * NB_), g(min((int)min(gridDim.x, 4096u), t / MIN)) {}
-  __device__ __forceinline__ int start(int r) const { return r * t / g; }
-  // the run that holds unit u: the last r with start(r) <= u
-  __device__ __forceinline__ int run_of(int u) const { return ((u + 1) * g - 1) / t; }
-  // an item's first run, and how many runs hold a piece of it
-  __device__ __forceinline__ int first_run(int item) const { return run_of(item * NB_); }
-  __device__ __forceinline__ int pieces(int item, int first) const { return run_of(item * NB_ + NB_ - 1) - first + 1; }
-};
-
-// After this block's stores of its piece of an item: whether it counted the item's last
-// piece (`count` the item's counter, `flag` a shared int); that block then sees every
-// piece's stores, and the counter is back at 0 for the next launch.
-__device__ __forceinline__ bool last_piece(int* count, int pieces, int* flag) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) *flag = atomicAdd(count, 1) == pieces - 1;
-  __syncthreads();
-  if (!*flag) return false;
-  __threadfence();
-  if (threadIdx.x == 0) *count = 0;
-  return true;
-}
-
-// A value's pieces (at `at`, a piece `stride` floats further) added in piece order.
-__device__ __forceinline__ float piece_sum(const float* at, int pieces, int stride) {
-  float sum = __ldcg(at);
-  for (int p = 1; p < pieces; ++p) sum += __ldcg(at + (long)p * stride);
-  return sum;
-}
-#endif
-#if EXPERTS_UP_STREAM
-constexpr int PART_FLOATS = 2 * WM1 * TPB * 4 * 32;  // a piece: both sides' sums of the item's tiles
-#endif
-#if EXPERTS_DOWN_STREAM
-// the down kernel's warps: steps of 16 k an item, warp_gemm_marlin's batch, batches an item
-constexpr int DOWN_STEPS = I_LOCAL / WK2 / 16;
-constexpr int DOWN_SB = DOWN_STEPS < 4 ? DOWN_STEPS : 4;
-constexpr int NBAT2 = DOWN_STEPS / DOWN_SB;
-constexpr int PART2_FLOATS = WM2 * NT2 * 4 * 32;  // a piece: the item's tiles' sums
-#endif
-
 #if EXPERTS_EARLY
 // The first batch of the block's first item (EXPERTS_HALF's warps: the gate or the up rows,
 // hk's K-slice) into L2, as the item loop prefetches each next item's.
@@ -963,19 +866,12 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
                                                     const unsigned char* w13_scale, const float* w13_global) {
   constexpr int WKH = WK1 / 2;
   const int warp = threadIdx.x >> 5, side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
-#if EXPERTS_UP_STREAM
-  const StreamRuns<NBAT, MAX_ROUTES * TILES1> runs(routes.n_slots * TILES1);
-  if ((int)blockIdx.x >= runs.g) return;
-  const int u = runs.start(blockIdx.x);
-  const int item = u / NBAT, k0 = u % NBAT * HALF_SB * 16;
-#else
-  const int item = blockIdx.x, k0 = 0;
+  const int item = blockIdx.x;
   if (item >= routes.n_slots * TILES1) return;
-#endif
   const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
   const int row0[1] = {side ? I_LOCAL + n0 : n0};
   prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
-                                             row0, hk * (P_DIM / WKH) + k0);
+                                             row0, hk * (P_DIM / WKH));
 }
 #endif
 
@@ -985,17 +881,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const unsigned char* __restrict__ w13,                         // [E_local, 2I, P] bf16 or [E_local, 2I, P/2]
     const unsigned char* __restrict__ w13_scale,                   // NVFP4: [E_local, 2I, P/16]
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
-    bf16_t* __restrict__ act                                       // [slots, 8, I_LOCAL]
 #if EXPERTS_EARLY
-    ,
-    int ids_final  // the ids complete at launch (see the top)
+    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
+    int ids_final) {                                               // the ids complete at launch (see the top)
+#else
+    bf16_t* __restrict__ act) {                                    // [slots, 8, I_LOCAL]
 #endif
-#if EXPERTS_UP_STREAM
-    ,
-    float* __restrict__ up_part,  // [items, STREAM_PIECES, PART_FLOATS]: the pieces' sums
-    int* __restrict__ up_count    // [items]: the pieces counted, zeros between launches
-#endif
-) {
   __shared__ Routes routes;
 #if EXPERTS_RING
   extern __shared__ uint4 up_smem[];  // UP_SMEM_BYTES: the warps' rings, red over them (see the top)
@@ -1031,42 +922,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
   __shared__ float xch[WM1 * HALF_FLOATS];  // the up side's sums, for the gate side
   const int items = routes.n_slots * TILES1;
-#if EXPERTS_UP_STREAM
-  // The block's run of units (see the top), an item's batches [a0, a1) at a time.
-  __shared__ int stream_last;
-  const StreamRuns<NBAT, MAX_ROUTES * TILES1> runs(items);
-  const bool has_run = (int)blockIdx.x < runs.g;
-  const int u_end = has_run ? runs.start(blockIdx.x + 1) : 0;
-  for (int u = has_run ? runs.start(blockIdx.x) : 0; u < u_end;) {
-    const int item = u / NBAT, a0 = u % NBAT;
-    const int a1 = min(NBAT, u_end - item * NBAT);
-    u = item * NBAT + a1;
-    const int first = runs.first_run(item), pieces = runs.pieces(item, first);
-    const bool has_next = u < u_end;
-    const int next = item + 1;
-#else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const bool has_next = item + (int)gridDim.x < items;
-    const int next = item + gridDim.x;
-#endif
     const int slot = item / TILES1, tile = item % TILES1;
     const int e = routes.slot_expert[slot];
     const int i0 = (tile * WM1 + hm) * UP_COLS;
     const Weights W = up_weights(w13, w13_scale, w13_global, e);
     const int row0[1] = {side ? I_LOCAL + i0 : i0};
-    if (has_next) {  // the next item's first batch
-      const int n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
+    if (item + (int)gridDim.x < items) {  // the next item's first batch
+      const int next = item + gridDim.x, n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
       const int nrow0[1] = {side ? I_LOCAL + n0 : n0};
       prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
           up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
     }
     float h[TPB][4];  // this side's tiles
-#if EXPERTS_UP_STREAM
-    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH) + a0 * HALF_SB * 16, x, x_stride, b, h,
-                                             (a1 - a0) * HALF_SB);
-#else
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
-#endif
 #if EXPERTS_UP_SCATTER
     // Each warp of a side adds the tiles it owns (a % WKH == hk: OWN of them, or where
     // there are more warps than tiles, tile hk alone), the up side passes them over, and
@@ -1084,29 +953,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
         for (int r = 1; r < OWNERS; ++r)
           if (hk == r) mine[j][e4] = h[j * WKH + r][e4];
       }
-#if EXPERTS_UP_STREAM
-    if (pieces > 1) {  // a piece of the item: its sums out, and the last piece's block adds them all
-      float* const part = up_part + (long)item * STREAM_PIECES * PART_FLOATS;
-      const int side_base = (side * WM1 + hm) * TPB * 4;
-      if (hk < OWNERS) {
-#pragma unroll
-        for (int j = 0; j < OWN; ++j)
-#pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4)
-            __stcg(part + (long)((int)blockIdx.x - first) * PART_FLOATS + (side_base + (j * WKH + hk) * 4 + e4) * 32 +
-                       lane,
-                   mine[j][e4]);
-      }
-      if (!last_piece(up_count + item, pieces, &stream_last)) continue;
-      if (hk < OWNERS) {
-#pragma unroll
-        for (int j = 0; j < OWN; ++j)
-#pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4)
-            mine[j][e4] = piece_sum(part + (side_base + (j * WKH + hk) * 4 + e4) * 32 + lane, pieces, PART_FLOATS);
-      }
-    }
-#endif
     __syncthreads();  // xch read for the item before
     if (side == 1 && hk < OWNERS) {
 #pragma unroll
@@ -1189,13 +1035,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]
     const unsigned char* __restrict__ w2_scale,                    // NVFP4: [E_local, P, I/16]
     const float* __restrict__ w2_global,                           // NVFP4: [E_local]
-    bf16_t* __restrict__ rows                                      // [b, TOP_K, P]
-#if EXPERTS_DOWN_STREAM
-    ,
-    float* __restrict__ down_part,  // [items, STREAM_PIECES, PART2_FLOATS]: the pieces' sums
-    int* __restrict__ down_count    // [items]: the pieces counted, zeros between launches
-#endif
-) {
+    bf16_t* __restrict__ rows) {                                   // [b, TOP_K, P]
   __shared__ Routes routes;
   __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
@@ -1219,19 +1059,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   const int items = (n_slots > 0 ? n_slots : 1) * TILES2;
   constexpr long EXPERT_BYTES = (long)P_DIM * (FMT >= 1 ? I_LOCAL / 2 : I_LOCAL * 2);
   // Warm the first item's weights into L2 before waiting for act.
-#if EXPERTS_DOWN_STREAM
-  const StreamRuns<NBAT2, MAX_ROUTES * TILES2> runs(items);
-  const bool has_run = (int)blockIdx.x < runs.g;
-  const int warm_item = has_run ? runs.start(blockIdx.x) / NBAT2 : items;
-#else
-  // unsigned, and the next item's test in the loop below written where it is used: the
-  // down kernel without EXPERTS_DOWN_STREAM compiles to the instructions measured before it
-  // (in signed arithmetic the _k1 variant spills at expert TP's slice)
-  const unsigned warm_item = blockIdx.x;
-#endif
-  if (n_slots > 0 && (int)warm_item < items) {
-    const int e = routes.slot_expert[warm_item / TILES2];
-    const int p0 = (warm_item % TILES2) * WM2 * DOWN_ROWS;
+  if (n_slots > 0 && (int)blockIdx.x < items) {
+    const int e = routes.slot_expert[blockIdx.x / TILES2];
+    const int p0 = (blockIdx.x % TILES2) * WM2 * DOWN_ROWS;
 #if FMT == 2
     // Marlin: the item's rows are a run of 8 bytes a row in each of the I / 16 rows of tiles.
     constexpr int RUN = 8 * WM2 * DOWN_ROWS;
@@ -1247,20 +1077,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   }
   pdl_wait();
   pdl_launch_dependents();
-#if EXPERTS_DOWN_STREAM
-  // The block's run of units (see the top), an item's batches [a0, a1) at a time.
-  __shared__ int stream_last;
-  const int u_end = has_run ? runs.start(blockIdx.x + 1) : 0;
-  for (int u = has_run ? runs.start(blockIdx.x) : 0; u < u_end;) {
-    const int item = u / NBAT2, a0 = u % NBAT2;
-    const int a1 = min(NBAT2, u_end - item * NBAT2);
-    u = item * NBAT2 + a1;
-    const int first = runs.first_run(item), pieces = runs.pieces(item, first);
-    const bool has_next = u < u_end;
-    const int next = item + 1;
-#else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-#endif
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
     float c[NT2][4];
@@ -1276,12 +1093,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #pragma unroll
       for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
 #if EXPERTS_V2
-#if EXPERTS_DOWN_STREAM
-      if (has_next) {  // the next item's first batch
-#else
       if (item + (int)gridDim.x < items) {  // the next item's first batch
         const int next = item + gridDim.x;
-#endif
         int nrow0[NT2 / TPB];
 #pragma unroll
         for (int r = 0; r < NT2 / TPB; ++r) nrow0[r] = (next % TILES2 * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;
@@ -1289,39 +1102,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
                                                 nrow0, wk * (I_LOCAL / WK2));
       }
 #endif
-#if EXPERTS_DOWN_STREAM
-      expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2) + a0 * DOWN_SB * 16,
-                                            act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c, (a1 - a0) * DOWN_SB);
-#else
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL,
                                             NB, c);
-#endif
       reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
-#if EXPERTS_DOWN_STREAM
-      if (pieces > 1) {  // a piece of the item: its owners' sums out, the last piece's block adds them all
-        float* const part = down_part + (long)item * STREAM_PIECES * PART2_FLOATS;
-#pragma unroll
-        for (int a = 0; a < NT2; ++a) {
-          if (!owns_tile<WK2, NT2>(a, wk)) continue;
-#pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4)
-            __stcg(part + (long)((int)blockIdx.x - first) * PART2_FLOATS + ((wm * NT2 + a) * 4 + e4) * 32 + lane,
-                   c[a][e4]);
-        }
-        if (!last_piece(down_count + item, pieces, &stream_last)) continue;
-#pragma unroll
-        for (int a = 0; a < NT2; ++a) {
-          if (!owns_tile<WK2, NT2>(a, wk)) continue;
-#pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4)
-            c[a][e4] = piece_sum(part + ((wm * NT2 + a) * 4 + e4) * 32 + lane, pieces, PART2_FLOATS);
-        }
-      }
-#endif
     }
-#if EXPERTS_DOWN_STREAM
-    if (n_slots == 0 && a0 != 0) continue;  // no expert held: the item's zeros stored by its first piece
-#endif
 #if EXPERTS_DOWN_SCATTER
     if (wk >= NT2) continue;  // owns no tile
 #else

@@ -92,6 +92,7 @@ def test_too_few_gpus_and_shards_that_do_not_fit(monkeypatch):
         Placement(2, "cuda", one_gpu=True, backend="nccl")
     placement = Placement(4, "cuda", one_gpu=False, backend=None)
     assert placement.backend == "nccl" and placement.device(3) == torch.device("cuda", 3)
+    assert placement.times_layouts
     free = {0: 141e9, 1: 141e9, 2: 40e9, 3: 141e9}  # the smallest GPU decides
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (int(free[i]), int(141e9)))
     with pytest.raises(BenchConfigError, match="tp4-L8-bf16 needs .* GB are free"):
@@ -101,6 +102,7 @@ def test_too_few_gpus_and_shards_that_do_not_fit(monkeypatch):
     # On one GPU every rank's shard and reserve share its memory.
     one = Placement(8, "cuda", one_gpu=True, backend=None)
     assert (one.backend, one.device(5)) == ("gloo", torch.device("cuda", 0))
+    assert not one.times_layouts  # time-sliced: the resolver goes by priority
     with pytest.raises(BenchConfigError, match="not one layer"):
         one.check_fits(named("tp8-Lmax-bf16"))
     assert one.check_fits(named("tiny-tp8")).layers == 2

@@ -44,6 +44,8 @@ def test_one_gpu_emulation_is_labelled_and_never_a_speed_claim(tmp_path):
     assert record["config"] == "tiny-tp2-one-gpu" and record["speed_claim"] is False
     assert "one-GPU emulation" in record["label"] and record["ranks"]["backend"] == "gloo"
     assert record["ranks"]["devices"] == ["cuda:0", "cuda:0"]
+    # time-sliced, the resolver does not time its candidates: every choice by priority
+    assert all(choice.endswith("(priority)") for choice in record["executor"]["layout"].values())
     check_runs(record, 2)
 
 

@@ -75,6 +75,14 @@ class Placement:
                 )
             self.kind, self.backend = "per-gpu", backend or "nccl"
 
+    @property
+    def times_layouts(self) -> bool:
+        """Whether the executor's resolver may time its candidates in place: not on one
+        time-sliced GPU, where a rank's timings would be the other processes' context
+        switches (a collective there takes milliseconds); its layout is then chosen by
+        priority, the same on every rank, and the record says so (``(priority)``)."""
+        return self.kind != "one-gpu"
+
     def device(self, rank: int) -> torch.device:
         return {"cpu": torch.device("cpu"), "one-gpu": torch.device("cuda", 0)}.get(
             self.kind, torch.device("cuda", rank)
@@ -179,7 +187,7 @@ def measure(
         for side, group in (("executor", dist.group.WORLD), ("detached", None)):
             progress(f"context {context}: building the executor ({side})")
             config = DecodeConfig(q=ROWS, max_rows=ROWS, max_context=context, pins=dict(job["pins"]))
-            executor = SpecializedDecode(weights, config, group=group)
+            executor = SpecializedDecode(weights, config, group=group, measure=placement.times_layouts)
             layouts[side] = {kind: f"{c.chosen.name} ({c.how})" for kind, c in executor.layout.choices.items()}
             reduce = executor.layout.choices.get("all_reduce")
             if graphs and group is not None and placement.backend == "gloo" and reduce is not None:

@@ -14,7 +14,8 @@ A config of every rank (``tp{2,4,8}-L<N>-bf16``, ``-nvfp4``, ``-nvfp4-marlin``,
 ``tiny-tp{2,4,8}``) spawns one
 process a rank and times the step with its real collectives (``ranks.py``): one
 rank per GPU over NCCL; ``--one-gpu``, every rank on cuda:0 over gloo (an
-emulation, never a speed claim); on the CPU over gloo, a smoke run.
+emulation, never a speed claim; its layout by priority, not timed); on the CPU over
+gloo, a smoke run.
 
 | module | holds |
 | --- | --- |
@@ -83,7 +84,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--one-gpu",
         action="store_true",
-        help="configs of every rank: all ranks on cuda:0 over gloo (an emulation, not a speed claim)",
+        help="configs of every rank: all ranks on cuda:0 over gloo (an emulation, not a speed claim; "
+        "the layout by priority, not timed)",
     )
     p.add_argument(
         "--backend",

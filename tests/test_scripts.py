@@ -2,8 +2,9 @@
 box: scripts/experts-bounds' source patches still find their places in the experts kernels
 and the patched kernels build spill-free, scripts/read-pattern's synthetic kernels
 build in every configuration it runs (NVRTC for sm_90a; skipped without NVRTC), and
-scripts/step-compare runs the bench once a layout (the tiny config, on the CPU), and
-scripts/ncu-sass-mix reads an Nsight Compute source page."""
+scripts/step-compare runs the bench once a layout (the tiny config, on the CPU),
+scripts/gpu-check keeps its limits and deadline, and scripts/ncu-sass-mix reads an
+Nsight Compute source page."""
 
 from __future__ import annotations
 
@@ -150,6 +151,52 @@ def test_step_compare_runs_each_layout(tmp_path):
         timeout=600,
     )
     assert bad.returncode == 1 and "== bad rc=" in bad.stdout and "nope.x" in bad.stdout
+
+
+def test_gpu_check_limits_and_deadline(tmp_path):
+    """scripts/gpu-check on two test files of the gpu marker (they need no GPU): a file past
+    its -t limit is named as cut; with -d, a file whose share of the deadline is too small
+    is listed as not run, and either sets the exit status."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_gpu_quick.py").write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_quick():\n    pass\n")
+    (tmp_path / "test_gpu_slow.py").write_text(
+        "import time\n\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_slow():\n    time.sleep(60)\n"
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "GPU_CHECK_LOGS": str(tmp_path / "logs"),
+        "MIN_SECONDS": "3",
+    }
+
+    def check(*args: str) -> subprocess.CompletedProcess:
+        files = [str(tmp_path / "test_gpu_quick.py"), str(tmp_path / "test_gpu_slow.py")]
+        return subprocess.run(
+            [str(SCRIPTS / "gpu-check"), *args, *files],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
+
+    cut = check("-t", "15")
+    lines = cut.stdout.splitlines()
+    assert cut.returncode == 1, cut.stdout + cut.stderr
+    assert lines[0].startswith("== test_gpu_quick rc=0 ") and "1 passed" in lines[0]
+    assert lines[1].startswith("== test_gpu_slow rc=124 ") and "(cut by its 15s limit)" in lines[1]
+    late = check("-t", "60", "-d", "6")
+    lines = late.stdout.splitlines()
+    assert late.returncode == 1, late.stdout + late.stderr
+    assert lines[0].startswith("== test_gpu_quick rc=0 ")
+    if "not run" in lines[1]:  # the quick file took more than 3 s of the 6
+        assert lines[1].startswith("== test_gpu_slow not run: ")
+    else:  # it started with what was left of the deadline, not its 60 s
+        assert lines[1].startswith("== test_gpu_slow rc=124 ") and "(cut by its " in lines[1], lines[1]
+        assert int(lines[1].split("cut by its ")[1].split("s")[0]) <= 6
 
 
 def test_ncu_sass_mix_counts_a_page():

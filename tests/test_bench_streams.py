@@ -107,6 +107,21 @@ def test_slow_paths_are_timed_isolated_only():
     assert "isolated only (slow)" in streams.experts_report([stream], 1e12)
 
 
+def test_spread_ids_hold_exactly_the_distinct_experts_asked():
+    from sparkdecode.spec import ModelSpec
+
+    spec = ModelSpec.preset("muse-spark-open", 1)
+    for d in (spec.top_k, 33, 55, streams.ROWS * spec.top_k):
+        ids = streams.spread_ids(spec, d, torch.Generator().manual_seed(d))
+        assert ids.shape == (streams.ROWS, spec.top_k) and ids.dtype == torch.int32
+        assert int(torch.unique(ids).numel()) == d
+        assert all(int(torch.unique(row).numel()) == spec.top_k for row in ids)  # a row's k distinct
+        assert int(ids.min()) >= 0 and int(ids.max()) < spec.E
+    for d in (spec.top_k - 1, streams.ROWS * spec.top_k + 1):
+        with pytest.raises(ValueError, match=f"distinct experts {d}: from top-k {spec.top_k} to"):
+            streams.spread_ids(spec, d, torch.Generator())
+
+
 def test_chain_length_reads_three_l2s_with_the_fewest_layers():
     mb = 1_000_000
     assert streams.chain_length([1, 1, 1, 1, 1], 50 * mb) == 3

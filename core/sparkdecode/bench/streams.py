@@ -248,6 +248,17 @@ def route_ids(spec: ModelSpec, kind: str, g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).to(torch.int32)
 
 
+def spread_ids(spec: ModelSpec, distinct: int, g: torch.Generator) -> torch.Tensor:
+    """int32 [ROWS, k] ids over exactly ``distinct`` experts (k <= distinct <= ROWS * k):
+    route r of the ROWS * k takes expert r mod distinct of a random draw, so each row's k
+    are distinct. ValueError outside that range."""
+    routes = ROWS * spec.top_k
+    if not spec.top_k <= distinct <= min(routes, spec.E):
+        raise ValueError(f"distinct experts {distinct}: from top-k {spec.top_k} to {min(routes, spec.E)}")
+    pool = torch.randperm(spec.E, generator=g)[:distinct]
+    return pool[torch.arange(routes) % distinct].view(ROWS, spec.top_k).to(torch.int32)
+
+
 def held_distinct(ids: torch.Tensor, experts: ExpertWeights) -> int:
     """Distinct experts of ``ids`` this rank holds."""
     local = ids.flatten().long() - experts.first_expert

@@ -218,8 +218,28 @@ def test_ncu_sass_mix_counts_a_page():
     assert "3.1 instructions a HMMA" in out
     assert "long_sb 70.0%, math 30.0%" in out
     assert "x100: 3 lines, 96.8% of the instructions, 100.0% of the samples, 3.0 a HMMA" in out
+    assert "global L2 sectors" not in out  # no source counters on this page
     with pytest.raises(ValueError, match="Address"):
         mix.read_page('"Kernel Name","k",\n"a","b"\n')
+
+
+def test_ncu_sass_mix_counts_excessive_sectors():
+    """With the source counters' sector columns, ncu-sass-mix totals the global accesses'
+    L2 sectors and lists the lines whose sectors go beyond the bytes used, most first."""
+    mix = load_script("ncu-sass-mix")
+    header = ["Address", "Source", mix.SAMPLES, mix.EXECUTED, mix.SECTORS, mix.EXCESSIVE]
+    body = [
+        ["0x10", "LDG.E.128.CONSTANT R12, desc[UR10][R60.64]", "1", "100", "1,600", "0"],
+        ["0x20", "@!P2 LDG.E.CONSTANT R2, desc[UR10][R56.64]", "1", "100", "800", "400"],
+        ["0x30", "HMMA.16816.F32.BF16 R4, R12, R2, R4", "1", "100", "", ""],
+    ]
+    page = "\n".join(",".join(f'"{v}"' for v in r) for r in [header, *body])
+    lines = mix.read_page(page)
+    assert [(line.sectors, line.excessive) for line in lines] == [(1600, 0), (800, 400), (0, 0)]
+    out = mix.report(lines)
+    i = out.index("global L2 sectors: 2400, 400 (16.7%) beyond the bytes used")
+    assert out[i + 1].split()[:3] == ["400", "of", "800"] and "LDG.E.CONSTANT R2" in out[i + 1]
+    assert len(out) == i + 2  # lines without excess are not listed
 
 
 def test_layouts_pin_registered_providers():

@@ -1405,9 +1405,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
       }
       reduce_k<WK2, NT2, true>(c, red, wm, wk);
     }
+    // claimed[par] was written before reduce_k's barriers: no barrier between down items,
+    // so a warp's stores overlap the other warps' next loads, as in the down kernel.
+    if (n_slots == 0 || WK2 == 1) __syncthreads();
+    const int following = claimed[par];
     down_item_store(c, wk, g, t, slot, n_slots, p0, out_scale, b, rows, routes, slot_masks, unheld_masks);
-    __syncthreads();  // claimed[par] written
-    item = claimed[par];
+    item = following;
     par ^= 1;
   }
   if (threadIdx.x == 0) {

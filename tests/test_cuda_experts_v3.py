@@ -453,9 +453,9 @@ def test_marlin_v3_pair_adds_its_define_and_fits_four_blocks(width, intermediate
     k2 = experts_mod.CudaExpertsNvfp4MarlinV3Half4PairK2.kernel_defines(width, intermediate, 8)
     assert {k: v for k, v in k2.items() if k != "EXPERTS_DOWN_WK"} == defines
     source = nvrtc.source(experts_mod.SOURCE)
-    consts = {k: int(v) for k, v in re.findall(r"#define (SYNC_LINE|SYNC_SMS|MAX_ROUTES) (\d+)", source)}
+    consts = {k: int(v) for k, v in re.findall(r"#define (SYNC_LINE|MAX_ROUTES) (\d+)", source)}
     consts |= {k: int(v) for k, v in re.findall(r"#define (MAX_ROUTES) (\d+)", nvrtc.source("experts_common.cuh"))}
-    assert experts_mod.PAIR_SYNC_INTS == consts["SYNC_LINE"] * (3 + consts["MAX_ROUTES"]) + consts["SYNC_SMS"]
+    assert experts_mod.PAIR_SYNC_INTS == consts["SYNC_LINE"] * (2 + consts["MAX_ROUTES"])
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     for variant in (defines, k2):

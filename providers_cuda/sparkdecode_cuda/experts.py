@@ -43,7 +43,7 @@ SOURCE = "experts.cu"
 COMPILE_OPTIONS = ("--fmad=false",)
 MAX_ROWS = 8  # the MMA's n
 MAX_ROUTES = 64
-PAIR_SYNC_INTS = 32 * (3 + MAX_ROUTES) + 256  # experts.cu's SYNC_INTS: a count a 128-byte line, one an SM
+PAIR_SYNC_INTS = 32 * (2 + MAX_ROUTES)  # experts.cu's SYNC_INTS: a count a 128-byte line
 MAX_LOCAL = 256  # experts one rank holds (the kernels' first-route table)
 # The K a warp covers per batch of loads (experts.cu's CHUNK_K): 16-byte loads of 32
 # NVFP4 or 8 bf16 values times the 4 threads of a row; Marlin: four MMA steps of 16.
@@ -706,10 +706,10 @@ class CudaExpertsNvfp4MarlinV3Half4Pair(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
         super().__init__(ctx, layer)
         defines = self.kernel_defines(ctx.spec.P, self.intermediate, ctx.spec.top_k)
         self.pair_kernel = Kernel(SOURCE, "experts_pair_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        self.resident = self.pair_kernel.resident_blocks(256)
-        if self.resident < 1:
+        resident = self.pair_kernel.resident_blocks(256)
+        if resident < 1:
             raise RuntimeError(f"layer {layer}: {self.name}: experts_pair_kernel fits no block on an SM")
-        self.grid_pair = self.resident * torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        self.grid_pair = resident * torch.cuda.get_device_properties(ctx.device).multi_processor_count
         # experts.cu's `sync` (SYNC_INTS): zero at the first launch, zeroed by each launch's last block
         self.sync = torch.zeros(PAIR_SYNC_INTS, dtype=torch.int32, device=ctx.device)
 
@@ -726,7 +726,6 @@ class CudaExpertsNvfp4MarlinV3Half4Pair(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
             ptr(w2_global),
             ptr(rows),
             ptr(self.sync),
-            i32(self.resident),
         ]
         self.pair_kernel.launch((self.grid_pair, 1, 1), (256, 1, 1), args)
 

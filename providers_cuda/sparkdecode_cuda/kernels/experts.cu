@@ -1234,13 +1234,10 @@ static_assert(EXPERTS_HALF && EXPERTS_EARLY && EXPERTS_UP_SCATTER && EXPERTS_DOW
 static_assert(NT2 == TPB, "EXPERTS_PAIR: one K reduction buffer for both items");
 
 // sync, SYNC_INTS ints (zero before the first launch), each count in a 128-byte line of its
-// own: [0] the items claimed, [SYNC_LINE] the blocks finished, [2 SYNC_LINE] the up items
-// finished, [SYNC_LINE * (3 + s)] the finished up items of slot s; then from SYNC_SM one
-// count an SM (by %smid, below SYNC_SMS): the blocks that started there.
+// own: [0] the items claimed past the first round, [SYNC_LINE] the blocks finished,
+// [SYNC_LINE * (2 + s)] the finished up items of slot s.
 #define SYNC_LINE 32
-#define SYNC_SM (SYNC_LINE * (3 + MAX_ROUTES))
-#define SYNC_SMS 256
-#define SYNC_INTS (SYNC_SM + SYNC_SMS)
+#define SYNC_INTS (SYNC_LINE * (2 + MAX_ROUTES))
 
 __device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
   int v;
@@ -1248,59 +1245,31 @@ __device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
   return v;
 }
 
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-
 // The down item's wait for its slot's act (warp_gemm_marlin's `before`), block-wide: where
-// the block has not yet seen the slot complete, thread 0 polls (relaxed loads, backing off
-// from 128 to 1024 ns) until the count of all finished up items is `up_items` or the
-// slot's count is TILES1, then fences (acquire), and every warp meets it at named barrier
-// 1: one thread a block polls. Each warp keeps its own copy of the seen slots (its word of
-// `seen`, set by its lane 0 after the barrier: every slot once all up items are done),
-// and the warps see the same items in the same order, so they agree on whether to wait.
+// the block has not yet seen the slot complete, warp 0's lane 0 polls the slot's count
+// (relaxed loads, backing off from 128 to 1024 ns) until it is TILES1, then fences
+// (acquire), and every warp meets it at named barrier 1, so that one thread a block polls.
+// Each warp keeps its own copy of the seen slots (its word of `seen`, set by its lane 0
+// after the barrier): the warps see the same items in the same order, so they agree on
+// whether to wait without reading each other's words.
 struct SlotDone {
-  const int* count;  // the slot's
-  const int* all;    // every slot's
-  int up_items;
+  const int* count;
   unsigned long long* seen;  // this warp's word
-  int* all_seen;             // shared: thread 0's finding for the other warps
   int slot;
   __device__ __forceinline__ void operator()() const {
     const int lane = threadIdx.x & 31;
     const bool known = __shfl_sync(0xffffffffu, lane == 0 && ((*seen >> slot) & 1ull), 0);
     if (!known) {
       if (threadIdx.x == 0) {
-        int every = 0;
-        for (unsigned ns = 128;; ns = ns < 1024 ? 2 * ns : ns) {
-          every = ld_relaxed_gpu(all) >= up_items;
-          if (every || ld_relaxed_gpu(count) >= TILES1) break;
-          __nanosleep(ns);
-        }
-        fence_acq_rel_gpu();
-        *all_seen = every;
+        for (unsigned ns = 128; ld_relaxed_gpu(count) < TILES1; ns = ns < 1024 ? 2 * ns : ns) __nanosleep(ns);
+        __threadfence();
       }
       asm volatile("bar.sync 1, %0;" ::"n"(NTHREADS) : "memory");
-      if (lane == 0) *seen |= *all_seen ? ~0ull : 1ull << slot;
+      if (lane == 0) *seen |= 1ull << slot;
     }
     __syncwarp();
   }
 };
-
-// Down item d's weights (every row of 16 k of its rows' codes and scales) into L2, by one
-// warp: the pair kernel's next item, known only once claimed, warmed while the block
-// finishes the item before it.
-__device__ __forceinline__ void prefetch_down_item(const Routes& routes, const unsigned char* w2,
-                                                   const unsigned char* w2_scale, int d) {
-  const int lane = threadIdx.x & 31, e = routes.slot_expert[d / TILES2];
-  const long p0 = (long)(d % TILES2) * WM2 * DOWN_ROWS;
-  constexpr int RUN = 8 * WM2 * DOWN_ROWS, SRUN = WM2 * DOWN_ROWS;  // bytes a row of 16 k: codes, scales
-  const unsigned char* codes = w2 + (long)e * P_DIM * (I_LOCAL / 2) + p0 * 8;
-  const unsigned char* scales = w2_scale + (long)e * P_DIM * (I_LOCAL / 16) + p0;
-  constexpr int LINES = (RUN + 127) / 128, SLINES = (SRUN + 127) / 128;  // 128-byte lines a row (runs start aligned)
-  for (int i = lane; i < (I_LOCAL / 16) * LINES; i += 32)
-    prefetch_l2(codes + (long)(i / LINES) * 8 * P_DIM + 128 * (i % LINES));
-  for (int i = lane; i < (I_LOCAL / 16) * SLINES; i += 32)
-    prefetch_l2(scales + (long)(i / SLINES) * P_DIM + 128 * (i % SLINES));
-}
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) experts_pair_kernel(
     const bf16_t* __restrict__ x, int x_stride, int b,             // [b, P]
@@ -1312,8 +1281,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const unsigned char* __restrict__ w2, const unsigned char* __restrict__ w2_scale,
     const float* __restrict__ w2_global,
     bf16_t* __restrict__ rows,                                     // [b, TOP_K, P]
-    int* sync,                                                     // SYNC_INTS
-    int blocks_per_sm) {                                           // the grid's blocks an SM
+    int* sync) {                                                   // SYNC_INTS
   __shared__ Routes routes;
   __shared__ float red[WARPS * TPB * 4 * 32];
   constexpr int WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;
@@ -1322,28 +1290,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   __shared__ unsigned unheld_masks[NB];
   __shared__ int claimed[2];
   __shared__ unsigned long long seen[WARPS];  // per warp: the slots whose up items it saw finished
-  __shared__ int all_seen;
   if (ids_final) {
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
+    half_first_prefetch(routes, w13, w13_scale, w13_global);
     pdl_wait();
     pdl_launch_dependents();
   } else {
     pdl_wait();
     pdl_launch_dependents();
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-  }
-  // The first claims SM by SM: the block dispatcher may put up to twice the even share of
-  // the first blocks on one SM, and the first claims are the up items. A block that is the
-  // r-th to start on its SM claims once r rounds of an item an SM are claimed (or after
-  // about 4 us: the order only spreads the up items; every item is claimed from the one
-  // counter whatever the order).
-  if (threadIdx.x == 0) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    const int rank = smid < SYNC_SMS ? atomicAdd(&sync[SYNC_SM + smid], 1) : 0;
-    const int before = rank * ((int)gridDim.x / blocks_per_sm);
-    for (int i = 0; i < 16 && ld_relaxed_gpu(sync) < before; ++i) __nanosleep(128);
-    claimed[0] = atomicAdd(&sync[0], 1);
   }
   for (int i = threadIdx.x; i < MAX_ROUTES * NB; i += NTHREADS) slot_masks[i] = 0u;
   if (threadIdx.x < NB) unheld_masks[threadIdx.x] = 0u;
@@ -1361,31 +1316,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   const int up_items = n_slots * TILES1, total = up_items + (n_slots > 0 ? n_slots : 1) * TILES2;
   // A block's claims only grow, so its up items all come before its down items: two
   // loops, each with only its own state live.
-  int item = claimed[0], par = 1, next = 0;  // next: thread 0's claim, for warp 0's prefetch
+  int item = blockIdx.x, par = 0;
   while (item < up_items) {
-    if (threadIdx.x == 0) claimed[par] = next = atomicAdd(&sync[0], 1);  // read after the item
+    if (threadIdx.x == 0) claimed[par] = gridDim.x + atomicAdd(&sync[0], 1);  // read after the item
     const int slot = item / TILES1, tile = item % TILES1;
     const int i0 = (tile * WM1 + hm) * UP_COLS;
     const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
     const int row0[1] = {side ? I_LOCAL + i0 : i0};
     float h[TPB][4];
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
-    if (warp == 0) {
-      const int nxt = __shfl_sync(0xffffffffu, next, 0);
-      if (nxt >= up_items && nxt < total) prefetch_down_item(routes, w2, w2_scale, nxt - up_items);
-    }
     up_half_scatter_tail(h, red, xch, side, hm, hk, i0, slot, W, act);
     __syncthreads();  // the item's act stores done; claimed[par] written
     if (threadIdx.x == 0) {
       __threadfence();
-      atomicAdd(&sync[SYNC_LINE * (3 + slot)], 1);
-      atomicAdd(&sync[2 * SYNC_LINE], 1);
+      atomicAdd(&sync[SYNC_LINE * (2 + slot)], 1);
     }
     item = claimed[par];
     par ^= 1;
   }
   while (item < total) {
-    if (threadIdx.x == 0) claimed[par] = next = atomicAdd(&sync[0], 1);
+    if (threadIdx.x == 0) claimed[par] = gridDim.x + atomicAdd(&sync[0], 1);
     const int d = item - up_items, slot = d / TILES2, tile = d % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
     float c[NT2][4];
@@ -1396,21 +1346,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
       int row0[NT2 / TPB];
 #pragma unroll
       for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
-      const SlotDone done{sync + SYNC_LINE * (3 + slot), sync + 2 * SYNC_LINE, up_items, &seen[warp], &all_seen, slot};
+      const SlotDone done{sync + SYNC_LINE * (2 + slot), &seen[warp], slot};
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2, true>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL,
                                                   I_LOCAL, NB, c, I_LOCAL / WK2 / 16, done);
-      if (warp == 0) {
-        const int nxt = __shfl_sync(0xffffffffu, next, 0);
-        if (nxt < total) prefetch_down_item(routes, w2, w2_scale, nxt - up_items);
-      }
       reduce_k<WK2, NT2, true>(c, red, wm, wk);
     }
-    // claimed[par] was written before reduce_k's barriers: no barrier between down items,
-    // so a warp's stores overlap the other warps' next loads, as in the down kernel.
-    if (n_slots == 0 || WK2 == 1) __syncthreads();
-    const int following = claimed[par];
     down_item_store(c, wk, g, t, slot, n_slots, p0, out_scale, b, rows, routes, slot_masks, unheld_masks);
-    item = following;
+    __syncthreads();  // claimed[par] written
+    item = claimed[par];
     par ^= 1;
   }
   if (threadIdx.x == 0) {
@@ -1419,9 +1362,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
       __threadfence();
       sync[0] = 0;
       sync[SYNC_LINE] = 0;
-      sync[2 * SYNC_LINE] = 0;
-      for (int s = 0; s < n_slots; ++s) sync[SYNC_LINE * (3 + s)] = 0;
-      for (int s = 0; s < SYNC_SMS; ++s) sync[SYNC_SM + s] = 0;
+      for (int s = 0; s < n_slots; ++s) sync[SYNC_LINE * (2 + s)] = 0;
     }
   }
 }

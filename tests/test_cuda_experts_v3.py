@@ -435,29 +435,3 @@ def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls, parent)
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
-
-
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 512)])
-def test_marlin_v3_pair_adds_its_define_and_fits_four_blocks(width, intermediate):
-    """_half4_pair (unregistered): _half4_scatter_up's defines plus EXPERTS_PAIR (_pair_k2:
-    and its down items' warps along K); experts_pair_kernel's registers and static shared
-    memory fit the 4 blocks an SM its grid assumes resident at once, and the provider's
-    `sync` is as long as the kernel's SYNC_INTS."""
-    import re
-
-    from sparkdecode_cuda import nvrtc
-
-    cls, parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4Pair, experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp
-    defines = cls.kernel_defines(width, intermediate, 8)
-    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_PAIR": 1}
-    k2 = experts_mod.CudaExpertsNvfp4MarlinV3Half4PairK2.kernel_defines(width, intermediate, 8)
-    assert {k: v for k, v in k2.items() if k != "EXPERTS_DOWN_WK"} == defines
-    source = nvrtc.source(experts_mod.SOURCE)
-    consts = {k: int(v) for k, v in re.findall(r"#define (SYNC_LINE|MAX_ROUTES) (\d+)", source)}
-    consts |= {k: int(v) for k, v in re.findall(r"#define (MAX_ROUTES) (\d+)", nvrtc.source("experts_common.cuh"))}
-    assert experts_mod.PAIR_SYNC_INTS == consts["SYNC_LINE"] * (2 + consts["MAX_ROUTES"])
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    for variant in (defines, k2):
-        u = ptxas_usage(variant)["experts_pair_kernel"]
-        assert blocks_per_sm(u.registers) >= 4 and blocks_per_sm_smem(u.smem) >= 4, u

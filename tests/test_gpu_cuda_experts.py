@@ -133,12 +133,10 @@ def provider(fmt: str):
     "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the route masks made once a block),
     "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
     "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the down kernel's warps 2 or 1
-    along K at expert TP's slice, "-v3half4pair": -v3half4scatterup's kernels as one
-    persistent kernel (EXPERTS_PAIR), "-v3half4pairk2": that with the down items on 2 warps
     along K at expert TP's slice,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
-    the two pairs, and the two V3 bulk unregistered)."""
+    and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -162,8 +160,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterup": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
         "nvfp4_marlin-v3half4scatterupk2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK2,
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
-        "nvfp4_marlin-v3half4pair": experts_mod.CudaExpertsNvfp4MarlinV3Half4Pair,
-        "nvfp4_marlin-v3half4pairk2": experts_mod.CudaExpertsNvfp4MarlinV3Half4PairK2,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -208,8 +204,6 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatterup",
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
-        "-v3half4pair",
-        "-v3half4pairk2",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -435,53 +429,6 @@ def assert_same_rows(shape: str, fmt: str, base: str) -> None:
             variant.run(ExpertsInput(x), topk, rows)
             torch.cuda.synchronize()
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_pair_is_half4_scatter_up_bit_for_bit(shape):
-    """EXPERTS_PAIR runs _half4_scatter_up's up and down items in one kernel, each item's
-    products and sums as before: the rows equal _half4_scatter_up's bit for bit."""
-    assert_same_rows(shape, "nvfp4_marlin-v3half4pair", "nvfp4_marlin-v3half4scatterup")
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4_marlin-v3half4pair", "nvfp4_marlin-v3half4pairk2"])
-def test_pair_counters_zeroed_after_every_launch(fmt):
-    """The pair kernel's queue and per-slot counts are back at zero after each launch (its
-    last block zeroes them), eagerly and over 40 replays of one graph with new ids, and the
-    rows stay right; with no held expert (EP) only the zeros are written."""
-    spec, sharding = SHAPES["tp8-rank-expert-tp"]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
-    op = provider(fmt).build(context(spec, experts), 0)
-    assert op.grid_pair >= torch.cuda.get_device_properties(0).multi_processor_count
-    b, k = 8, spec.top_k
-    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
-    weights = torch.ones(b, k, device="cuda")
-    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    op.run(ExpertsInput(x), RoutedTopk(ids, weights), rows)
-    torch.cuda.synchronize()
-    assert not op.sync.any()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        op.run(ExpertsInput(x), RoutedTopk(ids, weights, final=True), rows)
-    g = torch.Generator().manual_seed(41)
-    for i in range(40):
-        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
-        ids.copy_(routing(b, k, spec.E, ("distinct", "duplicates")[i % 2], g))
-        rows.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not op.sync.any(), i
-        if i % 8 == 0:
-            close(rows, experts, x, ids, exact=True)
-    ep_spec, ep_sharding = SHAPES["tp8-rank-ep"]
-    ep = provider(fmt).build(context(ep_spec, random_experts(ep_spec, "nvfp4_marlin", ep_sharding, seed=43)), 0)
-    first = ep.experts.first_expert
-    others = torch.tensor([e for e in range(ep_spec.E) if not first <= e < first + ep.experts.num_local][: b * k])
-    rows.fill_(float("nan"))
-    ep.run(ExpertsInput(x), RoutedTopk(others.view(b, k).int().cuda(), weights), rows)
-    torch.cuda.synchronize()
-    assert not ep.sync.any() and not rows.any()
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

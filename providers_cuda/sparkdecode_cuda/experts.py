@@ -43,7 +43,6 @@ SOURCE = "experts.cu"
 COMPILE_OPTIONS = ("--fmad=false",)
 MAX_ROWS = 8  # the MMA's n
 MAX_ROUTES = 64
-PAIR_SYNC_INTS = 32 * (2 + MAX_ROUTES)  # experts.cu's SYNC_INTS: a count a 128-byte line
 MAX_LOCAL = 256  # experts one rank holds (the kernels' first-route table)
 # The K a warp covers per batch of loads (experts.cu's CHUNK_K): 16-byte loads of 32
 # NVFP4 or 8 bf16 values times the 4 threads of a row; Marlin: four MMA steps of 16.
@@ -131,7 +130,6 @@ SWITCHES = (
     ("down_scatter", "EXPERTS_DOWN_SCATTER"),
     ("slot_masks", "EXPERTS_SLOT_MASKS"),
     ("up_scatter", "EXPERTS_UP_SCATTER"),
-    ("pair", "EXPERTS_PAIR"),
 )
 
 
@@ -163,8 +161,6 @@ class CudaExperts(_Cuda):
     slot_masks: ClassVar[int] = 0
     # experts.cu's EXPERTS_UP_SCATTER: the EXPERTS_HALF up kernel's item tail shared the same way
     up_scatter: ClassVar[int] = 0
-    # experts.cu's EXPERTS_PAIR: experts_pair_kernel, both GEMMs in one persistent kernel
-    pair: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -687,57 +683,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUp(CudaExpertsNvfp4MarlinV3Half4Scatte
     # Above _half4_early (20): the fastest NVFP4 kernel in the H200's step.
     priority = 25
     up_scatter = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4Pair(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up``'s two kernels as one persistent
-    kernel (experts.cu's EXPERTS_PAIR, ``experts_pair_kernel``): one queue of the up items,
-    then the down items, taken by the blocks from a counter, so the SMs that finish their up
-    items early go on to down items instead of idling through the up kernel's tail, and
-    the down kernel's launch and ramp are gone. A down item waits, per warp and once its
-    first weights are in flight, for its expert's up items (a count per slot, released by
-    the blocks that did them). The grid is the blocks the SMs hold at once (the driver's
-    occupancy), which the waits need. The same bits as ``_half4_scatter_up``."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_pair"
-    pair = 1
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        defines = self.kernel_defines(ctx.spec.P, self.intermediate, ctx.spec.top_k)
-        self.pair_kernel = Kernel(SOURCE, "experts_pair_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        resident = self.pair_kernel.resident_blocks(256)
-        if resident < 1:
-            raise RuntimeError(f"layer {layer}: {self.name}: experts_pair_kernel fits no block on an SM")
-        self.grid_pair = resident * torch.cuda.get_device_properties(ctx.device).multi_processor_count
-        # experts.cu's `sync` (SYNC_INTS): zero at the first launch, zeroed by each launch's last block
-        self.sync = torch.zeros(PAIR_SYNC_INTS, dtype=torch.int32, device=ctx.device)
-
-    def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
-        x, ids = inputs.x, topk.ids
-        self._check_run(x, ids, rows)
-        e = self.experts
-        _, _, w2_scale, w2_global = self.scales
-        args = [
-            *self._up_args(x, ids),
-            *self._routing_args(topk),
-            ptr(e.w2),
-            ptr(w2_scale),
-            ptr(w2_global),
-            ptr(rows),
-            ptr(self.sync),
-        ]
-        self.pair_kernel.launch((self.grid_pair, 1, 1), (256, 1, 1), args)
-
-
-class CudaExpertsNvfp4MarlinV3Half4PairK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4Pair):
-    """``cuda.experts_nvfp4_marlin_v3_half4_pair`` with the down items on 2 warps along K at
-    expert TP's slice (EXPERTS_DOWN_WK = 2, ``_SliceDown``): 256 output rows an item, half as
-    many items, each item's own instructions over twice the MMAs. The same products summed
-    in other K-slices: not ``_half4_pair``'s bits."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_pair_k2"
-    slice_wk = 2
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUp):

@@ -100,17 +100,6 @@ class Kernel:
         attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(driver.cuFuncSetAttribute(self.function, attribute, nbytes), f"shared memory of {self.name}")
 
-    def resident_blocks(self, threads: int, shared: int = 0) -> int:
-        """Blocks of ``threads`` (with ``shared`` bytes of dynamic shared memory) an SM holds
-        at once, by the driver's occupancy calculator."""
-        from cuda.bindings import driver
-
-        (blocks,) = _check(
-            driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, shared),
-            f"occupancy of {self.name}",
-        )
-        return int(blocks)
-
     def launch(
         self,
         grid: tuple[int, int, int],

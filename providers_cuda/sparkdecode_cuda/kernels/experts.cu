@@ -145,9 +145,6 @@
 #if EXPERTS_UP_SCATTER && !EXPERTS_HALF
 #error "EXPERTS_UP_SCATTER is for the EXPERTS_HALF up kernel"
 #endif
-#ifndef EXPERTS_PAIR
-#define EXPERTS_PAIR 0
-#endif
 #ifndef EXPERTS_SLOT_MASKS
 #define EXPERTS_SLOT_MASKS 0
 #endif
@@ -368,15 +365,13 @@ __device__ __forceinline__ void prefetch_rows(const Weights& W, const int row0[2
 #if EXPERTS_V3
 // One step of 16 k of a warp's NBLK Marlin blocks, V3: the thread's words q[b] and scale
 // bytes sc[b] of block b, x's words b0 at xs and b1 at xs + 4 (rows >= nx: zeros).
-// XCG: x read through L2 (ld.global.cg), for an x written by other blocks of the same
-// kernel (EXPERTS_PAIR's down items); otherwise through the read-only path.
-template <int NBLK, bool XCG = false>
+template <int NBLK>
 __device__ __forceinline__ void marlin_step_v3(const uint4 q[NBLK], const uint2 sc[NBLK], const u32* xs, bool xrow,
                                                float c[4 * NBLK][4]) {
   u32 b0 = 0u, b1 = 0u;
   if (xrow) {
-    b0 = XCG ? __ldcg(xs) : __ldg(xs);
-    b1 = XCG ? __ldcg(xs + 4) : __ldg(xs + 4);
+    b0 = __ldg(xs);
+    b1 = __ldg(xs + 4);
   }
 #pragma unroll
   for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b], sc[b], b0, b1, c + 4 * b);
@@ -407,11 +402,11 @@ __device__ __forceinline__ void marlin_batch_advance(const uint4* wp[NBLK], cons
 }
 
 // A batch's MMAs, x's words from xp (8 a step).
-template <int NBLK, int SB, bool XCG = false>
+template <int NBLK, int SB>
 __device__ __forceinline__ void marlin_batch_mma(const uint4 q[SB][NBLK], const uint2 sc[SB][NBLK], const u32* xp,
                                                  bool xrow, float c[4 * NBLK][4]) {
 #pragma unroll
-  for (int sb = 0; sb < SB; ++sb) marlin_step_v3<NBLK, XCG>(q[sb], sc[sb], xp + 8 * sb, xrow, c);
+  for (int sb = 0; sb < SB; ++sb) marlin_step_v3<NBLK>(q[sb], sc[sb], xp + 8 * sb, xrow, c);
 }
 #endif
 
@@ -505,17 +500,11 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
 // B = x rows as warp_gemm. Per MMA step (16 k) a thread loads one 16-byte word run per
 // block and 8 scale bytes per block: the layout's own fragments (see the top).
 // `steps`: the steps of 16 k from k0, a multiple of the batch SB (the whole slice, STEPS,
-// by default). V3: `before()` runs once, after the first batch's weight loads are issued
-// and before x's first load (EXPERTS_PAIR's down items wait there for x); XCG as
-// marlin_step_v3.
-struct NoWait {
-  __device__ __forceinline__ void operator()() const {}
-};
-
-template <int K, int N, int WK_, int NBLK, bool XCG = false, class Before = NoWait>
+// by default).
+template <int K, int N, int WK_, int NBLK>
 __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
                                                  const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4],
-                                                 int steps, const Before& before = Before()) {
+                                                 int steps) {
   constexpr int STEPS = K / WK_ / 16;
   constexpr int SB = STEPS < 4 ? STEPS : 4;  // steps loaded together
   static_assert(STEPS % SB == 0, "steps per batch");
@@ -556,8 +545,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
     uint4 q[SB][NBLK];
     uint2 sc[SB][NBLK];
     marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
-    if (batch == 0) before();
-    marlin_batch_mma<NBLK, SB, XCG>(q, sc, xp, xrow, c);
+    marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
     marlin_batch_advance<N, NBLK, SB>(wp, sp);
     xp += SB * 8;
 #else
@@ -749,14 +737,13 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
 
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
 // rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default).
-template <int K, int N, int WK_, int NT, bool XCG = false, class Before = NoWait>
+template <int K, int N, int WK_, int NT>
 __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT / TPB], int k0,
                                             const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4],
-                                            int steps = K / WK_ / 16, const Before& before = Before()) {
+                                            int steps = K / WK_ / 16) {
 #if FMT == 2
-  warp_gemm_marlin<K, N, WK_, NT / TPB, XCG>(W, row0, k0, x, xs, nx, c, steps, before);
+  warp_gemm_marlin<K, N, WK_, NT / TPB>(W, row0, k0, x, xs, nx, c, steps);
 #else
-  static_assert(!XCG, "XCG: the Marlin loop only");
   static_assert(NT == 2, "two tiles a warp");
   warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
 #endif
@@ -870,48 +857,6 @@ __device__ __forceinline__ Weights down_weights(const unsigned char* w2, const u
     UP_STORE_ONE(i, n, c[a][e4], c[TPB + a][e4])                           \
   }
 
-#if EXPERTS_UP_SCATTER
-// The EXPERTS_HALF item's tail under EXPERTS_UP_SCATTER (a warp of side `side`, row group
-// hm, hk along K; h its side's tiles over its K-slice): each warp of a side adds the tiles
-// it owns (a % WKH == hk: OWN of them, or where there are more warps than tiles, tile hk
-// alone), the up side passes them over, and the gate side's owner finishes them. The owned
-// tiles picked by selects on hk, so h stays in registers.
-__device__ __forceinline__ void up_half_scatter_tail(float h[TPB][4], float* red, float* xch, int side, int hm, int hk,
-                                                     int i0, int slot, const Weights& W, bf16_t* __restrict__ act) {
-  constexpr int WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  reduce_k<WKH, TPB, true>(h, red, side * WM1 + hm, hk);
-  constexpr int OWN = WKH <= TPB ? TPB / WKH : 1, OWNERS = WKH <= TPB ? WKH : TPB;
-  float mine[OWN][4];
-#pragma unroll
-  for (int j = 0; j < OWN; ++j)
-#pragma unroll
-    for (int e4 = 0; e4 < 4; ++e4) {
-      mine[j][e4] = h[j * WKH][e4];
-#pragma unroll
-      for (int r = 1; r < OWNERS; ++r)
-        if (hk == r) mine[j][e4] = h[j * WKH + r][e4];
-    }
-  __syncthreads();  // xch read for the item before
-  if (side == 1 && hk < OWNERS) {
-#pragma unroll
-    for (int j = 0; j < OWN; ++j)
-#pragma unroll
-      for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + ((j * WKH + hk) * 4 + e4) * 32 + lane] = mine[j][e4];
-  }
-  __syncthreads();
-  if (side == 0 && hk < OWNERS) {
-#pragma unroll
-    for (int j = 0; j < OWN; ++j)
-#pragma unroll
-      for (int e4 = 0; e4 < 4; ++e4) {
-        const int a = j * WKH + hk, i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
-        UP_STORE_ONE(i, n, mine[j][e4], xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane])
-      }
-  }
-}
-#endif
-
 // act[slot][n][i] = bf16(silu(gate) * up), gate and up the GEMM's rows rounded to bf16,
 // for the 8 rows n of x (rows >= b of x are zeros). One slot per distinct expert.
 #if EXPERTS_EARLY
@@ -992,7 +937,39 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     float h[TPB][4];  // this side's tiles
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
 #if EXPERTS_UP_SCATTER
-    up_half_scatter_tail(h, red, xch, side, hm, hk, i0, slot, W, act);
+    // Each warp of a side adds the tiles it owns (a % WKH == hk: OWN of them, or where
+    // there are more warps than tiles, tile hk alone), the up side passes them over, and
+    // the gate side's owner finishes them. The owned tiles picked by selects on hk, so h
+    // stays in registers.
+    reduce_k<WKH, TPB, true>(h, red, side * WM1 + hm, hk);
+    constexpr int OWN = WKH <= TPB ? TPB / WKH : 1, OWNERS = WKH <= TPB ? WKH : TPB;
+    float mine[OWN][4];
+#pragma unroll
+    for (int j = 0; j < OWN; ++j)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) {
+        mine[j][e4] = h[j * WKH][e4];
+#pragma unroll
+        for (int r = 1; r < OWNERS; ++r)
+          if (hk == r) mine[j][e4] = h[j * WKH + r][e4];
+      }
+    __syncthreads();  // xch read for the item before
+    if (side == 1 && hk < OWNERS) {
+#pragma unroll
+      for (int j = 0; j < OWN; ++j)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + ((j * WKH + hk) * 4 + e4) * 32 + lane] = mine[j][e4];
+    }
+    __syncthreads();
+    if (side == 0 && hk < OWNERS) {
+#pragma unroll
+      for (int j = 0; j < OWN; ++j)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          const int a = j * WKH + hk, i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
+          UP_STORE_ONE(i, n, mine[j][e4], xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane])
+        }
+    }
 #else
     reduce_k<WKH, TPB>(h, red, side * WM1 + hm, hk);
     __syncthreads();  // xch read for the item before
@@ -1050,84 +1027,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #endif
 }
 
-// The down item's stores from its K-reduced sums c (down_item's caller has run reduce_k):
-// rows[(n, j), p] for the routes j of row n to the item's slot (V3: times out_scale, the
-// expert's global), zeros on slot 0's items for the routes to experts not held; by the
-// warp wk == 0 of each wm, or under EXPERTS_DOWN_SCATTER by each tile's owner.
-// slot_masks, unheld_masks: EXPERTS_SLOT_MASKS's, in shared memory.
-#if EXPERTS_SLOT_MASKS
-#define SLOT_MASKS_PARAMS , const unsigned(&slot_masks)[MAX_ROUTES * NB], const unsigned(&unheld_masks)[NB]
-#define SLOT_MASKS_ARGS , slot_masks, unheld_masks
-#else
-#define SLOT_MASKS_PARAMS
-#define SLOT_MASKS_ARGS
-#endif
-__device__ __forceinline__ void down_item_store(const float c[NT2][4], int wk, int g, int t, int slot, int n_slots,
-                                                int p0, float out_scale, int b, bf16_t* rows,
-                                                const Routes& routes SLOT_MASKS_PARAMS) {
-#if EXPERTS_DOWN_SCATTER
-  if (wk >= NT2) return;  // owns no tile
-#else
-  if (wk != 0) return;
-#endif
-#if EXPERTS_ROUTE_MASK
-  // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
-  // items) the routes to experts not held, which get zeros.
-  unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};
-#if EXPERTS_SLOT_MASKS
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int n = 2 * t + e;
-    if (n >= b) continue;
-    if (n_slots > 0) to_slot[e] = slot_masks[slot * NB + n];
-    if (slot == 0) unheld[e] = unheld_masks[n];
-  }
-#else
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int n = 2 * t + e;
-    if (n >= b) continue;
-#pragma unroll
-    for (int j = 0; j < TOP_K; ++j) {
-      const int rs = routes.slot[n * TOP_K + j];
-      if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;
-      else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;
-    }
-  }
-#endif  // EXPERTS_SLOT_MASKS
-#endif
-#pragma unroll
-  for (int a = 0; a < NT2; ++a)
-#pragma unroll
-    for (int e4 = 0; e4 < 4; ++e4) {
-#if EXPERTS_DOWN_SCATTER
-      if (!owns_tile<WK2, NT2>(a, wk)) continue;
-#endif
-      const int p = p0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
-      if (n >= b) continue;
-#if EXPERTS_V3
-      const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4] * out_scale) : (bf16_t)0;
-#else
-      const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4]) : (bf16_t)0;
-#endif
-#if EXPERTS_ROUTE_MASK
-      for (unsigned m = to_slot[e4 & 1]; m != 0u; m &= m - 1u)
-        rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = v;
-      for (unsigned m = unheld[e4 & 1]; m != 0u; m &= m - 1u)
-        rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = 0;
-#else
-      for (int j = 0; j < TOP_K; ++j) {
-        const int route = n * TOP_K + j;
-        const int rs = routes.slot[route];
-        if (n_slots > 0 && rs == slot)
-          rows[(long)route * P_DIM + p] = v;
-        else if (rs < 0 && slot == 0)
-          rows[(long)route * P_DIM + p] = 0;
-      }
-#endif
-    }
-}
-
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_kernel(
@@ -1182,7 +1081,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
     float c[NT2][4];
-    float out_scale = 0.f;  // V3: the global of the item's expert
+#if EXPERTS_V3
+    float out_scale = 0.f;  // the global of the item's expert
+#endif
     if (n_slots > 0) {
       const Weights W = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]);
 #if EXPERTS_V3
@@ -1205,165 +1106,66 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
                                             NB, c);
       reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
     }
-    down_item_store(c, wk, g, t, slot, n_slots, p0, out_scale, b, rows, routes SLOT_MASKS_ARGS);
-  }
-}
-
-#if EXPERTS_PAIR
-// EXPERTS_PAIR (a define, 0 when absent; with EXPERTS_HALF, EXPERTS_EARLY, EXPERTS_UP_SCATTER,
-// EXPERTS_DOWN_SCATTER and EXPERTS_SLOT_MASKS on V3 Marlin): both GEMMs of the layer in one
-// persistent kernel (experts_pair_kernel), so the SMs that finish their up items early go
-// on to down items instead of idling through the up kernel's tail, and the down kernel's
-// launch and ramp are gone. The work is one queue: the up items (slot-major, as the up
-// kernel's), then the down items (as the down kernel's). A block takes item blockIdx.x
-// first, then the next unclaimed one from a counter in `sync` until the queue is empty, so
-// the blocks stay busy to the end whatever their SM's share of the up items. An up item
-// ends with the release of its slot's count of finished up items (the block's barrier,
-// then one thread's fence and atomic add); a down item's warp, once its first batch of
-// weights is in flight, waits for its slot's count to reach TILES1 (lane 0's acquire
-// loads, then __syncwarp) and reads x (the slot's act, written by other blocks of this
-// kernel) through L2. Every block of the grid must be resident at once (the provider's
-// grid is at most the occupancy's blocks an SM times the SMs): a down item may wait for an
-// up item of any block, and every block takes its up items before any down item. The last
-// block to finish zeroes `sync` for the next launch. Each item's products and sums are
-// those of the two kernels: the same bits as the pair of kernels.
-static_assert(EXPERTS_HALF && EXPERTS_EARLY && EXPERTS_UP_SCATTER && EXPERTS_DOWN_SCATTER && EXPERTS_SLOT_MASKS &&
-                  EXPERTS_V3 && FMT == 2,
-              "EXPERTS_PAIR: the _half4_scatter_up kernels' item code (HALF, EARLY, UP_SCATTER, DOWN_SCATTER, "
-              "SLOT_MASKS, V3 Marlin)");
-static_assert(NT2 == TPB, "EXPERTS_PAIR: one K reduction buffer for both items");
-
-// sync, SYNC_INTS ints (zero before the first launch), each count in a 128-byte line of its
-// own: [0] the items claimed past the first round, [SYNC_LINE] the blocks finished,
-// [SYNC_LINE * (2 + s)] the finished up items of slot s.
-#define SYNC_LINE 32
-#define SYNC_INTS (SYNC_LINE * (2 + MAX_ROUTES))
-
-__device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// The down item's wait for its slot's act (warp_gemm_marlin's `before`), block-wide: where
-// the block has not yet seen the slot complete, warp 0's lane 0 polls the slot's count
-// (relaxed loads, backing off from 128 to 1024 ns) until it is TILES1, then fences
-// (acquire), and every warp meets it at named barrier 1, so that one thread a block polls.
-// Each warp keeps its own copy of the seen slots (its word of `seen`, set by its lane 0
-// after the barrier): the warps see the same items in the same order, so they agree on
-// whether to wait without reading each other's words.
-struct SlotDone {
-  const int* count;
-  unsigned long long* seen;  // this warp's word
-  int slot;
-  __device__ __forceinline__ void operator()() const {
-    const int lane = threadIdx.x & 31;
-    const bool known = __shfl_sync(0xffffffffu, lane == 0 && ((*seen >> slot) & 1ull), 0);
-    if (!known) {
-      if (threadIdx.x == 0) {
-        for (unsigned ns = 128; ld_relaxed_gpu(count) < TILES1; ns = ns < 1024 ? 2 * ns : ns) __nanosleep(ns);
-        __threadfence();
-      }
-      asm volatile("bar.sync 1, %0;" ::"n"(NTHREADS) : "memory");
-      if (lane == 0) *seen |= 1ull << slot;
-    }
-    __syncwarp();
-  }
-};
-
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) experts_pair_kernel(
-    const bf16_t* __restrict__ x, int x_stride, int b,             // [b, P]
-    const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
-    const unsigned char* __restrict__ w13, const unsigned char* __restrict__ w13_scale,
-    const float* __restrict__ w13_global,
-    bf16_t* act,                                                   // [slots, 8, I_LOCAL], written and read here
-    int ids_final,                                                 // the ids complete at launch (EXPERTS_EARLY)
-    const unsigned char* __restrict__ w2, const unsigned char* __restrict__ w2_scale,
-    const float* __restrict__ w2_global,
-    bf16_t* __restrict__ rows,                                     // [b, TOP_K, P]
-    int* sync) {                                                   // SYNC_INTS
-  __shared__ Routes routes;
-  __shared__ float red[WARPS * TPB * 4 * 32];
-  constexpr int WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;
-  __shared__ float xch[WM1 * HALF_FLOATS];
-  __shared__ unsigned slot_masks[MAX_ROUTES * NB];
-  __shared__ unsigned unheld_masks[NB];
-  __shared__ int claimed[2];
-  __shared__ unsigned long long seen[WARPS];  // per warp: the slots whose up items it saw finished
-  if (ids_final) {
-    find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-    half_first_prefetch(routes, w13, w13_scale, w13_global);
-    pdl_wait();
-    pdl_launch_dependents();
-  } else {
-    pdl_wait();
-    pdl_launch_dependents();
-    find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-  }
-  for (int i = threadIdx.x; i < MAX_ROUTES * NB; i += NTHREADS) slot_masks[i] = 0u;
-  if (threadIdx.x < NB) unheld_masks[threadIdx.x] = 0u;
-  if (threadIdx.x < WARPS) seen[threadIdx.x] = 0ull;
-  __syncthreads();
-  if ((int)threadIdx.x < b * TOP_K) {
-    const int n = threadIdx.x / TOP_K, j = threadIdx.x % TOP_K, rs = routes.slot[threadIdx.x];
-    atomicOr(rs >= 0 ? &slot_masks[rs * NB + n] : &unheld_masks[n], 1u << j);
-  }
-  __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;  // up items
-  const int wm = warp / WK2, wk = warp % WK2;                                                   // down items
-  const int n_slots = routes.n_slots;
-  const int up_items = n_slots * TILES1, total = up_items + (n_slots > 0 ? n_slots : 1) * TILES2;
-  // A block's claims only grow, so its up items all come before its down items: two
-  // loops, each with only its own state live.
-  int item = blockIdx.x, par = 0;
-  while (item < up_items) {
-    if (threadIdx.x == 0) claimed[par] = gridDim.x + atomicAdd(&sync[0], 1);  // read after the item
-    const int slot = item / TILES1, tile = item % TILES1;
-    const int i0 = (tile * WM1 + hm) * UP_COLS;
-    const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
-    const int row0[1] = {side ? I_LOCAL + i0 : i0};
-    float h[TPB][4];
-    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
-    up_half_scatter_tail(h, red, xch, side, hm, hk, i0, slot, W, act);
-    __syncthreads();  // the item's act stores done; claimed[par] written
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(&sync[SYNC_LINE * (2 + slot)], 1);
-    }
-    item = claimed[par];
-    par ^= 1;
-  }
-  while (item < total) {
-    if (threadIdx.x == 0) claimed[par] = gridDim.x + atomicAdd(&sync[0], 1);
-    const int d = item - up_items, slot = d / TILES2, tile = d % TILES2;
-    const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
-    float c[NT2][4];
-    float out_scale = 0.f;
-    if (n_slots > 0) {
-      const Weights W = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]);
-      out_scale = W.global_lo;
-      int row0[NT2 / TPB];
-#pragma unroll
-      for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
-      const SlotDone done{sync + SYNC_LINE * (2 + slot), &seen[warp], slot};
-      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, true>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL,
-                                                  I_LOCAL, NB, c, I_LOCAL / WK2 / 16, done);
-      reduce_k<WK2, NT2, true>(c, red, wm, wk);
-    }
-    down_item_store(c, wk, g, t, slot, n_slots, p0, out_scale, b, rows, routes, slot_masks, unheld_masks);
-    __syncthreads();  // claimed[par] written
-    item = claimed[par];
-    par ^= 1;
-  }
-  if (threadIdx.x == 0) {
-    __threadfence();  // this block's claims and releases before its count as finished
-    if (atomicAdd(&sync[SYNC_LINE], 1) == (int)gridDim.x - 1) {
-      __threadfence();
-      sync[0] = 0;
-      sync[SYNC_LINE] = 0;
-      for (int s = 0; s < n_slots; ++s) sync[SYNC_LINE * (2 + s)] = 0;
-    }
-  }
-}
+#if EXPERTS_DOWN_SCATTER
+    if (wk >= NT2) continue;  // owns no tile
+#else
+    if (wk != 0) continue;
 #endif
+#if EXPERTS_ROUTE_MASK
+    // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
+    // items) the routes to experts not held, which get zeros.
+    unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};
+#if EXPERTS_SLOT_MASKS
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = 2 * t + e;
+      if (n >= b) continue;
+      if (n_slots > 0) to_slot[e] = slot_masks[slot * NB + n];
+      if (slot == 0) unheld[e] = unheld_masks[n];
+    }
+#else
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = 2 * t + e;
+      if (n >= b) continue;
+#pragma unroll
+      for (int j = 0; j < TOP_K; ++j) {
+        const int rs = routes.slot[n * TOP_K + j];
+        if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;
+        else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;
+      }
+    }
+#endif  // EXPERTS_SLOT_MASKS
+#endif
+#pragma unroll
+    for (int a = 0; a < NT2; ++a)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) {
+#if EXPERTS_DOWN_SCATTER
+        if (!owns_tile<WK2, NT2>(a, wk)) continue;
+#endif
+        const int p = p0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
+        if (n >= b) continue;
+#if EXPERTS_V3
+        const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4] * out_scale) : (bf16_t)0;
+#else
+        const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4]) : (bf16_t)0;
+#endif
+#if EXPERTS_ROUTE_MASK
+        for (unsigned m = to_slot[e4 & 1]; m != 0u; m &= m - 1u)
+          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = v;
+        for (unsigned m = unheld[e4 & 1]; m != 0u; m &= m - 1u)
+          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = 0;
+#else
+        for (int j = 0; j < TOP_K; ++j) {
+          const int route = n * TOP_K + j;
+          const int rs = routes.slot[route];
+          if (n_slots > 0 && rs == slot)
+            rows[(long)route * P_DIM + p] = v;
+          else if (rs < 0 && slot == 0)
+            rows[(long)route * P_DIM + p] = 0;
+        }
+#endif
+      }
+  }
+}

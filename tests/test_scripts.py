@@ -259,3 +259,51 @@ def test_layouts_pin_registered_providers():
     for kind, name in pins.items():
         found = registry.find(name)
         assert found is not None and found.block == kind, (kind, name)
+
+
+def test_experts_trace_summarizes_blocks_by_sm():
+    """experts-trace's summary of a made-up trace: 4 blocks on 2 SMs (3 on SM 7, 1 on SM 9),
+    times in ns: the span, each SM's last end and the tail, the busy share, the items an SM
+    and the median item time, from the rows as experts.cu's EXPERTS_TRACE writes them."""
+    trace_mod = load_script("experts-trace")
+    stride = trace_mod.TRACE_STRIDE
+
+    def row(sm: int, start: int, end: int, items: list[int]) -> list[int]:
+        r = [0] * stride
+        r[0], r[1], r[2] = (len(items) << 32) | sm, start, end
+        r[3 : 3 + len(items)] = items
+        return r
+
+    trace = [
+        row(7, 1000, 5000, [1000, 3000]),  # items of 2 and 2 us
+        row(9, 1000, 9000, [1000, 5000]),  # 4 and 4 us: SM 9 ends last
+        row(7, 2000, 4000, [2000]),  # 2 us
+        row(7, 2000, 2000, []),  # no item
+    ]
+    s = trace_mod.summarize(trace)
+    assert s["span_us"] == 8.0 and s["start_spread_us"] == 1.0 and s["sms"] == 2
+    assert (s["sm_end_median_us"], s["sm_end_max_us"], s["tail_us"]) == (6.0, 8.0, 2.0)
+    assert s["busy"] == (4000 + 8000) / (2 * 8000)
+    assert (s["blocks_per_sm_min"], s["blocks_per_sm_max"]) == (1, 3)
+    assert (s["items_per_sm_min"], s["items_per_sm_median"], s["items_per_sm_max"]) == (2, 2.5, 3)
+    assert s["first_132_max_a_sm"] == 3 and s["item_median_us"] == 2.0
+    assert s["first_item"] == 1000 and s["end"] == 9000
+    with pytest.raises(ValueError, match="no end time"):
+        trace_mod.summarize([row(1, 5, 0, [])])
+    assert "tail 2.0" in trace_mod.report("up", s)
+
+
+def test_experts_trace_rows_are_the_kernels():
+    """experts-trace reads rows of experts.cu's TRACE_STRIDE (its TRACE_ITEMS), and the
+    registered Marlin provider's kernels build with EXPERTS_TRACE."""
+    import re
+
+    from sparkdecode_cuda import experts as experts_mod
+
+    trace_mod = load_script("experts-trace")
+    nvrtc = nvrtc_or_skip()
+    source = nvrtc.source(experts_mod.SOURCE)
+    assert int(re.search(r"#define TRACE_ITEMS (\d+)", source).group(1)) == trace_mod.TRACE_ITEMS
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp
+    defines = {**cls.kernel_defines(4096, 512, 8), "EXPERTS_TRACE": 1}
+    assert nvrtc.compile_cubin(experts_mod.SOURCE, "sm_90a", defines, experts_mod.COMPILE_OPTIONS)

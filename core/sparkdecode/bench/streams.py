@@ -53,6 +53,7 @@ finished; without ``--quiet`` a progress line with the seconds elapsed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -257,6 +258,16 @@ def spread_ids(spec: ModelSpec, distinct: int, g: torch.Generator) -> torch.Tens
         raise ValueError(f"distinct experts {distinct}: from top-k {spec.top_k} to {min(routes, spec.E)}")
     pool = torch.randperm(spec.E, generator=g)[:distinct]
     return pool[torch.arange(routes) % distinct].view(ROWS, spec.top_k).to(torch.int32)
+
+
+def copied(value: Any) -> Any:
+    """A deep copy of a layer's experts on the device: every tensor cloned, so no two
+    layers share a byte in L2."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: copied(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    return value
 
 
 def held_distinct(ids: torch.Tensor, experts: ExpertWeights) -> int:

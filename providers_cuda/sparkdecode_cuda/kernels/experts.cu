@@ -128,6 +128,12 @@
 // a thread, each an expf and a division) while the rest of the block waited. The same
 // sums in the same order: the same bits.
 //
+// EXPERTS_TRACE (a define, 0 when absent; for scripts/experts-trace): both kernels take one
+// more argument, `trace` (u64, TRACE_STRIDE a block), where thread 0 of each block writes
+// its SM (%smid) and item count, the %globaltimer when its items may start (after the PDL
+// wait and find_experts), when it ends, and at the start of each of its first TRACE_ITEMS
+// items. Without it the kernels are as before, instruction for instruction.
+//
 // EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
 // kernel's route masks made once a block, after find_experts: per slot and row, the
 // routes of the row to the slot; per row, its routes to experts not held. An item's
@@ -135,6 +141,39 @@
 // rows' TOP_K routes every item. The same masks: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
+
+#ifndef EXPERTS_TRACE
+#define EXPERTS_TRACE 0
+#endif
+#if EXPERTS_TRACE
+// trace[block * TRACE_STRIDE + ...]: [0] smid | items << 32, [1] start, [2] end, [3 + n] item n's start
+#define TRACE_ITEMS 61
+#define TRACE_STRIDE (3 + TRACE_ITEMS)
+#define TRACE_PARAM , unsigned long long* __restrict__ trace
+__device__ __forceinline__ unsigned long long trace_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define TRACE_START \
+  if (threadIdx.x == 0) trace[(long)blockIdx.x * TRACE_STRIDE + 1] = trace_now();
+#define TRACE_ITEM(item)                                                          \
+  if (threadIdx.x == 0 && ((item) - (int)blockIdx.x) / (int)gridDim.x < TRACE_ITEMS) \
+    trace[(long)blockIdx.x * TRACE_STRIDE + 3 + ((item) - (int)blockIdx.x) / (int)gridDim.x] = trace_now();
+#define TRACE_END(items)                                                                                    \
+  if (threadIdx.x == 0) {                                                                                   \
+    unsigned smid;                                                                                          \
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));                                                       \
+    const unsigned long long n = (int)blockIdx.x < (items) ? ((items) - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0; \
+    trace[(long)blockIdx.x * TRACE_STRIDE] = (n << 32) | smid;                                             \
+    trace[(long)blockIdx.x * TRACE_STRIDE + 2] = trace_now();                                               \
+  }
+#else
+#define TRACE_PARAM
+#define TRACE_START
+#define TRACE_ITEM(item)
+#define TRACE_END(items)
+#endif
 
 #ifndef EXPERTS_DOWN_SCATTER
 #define EXPERTS_DOWN_SCATTER 0
@@ -883,9 +922,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
 #if EXPERTS_EARLY
     bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
-    int ids_final) {                                               // the ids complete at launch (see the top)
+    int ids_final TRACE_PARAM) {                                   // the ids complete at launch (see the top)
 #else
-    bf16_t* __restrict__ act) {                                    // [slots, 8, I_LOCAL]
+    bf16_t* __restrict__ act TRACE_PARAM) {                        // [slots, 8, I_LOCAL]
 #endif
   __shared__ Routes routes;
 #if EXPERTS_RING
@@ -910,6 +949,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     pdl_launch_dependents();
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
   }
+  TRACE_START
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if EXPERTS_RING
@@ -923,6 +963,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   __shared__ float xch[WM1 * HALF_FLOATS];  // the up side's sums, for the gate side
   const int items = routes.n_slots * TILES1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    TRACE_ITEM(item)
     const int slot = item / TILES1, tile = item % TILES1;
     const int e = routes.slot_expert[slot];
     const int i0 = (tile * WM1 + hm) * UP_COLS;
@@ -996,6 +1037,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #else
   const int items = routes.n_slots * TILES1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    TRACE_ITEM(item)
     const int slot = item / TILES1, tile = item % TILES1;
     const int e = routes.slot_expert[slot];
     const int i0 = (tile * WM1 + wm) * UP_COLS;
@@ -1025,6 +1067,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     }
   }
 #endif
+  TRACE_END(items)
 }
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
@@ -1035,7 +1078,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]
     const unsigned char* __restrict__ w2_scale,                    // NVFP4: [E_local, P, I/16]
     const float* __restrict__ w2_global,                           // NVFP4: [E_local]
-    bf16_t* __restrict__ rows) {                                   // [b, TOP_K, P]
+    bf16_t* __restrict__ rows TRACE_PARAM) {                       // [b, TOP_K, P]
   __shared__ Routes routes;
   __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
@@ -1077,7 +1120,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   }
   pdl_wait();
   pdl_launch_dependents();
+  TRACE_START
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    TRACE_ITEM(item)
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
     float c[NT2][4];
@@ -1168,4 +1213,5 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #endif
       }
   }
+  TRACE_END(items)
 }

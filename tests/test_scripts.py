@@ -287,7 +287,7 @@ def test_experts_trace_summarizes_blocks_by_sm():
     assert (s["blocks_per_sm_min"], s["blocks_per_sm_max"]) == (1, 3)
     assert (s["items_per_sm_min"], s["items_per_sm_median"], s["items_per_sm_max"]) == (2, 2.5, 3)
     assert s["first_132_max_a_sm"] == 3 and s["item_median_us"] == 2.0
-    assert s["first_item"] == 1000 and s["end"] == 9000
+    assert s["t0_ns"] == 1000 and s["first_item_ns"] == 1000 and s["end_ns"] == 9000
     with pytest.raises(ValueError, match="no end time"):
         trace_mod.summarize([row(1, 5, 0, [])])
     assert "tail 2.0" in trace_mod.report("up", s)

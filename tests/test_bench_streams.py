@@ -122,6 +122,21 @@ def test_spread_ids_hold_exactly_the_distinct_experts_asked():
             streams.spread_ids(spec, d, torch.Generator())
 
 
+def test_script_ids_are_the_draw_asked_and_name_it():
+    """The expert scripts' ids: spread_ids' with --distinct (its refusal too), route_ids'
+    otherwise, each named as drawn."""
+    from sparkdecode.spec import ModelSpec
+
+    spec = ModelSpec.preset("muse-spark-open", 1)
+    ids, label = streams.script_ids(spec, 33, "random", torch.Generator().manual_seed(1))
+    assert torch.equal(ids, streams.spread_ids(spec, 33, torch.Generator().manual_seed(1))) and label == "--distinct 33"
+    ids, label = streams.script_ids(spec, None, "correlated", torch.Generator().manual_seed(2))
+    assert torch.equal(ids, streams.route_ids(spec, "correlated", torch.Generator().manual_seed(2)))
+    assert label == "correlated routing"
+    with pytest.raises(ValueError, match="distinct experts 7"):
+        streams.script_ids(spec, 7, "random", torch.Generator())
+
+
 def test_chain_length_reads_three_l2s_with_the_fewest_layers():
     mb = 1_000_000
     assert streams.chain_length([1, 1, 1, 1, 1], 50 * mb) == 3

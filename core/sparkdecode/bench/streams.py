@@ -270,6 +270,14 @@ def copied(value: Any) -> Any:
     return value
 
 
+def script_ids(spec: ModelSpec, distinct: int | None, routing: str, g: torch.Generator) -> tuple[torch.Tensor, str]:
+    """The expert scripts' ids and how they were drawn: ``spread_ids`` over ``distinct``
+    experts where given (``--distinct``), else ``route_ids`` of ``routing``."""
+    if distinct is not None:
+        return spread_ids(spec, distinct, g), f"--distinct {distinct}"
+    return route_ids(spec, routing, g), f"{routing} routing"
+
+
 def held_distinct(ids: torch.Tensor, experts: ExpertWeights) -> int:
     """Distinct experts of ``ids`` this rank holds."""
     local = ids.flatten().long() - experts.first_expert

@@ -435,3 +435,21 @@ def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls, parent)
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_down_queue_variant(width, intermediate):
+    """_half4_scatter_up_queue: _half4_scatter_up's defines plus EXPERTS_DOWN_QUEUE, its down
+    kernel taking the counter after the rows; spill-free and fitting; not registered."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls, parent = (
+        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
+        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
+    )
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_DOWN_QUEUE": 1}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)

@@ -133,7 +133,8 @@ def provider(fmt: str):
     "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the route masks made once a block),
     "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
     "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the down kernel's warps 2 or 1
-    along K at expert TP's slice,
+    along K at expert TP's slice, "-v3half4scatterupqueue": -v3half4scatterup with
+    EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
     and the two V3 bulk unregistered)."""
@@ -160,6 +161,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterup": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
         "nvfp4_marlin-v3half4scatterupk2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK2,
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
+        "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -204,6 +206,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatterup",
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
+        "-v3half4scatterupqueue",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -404,6 +407,51 @@ def test_down_scatter_is_half4_early_bit_for_bit(fmt, shape):
     tile each; EP: 8 warps, four owning a tile; the EP shapes cover the zeros for routes
     to experts not held)."""
     assert_same_rows(shape, fmt, "nvfp4_marlin-v3half4early")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_down_queue_is_half4_scatter_up_bit_for_bit(shape):
+    """EXPERTS_DOWN_QUEUE changes which block runs a down item, not what the item sums: the
+    rows equal _half4_scatter_up's bit for bit."""
+    assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueue", "nvfp4_marlin-v3half4scatterup")
+
+
+def test_down_queue_resets_over_replays():
+    """The queue's counter and count of finished blocks are back at zero after every
+    launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
+    count of items changes), each replay's rows equal _half4_scatter_up's."""
+    spec, sharding = SHAPES["tp8-rank-expert-tp"]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
+    queued = provider("nvfp4_marlin-v3half4scatterupqueue").build(context(spec, experts), 0)
+    plain = provider("nvfp4_marlin-v3half4scatterup").build(context(spec, experts), 0)
+    b, k = 8, spec.top_k
+    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
+    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
+    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
+    want = torch.zeros_like(rows)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        queued.run(ExpertsInput(x), topk, rows)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert queued.queue.tolist() == [0, 0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        queued.run(ExpertsInput(x), topk, rows)
+    g = torch.Generator().manual_seed(41)
+    for i in range(40):
+        distinct = 1 + (i * 13) % 64
+        pool = torch.randperm(spec.E, generator=g)[:distinct]
+        ids.copy_(pool[torch.randint(0, distinct, (b, k), generator=g)].to(torch.int32))
+        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
+        rows.fill_(float("nan"))
+        graph.replay()
+        plain.run(ExpertsInput(x), topk, want)
+        torch.cuda.synchronize()
+        assert queued.queue.tolist() == [0, 0], i
+        assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
 
 
 def assert_same_rows(shape: str, fmt: str, base: str) -> None:

@@ -130,6 +130,7 @@ SWITCHES = (
     ("down_scatter", "EXPERTS_DOWN_SCATTER"),
     ("slot_masks", "EXPERTS_SLOT_MASKS"),
     ("up_scatter", "EXPERTS_UP_SCATTER"),
+    ("down_queue", "EXPERTS_DOWN_QUEUE"),
 )
 
 
@@ -161,6 +162,9 @@ class CudaExperts(_Cuda):
     slot_masks: ClassVar[int] = 0
     # experts.cu's EXPERTS_UP_SCATTER: the EXPERTS_HALF up kernel's item tail shared the same way
     up_scatter: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items after each block's first
+    # claimed from a counter (``queue``, an argument after ``rows``)
+    down_queue: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -198,6 +202,8 @@ class CudaExperts(_Cuda):
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
+        # EXPERTS_DOWN_QUEUE's counter and finished blocks, zero at every launch (its last block resets them)
+        self.queue = torch.zeros(2, dtype=torch.int32, device=ctx.device) if self.down_queue else None
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
@@ -283,6 +289,7 @@ class CudaExperts(_Cuda):
             ptr(w2_scale),
             ptr(w2_global),
             ptr(rows),
+            *([ptr(self.queue)] if self.down_queue else []),
         ]
 
     def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
@@ -707,6 +714,17 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpK1(CudaExpertsNvfp4MarlinV3Half4Scat
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_k1"
     slice_wk = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up`` with experts.cu's EXPERTS_DOWN_QUEUE:
+    the down kernel's items after each block's first claimed from a counter instead of
+    every gridDim.x-th one, so that the blocks the dispatcher puts together on one SM
+    (under PDL, on the SMs the up kernel leaves first) do not all get the most items. The
+    same bits as ``_half4_scatter_up``."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue"
+    down_queue = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -134,6 +134,16 @@
 // wait and find_experts), when it ends, and at the start of each of its first TRACE_ITEMS
 // items. Without it the kernels are as before, instruction for instruction.
 //
+// EXPERTS_DOWN_QUEUE (a define, 0 when absent): the down kernel's items after each block's
+// first (item blockIdx.x, as without it) come from a queue, a counter the kernel takes as
+// `queue` (int [2], zeros at launch), instead of every gridDim.x-th item: thread 0 claims
+// the block's next item when an item starts (so its first batch can be warmed into L2),
+// and the last block to finish zeroes the counter and its own count of finished blocks
+// for the next launch. The down kernel's blocks start while the up kernel's last blocks
+// run (PDL), on the SMs those leave first, so with every gridDim.x-th item one SM can get
+// four blocks of the most items (v25's trace: 16 items on an SM against a median of 12 at
+// 55 experts); claimed, the items go to the blocks that are free. An item's sums do not
+// depend on the block that runs it: the same bits.
 // EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
 // kernel's route masks made once a block, after find_experts: per slot and row, the
 // routes of the row to the slot; per row, its routes to experts not held. An item's
@@ -157,22 +167,36 @@ __device__ __forceinline__ unsigned long long trace_now() {
 }
 #define TRACE_START \
   if (threadIdx.x == 0) trace[(long)blockIdx.x * TRACE_STRIDE + 1] = trace_now();
-#define TRACE_ITEM(item)                                                          \
-  if (threadIdx.x == 0 && ((item) - (int)blockIdx.x) / (int)gridDim.x < TRACE_ITEMS) \
-    trace[(long)blockIdx.x * TRACE_STRIDE + 3 + ((item) - (int)blockIdx.x) / (int)gridDim.x] = trace_now();
-#define TRACE_END(items)                                                                                    \
-  if (threadIdx.x == 0) {                                                                                   \
-    unsigned smid;                                                                                          \
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));                                                       \
-    const unsigned long long n = (int)blockIdx.x < (items) ? ((items) - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0; \
-    trace[(long)blockIdx.x * TRACE_STRIDE] = (n << 32) | smid;                                             \
-    trace[(long)blockIdx.x * TRACE_STRIDE + 2] = trace_now();                                               \
+// the block's n-th item starts
+#define TRACE_NTH(n) \
+  if (threadIdx.x == 0 && (n) < TRACE_ITEMS) trace[(long)blockIdx.x * TRACE_STRIDE + 3 + (n)] = trace_now();
+#define TRACE_ITEM(item) TRACE_NTH(((item) - (int)blockIdx.x) / (int)gridDim.x)
+// the block ends after n items
+#define TRACE_END_N(n)                                                      \
+  if (threadIdx.x == 0) {                                                   \
+    unsigned smid;                                                          \
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));                       \
+    trace[(long)blockIdx.x * TRACE_STRIDE] = ((unsigned long long)(n) << 32) | smid; \
+    trace[(long)blockIdx.x * TRACE_STRIDE + 2] = trace_now();               \
   }
+#define TRACE_END(items) \
+  TRACE_END_N((int)blockIdx.x < (items) ? ((items) - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0)
 #else
 #define TRACE_PARAM
 #define TRACE_START
+#define TRACE_NTH(n)
 #define TRACE_ITEM(item)
+#define TRACE_END_N(n)
 #define TRACE_END(items)
+#endif
+
+#ifndef EXPERTS_DOWN_QUEUE
+#define EXPERTS_DOWN_QUEUE 0
+#endif
+#if EXPERTS_DOWN_QUEUE
+#define QUEUE_PARAM , int* __restrict__ queue
+#else
+#define QUEUE_PARAM
 #endif
 
 #ifndef EXPERTS_DOWN_SCATTER
@@ -1078,7 +1102,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]
     const unsigned char* __restrict__ w2_scale,                    // NVFP4: [E_local, P, I/16]
     const float* __restrict__ w2_global,                           // NVFP4: [E_local]
-    bf16_t* __restrict__ rows TRACE_PARAM) {                       // [b, TOP_K, P]
+    bf16_t* __restrict__ rows QUEUE_PARAM TRACE_PARAM) {           // [b, TOP_K, P]; EXPERTS_DOWN_QUEUE's counter
   __shared__ Routes routes;
   __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
@@ -1121,8 +1145,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   pdl_wait();
   pdl_launch_dependents();
   TRACE_START
+#if EXPERTS_DOWN_QUEUE
+  // The block's next item, double-buffered by its count of items (so the next claim
+  // cannot overwrite it before every thread has read it), read where it is used.
+  __shared__ int claimed[2];
+  int nth = 0;
+  for (int item = blockIdx.x; item < items; item = claimed[nth & 1], ++nth) {
+    TRACE_NTH(nth)
+    if (threadIdx.x == 0) claimed[nth & 1] = (int)gridDim.x + atomicAdd(queue, 1);
+    __syncthreads();
+#else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     TRACE_ITEM(item)
+#endif
     const int slot = item / TILES2, tile = item % TILES2;
     const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
     float c[NT2][4];
@@ -1138,8 +1173,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #pragma unroll
       for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
 #if EXPERTS_V2
+#if EXPERTS_DOWN_QUEUE
+      const int next = claimed[nth & 1];
+      if (next < items) {  // the next item's first batch
+#else
       if (item + (int)gridDim.x < items) {  // the next item's first batch
         const int next = item + gridDim.x;
+#endif
         int nrow0[NT2 / TPB];
 #pragma unroll
         for (int r = 0; r < NT2 / TPB; ++r) nrow0[r] = (next % TILES2 * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;
@@ -1213,5 +1253,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #endif
       }
   }
+#if EXPERTS_DOWN_QUEUE
+  if (threadIdx.x == 0 && atomicAdd(queue + 1, 1) == (int)gridDim.x - 1) {  // every claim made: reset
+    atomicExch(queue, 0);
+    atomicExch(queue + 1, 0);
+  }
+  TRACE_END_N(nth)
+#else
   TRACE_END(items)
+#endif
 }

@@ -162,7 +162,7 @@ class CudaExperts(_Cuda):
     slot_masks: ClassVar[int] = 0
     # experts.cu's EXPERTS_UP_SCATTER: the EXPERTS_HALF up kernel's item tail shared the same way
     up_scatter: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items after each block's first
+    # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items past the grid's whole rounds
     # claimed from a counter (``queue``, an argument after ``rows``)
     down_queue: ClassVar[int] = 0
 
@@ -718,10 +718,10 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpK1(CudaExpertsNvfp4MarlinV3Half4Scat
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
     """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up`` with experts.cu's EXPERTS_DOWN_QUEUE:
-    the down kernel's items after each block's first claimed from a counter instead of
+    the down kernel's items past the grid's whole rounds claimed from a counter instead of
     every gridDim.x-th one, so that the blocks the dispatcher puts together on one SM
-    (under PDL, on the SMs the up kernel leaves first) do not all get the most items. The
-    same bits as ``_half4_scatter_up``."""
+    (under PDL, on the SMs the up kernel leaves first) do not all get the last round's
+    items. The same bits as ``_half4_scatter_up``."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue"
     down_queue = 1

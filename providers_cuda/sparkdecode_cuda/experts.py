@@ -218,7 +218,7 @@ class CudaExperts(_Cuda):
         wk = cls.down_warps_k(width, intermediate)
         if wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
-        defines.update({define: 1 for attr, define in SWITCHES if getattr(cls, attr)})
+        defines.update({define: getattr(cls, attr) for attr, define in SWITCHES if getattr(cls, attr)})
         return defines
 
     @classmethod
@@ -725,6 +725,14 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue(CudaExpertsNvfp4MarlinV3Half4S
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue"
     down_queue = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueAll(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue):
+    """``_half4_scatter_up_queue`` with EXPERTS_DOWN_QUEUE = 2: every down item past each
+    block's first claimed, the whole rounds too. The same bits."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_all"
+    down_queue = 2
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -144,7 +144,8 @@
 // leave first, so with every gridDim.x-th item one SM can get four blocks of the most
 // items (v25's trace: 16 items on an SM against a median of 12 at 55 experts); claimed,
 // the last partial round goes to the blocks that are free first. An item's sums do not
-// depend on the block that runs it: the same bits.
+// depend on the block that runs it: the same bits. EXPERTS_DOWN_QUEUE = 2: every item past
+// each block's first claimed.
 // EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
 // kernel's route masks made once a block, after find_experts: per slot and row, the
 // routes of the row to the slot; per row, its routes to experts not held. An item's
@@ -1150,7 +1151,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   // The block's next item, double-buffered by its count of items (so the next claim
   // cannot overwrite it before every thread has read it), read where it is used.
   __shared__ int claimed[2];
-  const int grid = gridDim.x, claims_from = (items / grid > 1 ? items / grid : 1) * grid;
+  const int grid = gridDim.x;
+#if EXPERTS_DOWN_QUEUE == 2
+  const int claims_from = grid;  // every item past the block's first claimed
+#else
+  const int claims_from = (items / grid > 1 ? items / grid : 1) * grid;
+#endif
   int nth = 0;
   for (int item = blockIdx.x; item < items; item = claimed[nth & 1], ++nth) {
     TRACE_NTH(nth)

@@ -218,7 +218,7 @@ class CudaExperts(_Cuda):
         wk = cls.down_warps_k(width, intermediate)
         if wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
-        defines.update({define: getattr(cls, attr) for attr, define in SWITCHES if getattr(cls, attr)})
+        defines.update({define: 1 for attr, define in SWITCHES if getattr(cls, attr)})
         return defines
 
     @classmethod
@@ -718,21 +718,18 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpK1(CudaExpertsNvfp4MarlinV3Half4Scat
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue(CudaExpertsNvfp4MarlinV3Half4ScatterUp):
     """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up`` with experts.cu's EXPERTS_DOWN_QUEUE:
-    the down kernel's items past the grid's whole rounds claimed from a counter instead of
+    the down kernel's items after each block's first claimed from a counter instead of
     every gridDim.x-th one, so that the blocks the dispatcher puts together on one SM
-    (under PDL, on the SMs the up kernel leaves first) do not all get the last round's
-    items. The same bits as ``_half4_scatter_up``."""
+    (under PDL, on the SMs the up kernel leaves first) do not all get the most items. The
+    same bits as ``_half4_scatter_up`` (on the H200; memcheck and racecheck clean).
+    Registered: chained at expert TP 74.1-74.5 us a layer against 78.1-79.0 at 55 experts
+    (level at 64, 1 us slower at 33), and the 62-layer step 10.05 ms against 10.10 with the
+    same pins (bench/NOTES.md v25)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue"
+    # Above _half4_scatter_up (25): the fastest NVFP4 kernel in the H200's step.
+    priority = 30
     down_queue = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueAll(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue):
-    """``_half4_scatter_up_queue`` with EXPERTS_DOWN_QUEUE = 2: every down item past each
-    block's first claimed, the whole rounds too. The same bits."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_all"
-    down_queue = 2
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

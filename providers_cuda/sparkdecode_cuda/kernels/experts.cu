@@ -134,18 +134,16 @@
 // wait and find_experts), when it ends, and at the start of each of its first TRACE_ITEMS
 // items. Without it the kernels are as before, instruction for instruction.
 //
-// EXPERTS_DOWN_QUEUE (a define, 0 when absent): the down kernel's items as without it
-// (every gridDim.x-th from blockIdx.x) for as many whole rounds of the grid as there are
-// (at least one), then the rest claimed from a queue, a counter the kernel takes as
-// `queue` (int [2], zeros at launch): thread 0 finds the block's next item when an item
-// starts (so its first batch can be warmed into L2), and the last block to finish zeroes
-// the counter and its own count of finished blocks for the next launch. The down
-// kernel's blocks start while the up kernel's last blocks run (PDL), on the SMs those
-// leave first, so with every gridDim.x-th item one SM can get four blocks of the most
-// items (v25's trace: 16 items on an SM against a median of 12 at 55 experts); claimed,
-// the last partial round goes to the blocks that are free first. An item's sums do not
-// depend on the block that runs it: the same bits. EXPERTS_DOWN_QUEUE = 2: every item past
-// each block's first claimed.
+// EXPERTS_DOWN_QUEUE (a define, 0 when absent): the down kernel's items after each block's
+// first (item blockIdx.x, as without it) claimed from a queue, a counter the kernel takes
+// as `queue` (int [2], zeros at launch), instead of every gridDim.x-th item: thread 0
+// claims the block's next item when an item starts (so its first batch can be warmed into
+// L2), and the last block to finish zeroes the counter and its own count of finished
+// blocks for the next launch. The down kernel's blocks start while the up kernel's last
+// blocks run (PDL), on the SMs those leave first, so with every gridDim.x-th item one SM
+// can get four blocks of the most items (bench/NOTES.md v25's trace: 16 items on an SM
+// against a median of 12 at 55 experts); claimed, the items go to the blocks that are
+// free first. An item's sums do not depend on the block that runs it: the same bits.
 // EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
 // kernel's route masks made once a block, after find_experts: per slot and row, the
 // routes of the row to the slot; per row, its routes to experts not held. An item's
@@ -1151,17 +1149,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   // The block's next item, double-buffered by its count of items (so the next claim
   // cannot overwrite it before every thread has read it), read where it is used.
   __shared__ int claimed[2];
-  const int grid = gridDim.x;
-#if EXPERTS_DOWN_QUEUE == 2
-  const int claims_from = grid;  // every item past the block's first claimed
-#else
-  const int claims_from = (items / grid > 1 ? items / grid : 1) * grid;
-#endif
   int nth = 0;
   for (int item = blockIdx.x; item < items; item = claimed[nth & 1], ++nth) {
     TRACE_NTH(nth)
-    if (threadIdx.x == 0)
-      claimed[nth & 1] = item + grid < claims_from ? item + grid : claims_from + atomicAdd(queue, 1);
+    if (threadIdx.x == 0) claimed[nth & 1] = (int)gridDim.x + atomicAdd(queue, 1);
     __syncthreads();
 #else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {

@@ -454,3 +454,19 @@ def test_marlin_v3_down_queue_variant(width, intermediate):
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 512), (512, 256)])
+def test_marlin_v3_up_halves_variant(width, intermediate):
+    """_half4_scatter_up_queue_halves: _half4_scatter_up_queue's defines plus EXPERTS_UP_HALVES;
+    spill-free and fitting at the TP-8 rank's shapes and the tiny spec's; not registered."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalves
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_UP_HALVES": 1}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)

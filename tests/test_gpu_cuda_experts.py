@@ -135,6 +135,8 @@ def provider(fmt: str):
     "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the down kernel's warps 2 or 1
     along K at expert TP's slice, "-v3half4scatterupqueue": -v3half4scatterup with
     EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
+    "-v3half4scatterupqueuehalves": that with EXPERTS_UP_HALVES (the up kernel's work in half
+    items, claimed the same way),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
     and the two V3 bulk unregistered)."""
@@ -162,6 +164,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupk2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK2,
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
+        "nvfp4_marlin-v3half4scatterupqueuehalves": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalves,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -207,6 +210,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
         "-v3half4scatterupqueue",
+        "-v3half4scatterupqueuehalves",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -452,6 +456,52 @@ def test_down_queue_resets_over_replays():
         torch.cuda.synchronize()
         assert queued.queue.tolist() == [0, 0], i
         assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
+
+
+def test_up_halves_reset_over_replays():
+    """EXPERTS_UP_HALVES' state is back at zero after every launch (its claim counter, its
+    per-item counts, and the down queue's counter) over 40 replays of one graph with new
+    ids (1 to 64 distinct experts); the rows within the exact weights' bound every eighth
+    replay and the same in an eager run of the same inputs (the halves' sum does not depend
+    on which block finishes an item)."""
+    spec, sharding = SHAPES["tp8-rank-expert-tp"]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=43)
+    op = provider("nvfp4_marlin-v3half4scatterupqueuehalves").build(context(spec, experts), 0)
+    b, k = 8, spec.top_k
+    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
+    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
+    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
+    eager = torch.zeros_like(rows)
+
+    def state() -> list[int]:
+        return [*op.queue.tolist(), *op.up_queue.tolist(), int(op.up_counts.abs().sum())]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op.run(ExpertsInput(x), topk, rows)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert state() == [0, 0, 0, 0, 0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.run(ExpertsInput(x), topk, rows)
+    g = torch.Generator().manual_seed(47)
+    for i in range(40):
+        distinct = 1 + (i * 13) % 64
+        pool = torch.randperm(spec.E, generator=g)[:distinct]
+        ids.copy_(pool[torch.randint(0, distinct, (b, k), generator=g)].to(torch.int32))
+        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
+        rows.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert state() == [0, 0, 0, 0, 0], i
+        op.run(ExpertsInput(x), topk, eager)
+        torch.cuda.synchronize()
+        assert torch.equal(rows.view(torch.int16), eager.view(torch.int16)), i
+        if i % 8 == 0:
+            close(rows, experts, x, ids, exact=True)
 
 
 def assert_same_rows(shape: str, fmt: str, base: str) -> None:

@@ -136,7 +136,8 @@ def provider(fmt: str):
     along K at expert TP's slice, "-v3half4scatterupqueue": -v3half4scatterup with
     EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuehalves": that with EXPERTS_UP_HALVES (the up kernel's work in half
-    items, claimed the same way),
+    items, claimed the same way), "-v3half4scatterupqueuek2" / "-v3half4scatterupqueuehalvesk2":
+    those two with the down kernel on 2 warps along K at expert TP's slice,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
     and the two V3 bulk unregistered)."""
@@ -165,6 +166,8 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuehalves": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalves,
+        "nvfp4_marlin-v3half4scatterupqueuek2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueK2,
+        "nvfp4_marlin-v3half4scatterupqueuehalvesk2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalvesK2,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -211,6 +214,8 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatterupk1",
         "-v3half4scatterupqueue",
         "-v3half4scatterupqueuehalves",
+        "-v3half4scatterupqueuek2",
+        "-v3half4scatterupqueuehalvesk2",
         "-v3bulk",
         "-v3bulk2",
     )

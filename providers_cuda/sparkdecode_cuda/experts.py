@@ -762,6 +762,27 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalves(CudaExpertsNvfp4MarlinV3
     up_halves = 1
 
 
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue`` whose down kernel takes 2 warps
+    along K at expert TP's slice (``_half4_scatter_up_k2``'s): 880 down items at 55 experts
+    instead of 1760, a warp's item twice the MMAs, claimed from the queue (``_k2`` alone
+    left blocks 0..351 with 2 items and the rest 1). Not ``_queue``'s bits (other K-slices).
+    Not registered: not yet measured."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_k2"
+    slice_wk = 2
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalvesK2(
+    _SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalves
+):
+    """``_half4_scatter_up_queue_halves`` with ``_queue_k2``'s down kernel. Not registered: not
+    yet measured."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_halves_k2"
+    slice_wk = 2
+
+
 class CudaExpertsSlice2(_SliceDown, CudaExperts):
     """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
     (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four

@@ -425,14 +425,34 @@ def test_down_queue_is_half4_scatter_up_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueue", "nvfp4_marlin-v3half4scatterup")
 
 
-def test_down_queue_resets_over_replays():
-    """The queue's counter and count of finished blocks are back at zero after every
-    launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
-    count of items changes), each replay's rows equal _half4_scatter_up's."""
+def queue_state(op) -> list[int]:
+    """The claim counters and finished-block counts of a queue provider (the down kernel's,
+    and EXPERTS_UP_HALVES' with the sum of its per-item counts): all zero between launches."""
+    state = op.queue.tolist()
+    if op.up_halves:
+        state += [*op.up_queue.tolist(), int(op.up_counts.abs().sum())]
+    return state
+
+
+@pytest.mark.parametrize(
+    "fmt,base",
+    [
+        ("nvfp4_marlin-v3half4scatterupqueue", "nvfp4_marlin-v3half4scatterup"),
+        ("nvfp4_marlin-v3half4scatterupqueuehalves", None),
+    ],
+)
+def test_queues_reset_over_replays(fmt, base):
+    """The queues' counters (EXPERTS_DOWN_QUEUE's, EXPERTS_UP_HALVES' and its per-item
+    counts) are back at zero after every launch, over 40 replays of one graph with new ids
+    (1 to 64 distinct experts, so the count of items changes). Each replay's rows equal
+    ``base``'s bit for bit (the down queue moves items between blocks, not their sums), or
+    without a base (the halves' other K-slices) an eager run's of the same inputs (the
+    halves' sum does not depend on which block finishes an item) and, every eighth replay,
+    lie within the exact weights' bound."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
-    queued = provider("nvfp4_marlin-v3half4scatterupqueue").build(context(spec, experts), 0)
-    plain = provider("nvfp4_marlin-v3half4scatterup").build(context(spec, experts), 0)
+    op = provider(fmt).build(context(spec, experts), 0)
+    other = provider(base or fmt).build(context(spec, experts), 0)
     b, k = 8, spec.top_k
     x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
     ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
@@ -442,13 +462,14 @@ def test_down_queue_resets_over_replays():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        queued.run(ExpertsInput(x), topk, rows)
+        op.run(ExpertsInput(x), topk, rows)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    assert queued.queue.tolist() == [0, 0]
+    zeros = [0] * len(queue_state(op))
+    assert queue_state(op) == zeros
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        queued.run(ExpertsInput(x), topk, rows)
+        op.run(ExpertsInput(x), topk, rows)
     g = torch.Generator().manual_seed(41)
     for i in range(40):
         distinct = 1 + (i * 13) % 64
@@ -457,55 +478,12 @@ def test_down_queue_resets_over_replays():
         x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
         rows.fill_(float("nan"))
         graph.replay()
-        plain.run(ExpertsInput(x), topk, want)
         torch.cuda.synchronize()
-        assert queued.queue.tolist() == [0, 0], i
+        assert queue_state(op) == zeros, i
+        other.run(ExpertsInput(x), topk, want)
+        torch.cuda.synchronize()
         assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
-
-
-def test_up_halves_reset_over_replays():
-    """EXPERTS_UP_HALVES' state is back at zero after every launch (its claim counter, its
-    per-item counts, and the down queue's counter) over 40 replays of one graph with new
-    ids (1 to 64 distinct experts); the rows within the exact weights' bound every eighth
-    replay and the same in an eager run of the same inputs (the halves' sum does not depend
-    on which block finishes an item)."""
-    spec, sharding = SHAPES["tp8-rank-expert-tp"]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=43)
-    op = provider("nvfp4_marlin-v3half4scatterupqueuehalves").build(context(spec, experts), 0)
-    b, k = 8, spec.top_k
-    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
-    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
-    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    eager = torch.zeros_like(rows)
-
-    def state() -> list[int]:
-        return [*op.queue.tolist(), *op.up_queue.tolist(), int(op.up_counts.abs().sum())]
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        op.run(ExpertsInput(x), topk, rows)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    assert state() == [0, 0, 0, 0, 0]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        op.run(ExpertsInput(x), topk, rows)
-    g = torch.Generator().manual_seed(47)
-    for i in range(40):
-        distinct = 1 + (i * 13) % 64
-        pool = torch.randperm(spec.E, generator=g)[:distinct]
-        ids.copy_(pool[torch.randint(0, distinct, (b, k), generator=g)].to(torch.int32))
-        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
-        rows.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert state() == [0, 0, 0, 0, 0], i
-        op.run(ExpertsInput(x), topk, eager)
-        torch.cuda.synchronize()
-        assert torch.equal(rows.view(torch.int16), eager.view(torch.int16)), i
-        if i % 8 == 0:
+        if base is None and i % 8 == 0:
             close(rows, experts, x, ids, exact=True)
 
 

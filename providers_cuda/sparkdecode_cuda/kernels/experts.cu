@@ -210,6 +210,18 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #define QUEUE_PARAM
 #endif
 
+#if EXPERTS_DOWN_QUEUE || EXPERTS_UP_HALVES
+// The end of a block of a kernel with a queue q (int [2]: the claim counter, the finished
+// blocks): thread 0 counts the block, and the last block, every claim made, zeroes both
+// for the next launch.
+__device__ __forceinline__ void queue_finish(int* q) {
+  if (threadIdx.x == 0 && atomicAdd(q + 1, 1) == (int)gridDim.x - 1) {
+    atomicExch(q, 0);
+    atomicExch(q + 1, 0);
+  }
+}
+#endif
+
 #ifndef EXPERTS_DOWN_SCATTER
 #define EXPERTS_DOWN_SCATTER 0
 #endif
@@ -1182,10 +1194,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   }
 #endif
 #if EXPERTS_UP_HALVES
-  if (threadIdx.x == 0 && atomicAdd(up_queue + 1, 1) == (int)gridDim.x - 1) {  // every claim made: reset
-    atomicExch(up_queue, 0);
-    atomicExch(up_queue + 1, 0);
-  }
+  queue_finish(up_queue);
   TRACE_END_N(nth)
 #else
   TRACE_END(items)
@@ -1352,10 +1361,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       }
   }
 #if EXPERTS_DOWN_QUEUE
-  if (threadIdx.x == 0 && atomicAdd(queue + 1, 1) == (int)gridDim.x - 1) {  // every claim made: reset
-    atomicExch(queue, 0);
-    atomicExch(queue + 1, 0);
-  }
+  queue_finish(queue);
   TRACE_END_N(nth)
 #else
   TRACE_END(items)

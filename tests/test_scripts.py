@@ -295,7 +295,7 @@ def test_experts_trace_summarizes_blocks_by_sm():
 
 def test_experts_trace_rows_are_the_kernels():
     """experts-trace reads rows of experts.cu's TRACE_STRIDE (its TRACE_ITEMS), and the
-    registered Marlin provider's kernels build with EXPERTS_TRACE."""
+    registered Marlin providers' kernels (the queues' too) build with EXPERTS_TRACE."""
     import re
 
     from sparkdecode_cuda import experts as experts_mod
@@ -304,6 +304,10 @@ def test_experts_trace_rows_are_the_kernels():
     nvrtc = nvrtc_or_skip()
     source = nvrtc.source(experts_mod.SOURCE)
     assert int(re.search(r"#define TRACE_ITEMS (\d+)", source).group(1)) == trace_mod.TRACE_ITEMS
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp
-    defines = {**cls.kernel_defines(4096, 512, 8), "EXPERTS_TRACE": 1}
-    assert nvrtc.compile_cubin(experts_mod.SOURCE, "sm_90a", defines, experts_mod.COMPILE_OPTIONS)
+    for cls in (
+        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
+        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
+        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalves,
+    ):
+        defines = {**cls.kernel_defines(4096, 512, 8), "EXPERTS_TRACE": 1}
+        assert nvrtc.compile_cubin(experts_mod.SOURCE, "sm_90a", defines, experts_mod.COMPILE_OPTIONS)

@@ -163,7 +163,7 @@ class CudaExperts(_Cuda):
     slot_masks: ClassVar[int] = 0
     # experts.cu's EXPERTS_UP_SCATTER: the EXPERTS_HALF up kernel's item tail shared the same way
     up_scatter: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items past the grid's whole rounds
+    # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items after each block's first
     # claimed from a counter (``queue``, an argument after ``rows``)
     down_queue: ClassVar[int] = 0
     # experts.cu's EXPERTS_UP_HALVES: the up kernel's work in half items (K cut in two), claimed
@@ -738,7 +738,7 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue(CudaExpertsNvfp4MarlinV3Half4S
     every gridDim.x-th one, so that the blocks the dispatcher puts together on one SM
     (under PDL, on the SMs the up kernel leaves first) do not all get the most items. The
     same bits as ``_half4_scatter_up`` (on the H200; memcheck and racecheck clean).
-    Registered: chained at expert TP 74.1-74.5 us a layer against 78.1-79.0 at 55 experts
+    Registered: chained at expert TP 74.1-74.5 us a layer against 78.1-79.1 at 55 experts
     (level at 64, 1 us slower at 33), and the 62-layer step 10.05 ms against 10.10 with the
     same pins (bench/NOTES.md v25)."""
 

@@ -964,21 +964,18 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
   constexpr int WKH = WK1 / 2;
   const int warp = threadIdx.x >> 5, side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
 #if EXPERTS_UP_HALVES
-  const int unit = blockIdx.x, item = unit >> 1;
-  if (item >= routes.n_slots * TILES1) return;
-  const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
-  const int row0[1] = {side ? I_LOCAL + n0 : n0};
-  prefetch_gemm<P_DIM, 2 * I_LOCAL, 2 * WKH, TPB>(
-      up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]), row0,
-      ((unit & 1) * WKH + hk) * (P_DIM / (2 * WKH)));
+  // the first unit's half of K, an eighth of it a warp
+  constexpr int WKU = 2 * WKH;
+  const int item = blockIdx.x >> 1, k0 = ((blockIdx.x & 1) * WKH + hk) * (P_DIM / WKU);
 #else
-  const int item = blockIdx.x;
+  constexpr int WKU = WKH;
+  const int item = blockIdx.x, k0 = hk * (P_DIM / WKH);
+#endif
   if (item >= routes.n_slots * TILES1) return;
   const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
   const int row0[1] = {side ? I_LOCAL + n0 : n0};
-  prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
-                                             row0, hk * (P_DIM / WKH));
-#endif
+  prefetch_gemm<P_DIM, 2 * I_LOCAL, WKU, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
+                                             row0, k0);
 }
 #endif
 

@@ -390,22 +390,30 @@ def test_marlin_v3_early_variant(width, intermediate):
         ("CudaExpertsNvfp4MarlinV3Half4Scatter", "CudaExpertsNvfp4MarlinV3Half4Early", "EXPERTS_DOWN_SCATTER"),
         ("CudaExpertsNvfp4MarlinV3Half4ScatterMasks", "CudaExpertsNvfp4MarlinV3Half4Scatter", "EXPERTS_SLOT_MASKS"),
         ("CudaExpertsNvfp4MarlinV3Half4ScatterUp", "CudaExpertsNvfp4MarlinV3Half4ScatterMasks", "EXPERTS_UP_SCATTER"),
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue", "CudaExpertsNvfp4MarlinV3Half4ScatterUp", "EXPERTS_DOWN_QUEUE"),
     ],
 )
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
 def test_marlin_v3_down_scatter_variants(width, intermediate, cls, parent, define):
     """_half4_scatter (_half4_early's defines plus EXPERTS_DOWN_SCATTER), _half4_scatter_masks
-    (that plus EXPERTS_SLOT_MASKS) and _half4_scatter_up (that plus EXPERTS_UP_SCATTER):
-    spill-free and fitting at expert TP's slice (the down kernel's 4 warps along K, one tile
-    each) and under EP (8 warps along K, four of them owning a tile); _half4_scatter_up
-    registered, the other two not (no faster on the H200)."""
+    (that plus EXPERTS_SLOT_MASKS), _half4_scatter_up (that plus EXPERTS_UP_SCATTER) and
+    _half4_scatter_up_queue (that plus EXPERTS_DOWN_QUEUE, its down kernel taking the counter
+    after the rows): spill-free and fitting at expert TP's slice (the down kernel's 4 warps
+    along K, one tile each) and under EP (8 warps along K, four of them owning a tile);
+    _half4_scatter_up and _queue registered, _queue above it (faster in the H200's step), the
+    other two not (no faster on the H200)."""
     from sparkdecode_cuda import nvrtc, plugin
 
     cls, parent = getattr(experts_mod, cls), getattr(experts_mod, parent)
     assert cls.kernel_defines(width, intermediate, 8) == {**parent.kernel_defines(width, intermediate, 8), define: 1}
-    registered = cls is experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp
+    registered = cls in (
+        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
+        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
+    )
     assert (cls in plugin.PROVIDERS) == registered
     assert (cls.name in {c.name for c in plugin.PROVIDERS}) == registered
+    if cls is experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue:
+        assert cls.priority > parent.priority
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(cls.kernel_defines(width, intermediate, 8), cls)
@@ -434,25 +442,6 @@ def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls, parent)
     else:
         assert defines == base
     assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(defines, cls)
-
-
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_down_queue_variant(width, intermediate):
-    """_half4_scatter_up_queue: _half4_scatter_up's defines plus EXPERTS_DOWN_QUEUE, its down
-    kernel taking the counter after the rows; spill-free and fitting; registered above
-    _half4_scatter_up (faster in the H200's step)."""
-    from sparkdecode_cuda import nvrtc, plugin
-
-    cls, parent = (
-        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
-        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
-    )
-    defines = cls.kernel_defines(width, intermediate, 8)
-    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_DOWN_QUEUE": 1}
-    assert cls in plugin.PROVIDERS and cls.priority > parent.priority
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)

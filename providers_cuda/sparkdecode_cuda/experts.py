@@ -201,14 +201,14 @@ class CudaExperts(_Cuda):
         )
         sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         chunk = CHUNK[self.format]
-        tiles_up = self.intermediate // (UP_COLS[self.format] * (8 // _warps_k(spec.P, chunk)))
+        wm1 = 8 // _warps_k(spec.P, chunk)  # experts.cu's WM1: the up kernel's warps along M
+        tiles_up = self.intermediate // (UP_COLS[self.format] * wm1)
         tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // self.down_warps_k(spec.P, self.intermediate)))
         units_up = (2 if self.up_halves else 1) * slots * tiles_up
         self.grid_up = max(1, min(units_up, self.up_blocks * sms))
         if self.up_halves:
             # EXPERTS_UP_HALVES' counter, per-item counts (zero at every launch: reset by the
             # kernel) and the halves' sums (UP_PIECE_FLOATS a half: both sides' tiles)
-            wm1 = 8 // _warps_k(spec.P, chunk)
             self.up_queue = torch.zeros(2, dtype=torch.int32, device=ctx.device)
             self.up_counts = torch.zeros(max(slots, 1) * tiles_up, dtype=torch.int32, device=ctx.device)
             piece = 2 * wm1 * UP_COLS[self.format] // 16 * 4 * 32

@@ -275,6 +275,28 @@ def test_cache_is_keyed_by_deployment(tmp_path: Path) -> None:
     assert len(cache_files(tmp_path)) == 2
 
 
+@pytest.mark.parametrize("where", ["parent-is-a-file", "path-is-a-folder"])
+def test_a_cache_that_cannot_be_written_keeps_the_measured_layout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """A read-only or broken cache location (here: a file where the folder should be,
+    or a folder where the file should be) is a warning; the measured layout stands and
+    no temporary file is left behind."""
+    reg = registry(provider("quick.attention", "attention"))
+    timer = Timer({"base.attention": 2.0, "quick.attention": 1.0})
+    if where == "parent-is-a-file":
+        cache_dir = tmp_path / "cache"
+        cache_dir.write_text("not a folder")
+    else:
+        cache_dir = tmp_path
+        (tmp_path / f"{cache_key(DEPLOYMENT, reg, {})}-rank0.json").mkdir()
+    with caplog.at_level(logging.WARNING, logger="sparkdecode.layout"):
+        layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=cache_dir)
+    assert (layout.choices["attention"].chosen.name, layout.choices["attention"].how) == ("quick.attention", "measured")
+    assert "could not write the layout cache" in caplog.text
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
 @pytest.mark.parametrize(
     "garbage",
     [b"{not json", b"", b"[1, 2]", b"null", b'{"seconds": {}}', b'{"chosen": {"attention": 3}}', b"\xff\xfe{"],

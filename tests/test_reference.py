@@ -89,6 +89,24 @@ def test_qk_row_order_matches_vllm_at_load():
     assert interleave_qk_rows(w, 8)[:, 0].tolist()[:8] == [0, 12, 3, 15, 6, 18, 9, 21]
 
 
+def test_kv_insert_skips_padding_rows():
+    """Rows with a negative slot (vLLM's PAD_SLOT_ID) write nothing, whatever the
+    cache's strides; the other rows land at their slots."""
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(5, BLOCK_SIZE, 2, 2, 8, generator=g).to(torch.bfloat16)  # [pages, slots, Hkv, (k|v), d]
+    k_cache, v_cache = cache[:, :, :, 0], cache[:, :, :, 1]
+    before = cache.clone()
+    slots = torch.tensor([-1, 3 * BLOCK_SIZE + 2, -1, 17, -1], dtype=torch.int64)
+    k = torch.randn(5, 2, 8, generator=g).to(torch.bfloat16)
+    v = torch.randn(5, 2, 8, generator=g).to(torch.bfloat16)
+    fn.kv_insert(k_cache, v_cache, slots, k, v)
+    expected = before.clone()
+    for row, slot in ((1, 3 * BLOCK_SIZE + 2), (3, 17)):
+        expected[slot // BLOCK_SIZE, slot % BLOCK_SIZE, :, 0] = k[row]
+        expected[slot // BLOCK_SIZE, slot % BLOCK_SIZE, :, 1] = v[row]
+    assert torch.equal(cache, expected)
+
+
 @pytest.mark.parametrize("window", [None, 24])
 def test_paged_attention_equals_dense_attention(window):
     g = torch.Generator().manual_seed(0)

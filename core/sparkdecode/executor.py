@@ -25,7 +25,17 @@ from .comm import Collectives, ColumnMailbox, LocalMailbox
 from .deployment import detect, require
 from .layout import Layout, resolve
 from .plugins import Registry, discover
-from .protocols import SUB_OPS, BuildContext, Deployment, HostStep, KVGroupMetadata, LayerKV, Mailbox, Step
+from .protocols import (
+    SUB_OPS,
+    BuildContext,
+    Deployment,
+    HostStep,
+    KVGroupMetadata,
+    LayerKV,
+    Mailbox,
+    Step,
+    plans_on_host,
+)
 from .weights import ModelWeights
 
 logger = logging.getLogger(__name__)
@@ -210,6 +220,12 @@ class SpecializedDecode:
         for provider in self.providers():
             provider.prepare_kv(kv)
         self.kv = kv
+
+    @property
+    def plans_on_host(self) -> bool:
+        """Whether a provider plans each step from host values (``prepare_step``): its
+        caller must then pass the step's exact context length, not an estimate."""
+        return plans_on_host(self.providers())
 
     def prepare_step(self, host: Any) -> None:
         """Host work of the providers that need it before each step (outside the graph)."""

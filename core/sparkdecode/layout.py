@@ -288,15 +288,30 @@ def resolve(
             changed |= choices[kind].chosen is not before
         if not changed:
             break
-    path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "chosen": {k: choices[k].chosen.name for k in contested},
         "seconds": {k: {c.name: c.seconds for _, c in table[k] if c.seconds is not None} for k in contested},
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    _write_cache(path, record)
     return Layout(choices)
+
+
+def _write_cache(path: Path, record: dict) -> None:
+    """Writes the decision atomically (a temporary file of this process, then a rename,
+    so servers sharing the cache never read half a file). A cache that cannot be written
+    (a read-only home, a bad ``SPARKDECODE_CACHE``) costs the next start a measurement,
+    not this one its layout: a warning, and the measured layout stands."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("sparkdecode: could not write the layout cache %s (%s); the next start measures again", path, e)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _time_kind(

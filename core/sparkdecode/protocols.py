@@ -28,6 +28,7 @@ E experts, k top-k (spec.py). Lifecycle of every provider:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
@@ -80,6 +81,21 @@ class HostStep(NamedTuple):
     first_position: int
     rows: int
     context_len: int
+
+
+def host_work(block: object, op: object) -> None:
+    """Passes a sub-op's host work on as the block's own ``prepare_step`` (an
+    attention block around a core planned on the host). A block whose sub-ops have
+    none has no ``prepare_step``, so whether a step needs exact host values
+    (``plans_on_host``) is read off the built providers."""
+    hook = getattr(op, "prepare_step", None)
+    if hook is not None:
+        block.prepare_step = hook  # type: ignore[attr-defined]
+
+
+def plans_on_host(providers: Iterable[object]) -> bool:
+    """Whether any of these built providers does host work before each step."""
+    return any(getattr(p, "prepare_step", None) is not None for p in providers)
 
 
 class Step(NamedTuple):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sparkdecode.protocols import BuildContext, Deployment, HostStep, LayerKV, Step, check_kv_form
+from sparkdecode.protocols import BuildContext, Deployment, LayerKV, Step, check_kv_form, host_work
 
 from .boundary import _Cuda
 from .launch import Kernel, f32, i32, i64, ptr
@@ -47,6 +47,7 @@ class CudaAttention(_Cuda):
         self.gate_offset = (lw.num_heads + 2 * lw.num_kv_heads) * spec.head_dim
         self.rope = ctx.weights.rope_table(lw.rope_theta, ctx.max_context) if lw.rope_theta > 0 else None
         self.core = ctx.ops["attention_core"].build(ctx, layer)
+        host_work(self, self.core)
         self.linear = ctx.ops["linear"].build(ctx, layer)
         rows = ctx.max_rows
         self.qkvg = ctx.scratch(f"cuda_qkvg_{lw.qkvg.shape[0]}", (rows, lw.qkvg.shape[0]), torch.bfloat16)
@@ -81,12 +82,6 @@ class CudaAttention(_Cuda):
         its epilogue, where the ``linear`` provider can (``publish``); whether it will."""
         publish = getattr(self.linear, "publish", None)
         return bool(publish is not None and publish("o_proj", mailbox))
-
-    def prepare_step(self, host: HostStep) -> None:
-        """The core's host work for the step, where it has any."""
-        hook = getattr(self.core, "prepare_step", None)
-        if hook is not None:
-            hook(host)
 
     def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
         b, kv = x.shape[0], step.kv[self.index]

@@ -47,6 +47,7 @@ from vllm_support import (
 
 from sparkdecode.checkpoint import load_checkpoint
 from sparkdecode.layout import needed_kinds
+from sparkdecode.protocols import HostStep
 from sparkdecode.reference import functional as fn
 from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.reference.model import ReferenceModel
@@ -288,6 +289,36 @@ def test_the_plan(served: Served, caplog) -> None:
         (8, "specialized decode"),
     ):
         assert messages.count(f"sparkdecode: forward of {tokens} tokens: {outcome}") == 1, outcome
+
+
+@pytest.mark.parametrize("host_planned", [True, False], ids=["host-planned-core", "device-read-core"])
+def test_a_host_planned_step_gets_the_exact_context(served: Served, monkeypatch, host_planned: bool) -> None:
+    """Under asynchronous scheduling the runner's host mirror of the computed tokens
+    counts every draft as accepted: after 5 rejected drafts it is 5 ahead of the
+    device's sequence lengths. A provider that plans on the host gets the device's
+    exact length; without one, nothing waits on the device."""
+    kv_cache_config, _, _ = bind(served, "LBNHC")
+    decode = served.state.decode
+    buffers = InputBuffers(MAX_REQS, 64, torch.device("cpu"))
+    request = Request(len(kv_cache_config.kv_cache_groups))
+    first = 3 * Q
+    batch, tables, slots = request.step(first, Q, buffers)
+    batch.num_computed_tokens_np[0] = first + 5  # optimistic
+    planned: list = []
+    synced: list = []
+    attention = decode.executor.layers[0].attention
+    if host_planned:
+        monkeypatch.setattr(attention, "prepare_step", planned.append, raising=False)
+    assert decode.executor.plans_on_host is host_planned
+    exact = served_model.exact_context_len
+    monkeypatch.setattr(served_model, "exact_context_len", lambda b: synced.append(b) or exact(b))
+    decode.prepare_step(batch, CUDAGraphMode.FULL, tables, slots, for_capture=False)
+    if host_planned:
+        assert synced == [batch]
+        assert planned == [HostStep(first_position=first, rows=Q, context_len=first + Q)]
+        assert decode.host.first_position == first
+    else:
+        assert synced == [] and decode.host.first_position == first + 5
 
 
 def test_a_verify_graph_never_replays_for_another_batch(served: Served) -> None:

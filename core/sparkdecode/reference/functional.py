@@ -152,12 +152,17 @@ def kv_insert(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """Write bf16 k, v [b, Hkv, d] into the paged cache at ``slot_mapping`` (int64 [b])."""
+    """Write bf16 k, v [b, Hkv, d] into the paged cache at ``slot_mapping`` (int64 [b]).
+    A row with a negative slot (vLLM's PAD_SLOT_ID, a padding row) writes nothing, as
+    vLLM's insert skips it. Capturable: such a row writes slot 0 its own value back
+    (slot 0 lies in vLLM's null block, which no request's row is mapped to)."""
     block_size = k_cache.shape[1]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offset = slot_mapping % block_size
-    k_cache[blocks, offset] = k
-    v_cache[blocks, offset] = v
+    valid = (slot_mapping >= 0)[:, None, None]
+    slots = slot_mapping.clamp(min=0)
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offset = slots % block_size
+    k_cache[blocks, offset] = torch.where(valid, k, k_cache[blocks, offset])
+    v_cache[blocks, offset] = torch.where(valid, v, v_cache[blocks, offset])
 
 
 def o_norm_gate(o: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:

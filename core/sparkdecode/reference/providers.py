@@ -17,11 +17,11 @@ from ..protocols import (
     BuildContext,
     Deployment,
     ExpertsInput,
-    HostStep,
     LayerKV,
     RoutedTopk,
     Step,
     check_kv_form,
+    host_work,
 )
 from ..weights import NVFP4_FORMATS, LayerWeights
 from . import functional as fn
@@ -80,6 +80,7 @@ class ReferenceAttention(_Reference):
         theta = self.layer.rope_theta
         self.rope_table = ctx.weights.rope_table(theta, ctx.max_context) if theta > 0 else None
         self.core = ctx.ops["attention_core"].build(ctx, layer)
+        host_work(self, self.core)
         shape = (ctx.max_rows, self.layer.num_heads, ctx.spec.head_dim)
         self.o = ctx.scratch(f"attention_o_{self.layer.num_heads}", shape, torch.bfloat16)
 
@@ -91,12 +92,6 @@ class ReferenceAttention(_Reference):
     def prepare_kv(self, kv: tuple[LayerKV, ...]) -> None:
         check_kv_form(f"layer {self.index}", kv[self.index], self.layer.num_kv_heads, self.spec.head_dim)
         self.core.prepare_kv(kv)
-
-    def prepare_step(self, host: HostStep) -> None:
-        """The core's host work for the step, where it has any."""
-        hook = getattr(self.core, "prepare_step", None)
-        if hook is not None:
-            hook(host)
 
     def run(self, step: Step, x: torch.Tensor, partial: torch.Tensor) -> None:
         q, gate = model.qkv_front(self.spec, self.layer, x, step.positions, step.kv[self.index], self.rope_table)

@@ -104,9 +104,19 @@ class VllmDecode:
         metadata refilled from vLLM's (``prepare_attn``; outside any graph)."""
         num_reqs = int(input_batch.num_reqs_after_padding if for_capture else input_batch.num_reqs)
         num_tokens = int(input_batch.num_tokens_after_padding)
+        # The runner's host mirror of the computed tokens is an upper bound under
+        # asynchronous scheduling with drafts (it counts every draft as accepted);
+        # the device's sequence lengths are exact.
         first = int(input_batch.num_computed_tokens_np[0]) if input_batch.num_computed_tokens_np.size else 0
         self.host = HostBatch(num_reqs, num_tokens, first, for_capture)
         one = self.one_request(self.host)
+        if one and not for_capture and self.executor.plans_on_host:
+            # A provider plans the step on the host (a FlashInfer plan: the KV length,
+            # its pages, the sliding window's first page): it needs the exact length,
+            # so read it off the device, as vLLM's own FlashInfer backend does with
+            # drafts. Cores that read the device buffers need no such wait.
+            first = exact_context_len(input_batch) - num_tokens
+            self.host = self.host._replace(first_position=first)
         if (
             not for_capture
             and getattr(cudagraph_mode, "name", "") == "FULL"
@@ -198,6 +208,15 @@ class VllmDecode:
         rows = inputs_embeds if normed else self.backbone.embed_tokens(input_ids)
         hidden, aux = self.executor.run(step, inputs_embeds=rows)
         return (hidden, aux) if aux else hidden
+
+
+def exact_context_len(input_batch: Any) -> int:
+    """Request 0's context length after this step from the device's sequence lengths
+    (a synchronization, allowed by vLLM's sync check)."""
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+    with gpu_sync_allowed():
+        return int(input_batch.seq_lens[0].item())
 
 
 def stream_capturing() -> bool:

@@ -2,7 +2,7 @@
 // decode step"): after the QKV+gate GEMM, the per-head QK norm (weightless, rounded
 // to bf16), GPT-J RoPE on sliding layers (fp32 from the bf16 values and the fp32
 // [cos | sin] table, rounded once), K and V into the paged cache at the slot
-// mapping, q into its buffer; after the core, the o-norm with the sigmoid gate.
+// mapping (rows with a negative slot write none), q into its buffer; after the core, the o-norm with the sigmoid gate.
 // One warp per (row, head), each lane one RoPE pair: HEAD_DIM = 64.
 #include "common.cuh"
 
@@ -54,6 +54,7 @@ extern "C" __global__ void __launch_bounds__(32) qkv_front_kernel(
     return;
   }
   const long long slot = slot_mapping[row];
+  if (slot < 0) return;  // a padding row (vLLM's PAD_SLOT_ID): no cache slot, as vLLM's own insert skips it
   const long long page = slot / block_size, offset = slot % block_size;
   const int kv_head = is_v ? head - heads - kv_heads : head - heads;
   bf16_t* dst = (is_v ? v_cache : k_cache) + page * page_stride + offset * slot_stride + kv_head * head_stride;

@@ -46,6 +46,7 @@ from vllm_support import (
 )
 
 from sparkdecode.checkpoint import load_checkpoint
+from sparkdecode.deployment import DeploymentError
 from sparkdecode.layout import needed_kinds
 from sparkdecode.protocols import HostStep
 from sparkdecode.reference import functional as fn
@@ -142,12 +143,33 @@ def test_an_unfinished_load_is_named(served: Served) -> None:
         moe.router_output_multiplier = saved
 
 
+def test_a_weight_reload_is_refused(served: Served) -> None:
+    """After the executor is built over the loaded weights, a second load (vLLM's
+    in-place reload) is refused before it touches a parameter."""
+    assert served.model.sparkdecode is not None
+    with pytest.raises(DeploymentError, match="does not take a weight reload"):
+        served.model.load_weights(iter([("model.norm.weight", torch.zeros(1))]))
+
+
 def bind(served: Served, layout: str) -> tuple[Any, Any, HostBlockTables]:
     kv_cache_config, attn_groups = kv_cache_setup(served.config, layout)
     tables = HostBlockTables(len(kv_cache_config.kv_cache_groups), MAX_REQS, MAX_BLOCKS)
     with set_current_vllm_config(served.config):
         served.state.initialize_kv_cache(kv_cache_config, tables)
     return kv_cache_config, attn_groups, tables
+
+
+@pytest.mark.parametrize("lowered", ["NONE", "PIECEWISE", "FULL"])
+def test_graphs_lowered_after_the_gate_stop_the_kv_setup(served: Served, monkeypatch, lowered: str) -> None:
+    """The runner resolves the graph mode at KV-cache setup and may lower the one the
+    gate accepted (an attention backend without uniform-batch FULL graphs): the
+    ModelState's KV setup then raises, naming the resolved mode, instead of serving the
+    stock decode under latency_specialized."""
+    monkeypatch.setattr(served.config.compilation_config, "cudagraph_mode", CUDAGraphMode[lowered])
+    with pytest.raises(
+        DeploymentError, match=f"vLLM resolved the CUDA graphs after the gate: CUDA graph mode is {lowered}:"
+    ):
+        bind(served, "LBNHC")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -357,10 +379,12 @@ def test_the_adapter_at_tp2(checkpoint: Path, draft: Path, tmp_path: Path) -> No
     """Two ranks over gloo, each building and loading the model with vLLM at TP 2
     (EP, then expert TP): each rank's adapter weights equal the core's cut of the
     checkpoint for that rank (attention heads, o_proj columns, the experts: whole
-    experts from vLLM's expert map under EP, I-slices under expert TP)."""
+    experts from vLLM's expert map under EP, I-slices under expert TP); an adapter
+    problem on one rank stops both."""
     import torch.multiprocessing as mp
 
     mp.spawn(tp_rank_weights, args=(2, free_port(), checkpoint, draft, tmp_path), nprocs=2, join=True)
     for rank in range(2):
         for mode in ("ep", "expert-tp"):
             assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)
+        assert (tmp_path / f"rank{rank}-one-rank-fails").read_text() == "rank 1: layer 3: not loaded"

@@ -356,3 +356,19 @@ def tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: P
         except AssertionError as e:
             result = f"differs: {e}"
         (out / f"rank{rank}-{mode}").write_text(result)
+    # An adapter problem on rank 1 alone stops both ranks, each naming rank 1's reason.
+    from vllm.distributed import parallel_state
+
+    from sparkdecode.vllm.model import on_every_rank
+
+    def read() -> str:
+        if rank == 1:
+            raise adapter.AdapterError("layer 3: not loaded")
+        return "weights"
+
+    try:
+        on_every_rank(read, parallel_state.get_tp_group().cpu_group)
+        stopped = "not stopped"
+    except adapter.AdapterError as e:
+        stopped = str(e)
+    (out / f"rank{rank}-one-rank-fails").write_text(stopped)

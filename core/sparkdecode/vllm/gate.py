@@ -195,14 +195,8 @@ def serving_reasons(vllm_config: Any, capability: tuple[int, int] | None) -> lis
         f"torch.compile is on (compilation mode {getattr(comp.mode, 'name', comp.mode)}): a compiled forward "
         "would trace the executor's loop; use compilation mode NONE (-cc.mode=0).",
     )
-    graphs = comp.cudagraph_mode
-    graphs_name = getattr(graphs, "name", str(graphs))
-    need(
-        graphs is not None and graphs.decode_mode().name == "FULL" and graphs.separate_routine(),
-        f"CUDA graph mode is {graphs_name}: the executor runs only inside FULL decode graphs captured apart "
-        f"from mixed batches ({' or '.join(SEPARATE_DECODE_GRAPHS)}); eager (enforce-eager), PIECEWISE and "
-        "mixed-batch FULL graphs would run the stock forward or replay a verify graph for another batch.",
-    )
+    graphs = graph_mode_reason(comp.cudagraph_mode)
+    need(graphs is None, graphs or "")
     sizes = list(comp.cudagraph_capture_sizes or ())
     need(
         not sizes or 1 + DRAFT_TOKENS in sizes,
@@ -255,6 +249,30 @@ def serving_reasons(vllm_config: Any, capability: tuple[int, int] | None) -> lis
 
 
 NVFP4_QUANTIZATION = "modelopt_fp4"
+
+
+def graph_mode_reason(graphs: Any) -> str | None:
+    """Why a CUDA graph mode cannot run the executor, or None."""
+    if graphs is not None and graphs.decode_mode().name == "FULL" and graphs.separate_routine():
+        return None
+    return (
+        f"CUDA graph mode is {getattr(graphs, 'name', str(graphs))}: the executor runs only inside FULL decode "
+        f"graphs captured apart from mixed batches ({' or '.join(SEPARATE_DECODE_GRAPHS)}); eager "
+        "(enforce-eager), PIECEWISE and mixed-batch FULL graphs would run the stock forward or replay a verify "
+        "graph for another batch."
+    )
+
+
+def check_resolved_graphs(vllm_config: Any) -> None:
+    """The graph mode again once the runner has resolved it (vLLM may lower the mode
+    the gate saw, at KV-cache setup, to what the attention backends support): raises
+    where the executor would never run, rather than serving the stock decode."""
+    reason = graph_mode_reason(vllm_config.compilation_config.cudagraph_mode)
+    if reason is not None:
+        raise DeploymentError(
+            "decode_backend=latency_specialized cannot serve this deployment: vLLM resolved the CUDA graphs "
+            f"after the gate: {reason} (decode_backend=auto serves it with vLLM's stock decode)"
+        )
 
 
 def expert_format(vllm_config: Any) -> str:

@@ -21,17 +21,20 @@ three additions, all inert under ``decode_backend=auto``:
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from vllm.models.muse_spark import MuseSparkForConditionalGeneration
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
+from ..deployment import DeploymentError, agree
 from ..executor import DecodeConfig, SpecializedDecode
 from ..protocols import HostStep, Step
 from . import LOGGER, adapter, gate
 
 logger = logging.getLogger(LOGGER)
+T = TypeVar("T")
 
 
 class HostBatch(NamedTuple):
@@ -55,13 +58,7 @@ class VllmDecode:
         d = settings.deployment
         self.spec = d.spec
         rank = get_tensor_model_parallel_rank() if d.tp > 1 else 0
-        sharding = adapter.sharding_of(self.backbone, d.tp, rank, d.expert_parallel == "ep")
-        if (sharding.shard_pooler, sharding.shard_unpooler) != (d.shard_pooler, d.shard_unpooler):
-            raise adapter.AdapterError(
-                f"vLLM shards pooler/unpooler {sharding.shard_pooler}/{sharding.shard_unpooler}, "
-                f"the gate expected {d.shard_pooler}/{d.shard_unpooler}"
-            )
-        self.weights = adapter.model_weights(self.spec, self.backbone, model.lm_head, sharding)
+        self.weights = on_every_rank(lambda: self._weights(model, d, rank), _tp_groups()[0])
         self.config = DecodeConfig(
             q=settings.q,
             max_rows=settings.q,
@@ -80,6 +77,16 @@ class VllmDecode:
         self.host: HostBatch | None = None
         self.specialized_sizes: set[int] = set()  # token counts whose FULL graph runs the executor
         self.logged: set[str] = set()
+
+    def _weights(self, model: Any, d: Any, rank: int) -> Any:
+        """This rank's plain weights: views of vLLM's loaded modules."""
+        sharding = adapter.sharding_of(self.backbone, d.tp, rank, d.expert_parallel == "ep")
+        if (sharding.shard_pooler, sharding.shard_unpooler) != (d.shard_pooler, d.shard_unpooler):
+            raise adapter.AdapterError(
+                f"vLLM shards pooler/unpooler {sharding.shard_pooler}/{sharding.shard_unpooler}, "
+                f"the gate expected {d.shard_pooler}/{d.shard_unpooler}"
+            )
+        return adapter.model_weights(self.spec, self.backbone, model.lm_head, sharding)
 
     # ----------------------------------------------------------- runner hooks
 
@@ -210,6 +217,22 @@ class VllmDecode:
         return (hidden, aux) if aux else hidden
 
 
+def on_every_rank(read: Callable[[], T], group: Any) -> T:
+    """``read()`` (the adapter's reading of this rank's modules), with its
+    ``AdapterError`` raised on every rank of ``group``: one rank's problem stops them
+    all before the executor's collective build, where the others would wait for the
+    failed rank forever."""
+    problem: str | None = None
+    try:
+        value = read()
+    except adapter.AdapterError as e:
+        problem = str(e)
+    problem = agree(problem, group)
+    if problem is not None:
+        raise adapter.AdapterError(problem)
+    return value
+
+
 def exact_context_len(input_batch: Any) -> int:
     """Request 0's context length after this step from the device's sequence lengths
     (a synchronization, allowed by vLLM's sync check)."""
@@ -278,6 +301,17 @@ class SparkDecodeMuseSpark(MuseSparkForConditionalGeneration):
             self.sparkdecode = VllmDecode(self, self.sparkdecode_settings, device, device_group)
         return self.sparkdecode
 
+    def load_weights(self, weights: Any) -> Any:
+        """The stock load; a second one (vLLM's in-place reload, a weight transfer)
+        after the executor is built is refused: the executor holds views of the loaded
+        tensors and values derived from them at build, which a reload would leave stale."""
+        if self.sparkdecode is not None:
+            raise DeploymentError(
+                "decode_backend=latency_specialized does not take a weight reload: the specialized decode was "
+                "built over the loaded weights; restart the server with the new weights"
+            )
+        return super().load_weights(weights)
+
     def forward(
         self,
         input_ids: torch.Tensor | None,
@@ -304,6 +338,7 @@ class SparkDecodeModelState(DefaultModelState):
 
     def initialize_kv_cache(self, kv_cache_config: Any, block_tables: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, block_tables)
+        gate.check_resolved_graphs(self.vllm_config)
         self.decode.bind_kv(kv_cache_config, block_tables)
 
     def prepare_attn(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from sparkdecode.cli import main
 
 
@@ -52,3 +54,63 @@ def test_bad_spec_is_a_clean_error(capsys, tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 64}')
     assert main(["check", "--config", str(tmp_path)]) == 2
     assert "config is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["demo", "--prompt", "0"], "argument --prompt: 0 is below 1"),
+        (["demo", "--steps", "-1"], "argument --steps: -1 is below 1"),
+        (["demo", "--layers", "1000"], "at most 62"),
+        (["--log", "LOUD", "providers"], "argument --log: invalid choice"),
+        (["check", "--preset", "tiny", "--tp", "0"], "argument --tp: 0 is below 1"),
+        (["providers", "--preset", "tiny", "--tp", "x"], "argument --tp: 'x' is not an integer"),
+        (["check", "--preset", "tiny", "--max-context", "0"], "argument --max-context: 0 is below 1"),
+        (["bench", "tiny", "--replays", "-5"], "argument --replays: -5 is below 1"),
+        (["bench", "tiny", "--context", "5"], "argument --context: 5 is below 9"),
+    ],
+)
+def test_a_value_out_of_range_is_a_usage_error(capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["demo", "--prompt", "1000", "--steps", "10"], "need a context of 1080, above --max-context 1024"),
+        (["demo", "--max-context", "99999"], "above the tiny model's 4096 positions"),
+        (["demo", "--device", "tpu"], "--device 'tpu': cpu or cuda[:N]"),
+        (["check", "--preset", "tiny", "--pin", "moe=a.moe", "--pin", "moe=b.moe"], "--pin moe given twice"),
+        (["check", "--preset", "tiny", "--pin", "moe"], "--pin takes BLOCK=PROVIDER, got 'moe'"),
+        (["bench", "tiny", "--out", "/proc/no-such-folder"], "--out /proc/no-such-folder"),
+        (["bench", "--plot-from", "/no/such/record.json"], "no such file: /no/such/record.json"),
+    ],
+)
+def test_inconsistent_values_are_named_before_the_run(capsys, argv, words):
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_an_unreadable_config_is_named(capsys, tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{")
+    assert main(["check", "--config", str(tmp_path)]) == 2
+    assert "is not valid JSON" in capsys.readouterr().err
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    assert main(["check", "--config", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_providers_names_what_the_executor_refuses(capsys):
+    assert main(["providers", "--preset", "tiny", "--max-context", "1024", "--expert-format", "int3"]) == 0
+    assert "the executor does not take this deployment: expert format 'int3'" in capsys.readouterr().out
+
+
+def test_a_pin_of_a_kind_this_layout_does_not_resolve_is_still_checked(capsys):
+    """The draft's kinds are resolved by the draft's executor, but a pin naming no
+    installed provider is a mistake found now."""
+    argv = ["check", "--preset", "tiny", "--max-context", "1024", "--pin", "draft_mlp=nope.mlp"]
+    assert main(argv) == 1
+    assert "draft_mlp is pinned to 'nope.mlp', which no installed pack provides" in capsys.readouterr().out

@@ -202,6 +202,24 @@ def test_integral_float_fields_take_ints() -> None:
 
 
 @pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default"},
+                "full_attention": {"rope_type": "default"},
+            }
+        },
+        {"rope_scaling": None},
+    ],
+    ids=["whole", "per-layer-type", "none"],
+)
+def test_default_rope_in_every_form_is_taken(rope: dict[str, Any]) -> None:
+    assert ModelSpec.from_config(tiny_config(**rope)) == ModelSpec.from_config(tiny_config())
+
+
+@pytest.mark.parametrize(
     ("changes", "parts"),
     [
         ({"num_attention_heads": 8}, ["num_attention_heads x head_dim", "8 x 64", "hidden_size 1024"]),
@@ -242,7 +260,19 @@ def test_integral_float_fields_take_ints() -> None:
         ({"mlp_layer_types": ["sparse", "moe", "sparse", "sparse"]}, ["mlp_layer_types must be a list", "'moe'"]),
         ({"mlp_layer_types": "sparse"}, ["mlp_layer_types must be a list"]),
         ({"hidden_act": "gelu"}, ["hidden_act must be 'silu'", "'gelu'"]),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type must be 'default'", "'yarn'"]),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, ["rope_parameters: rope type 'yarn'"]),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_scaling: rope type 'yarn'"]),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, ["rope_scaling: rope type 'linear'"]),
+        (
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "yarn", "factor": 4.0},
+                }
+            },
+            ["rope_parameters.full_attention: rope type 'yarn'"],
+        ),
+        ({"rope_parameters": "yarn"}, ["rope_parameters must be a dict", "'yarn'"]),
     ],
 )
 def test_wrong_relation_names_the_problem(changes: dict[str, Any], parts: list[str]) -> None:

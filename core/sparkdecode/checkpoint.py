@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import nvfp4
-from .spec import ModelSpec
+from .spec import ModelSpec, read_json
 from .weights import LayerWeights, ModelWeights, Nvfp4Scales, deinterleave_qk_rows, make_layer
 
 BF16 = torch.bfloat16
@@ -196,10 +196,7 @@ def read_quant_config(directory: Path, config: dict[str, Any]) -> Nvfp4Config | 
             return Nvfp4Config.from_config(value, where)
     legacy = directory / HF_QUANT_CONFIG_NAME
     if legacy.is_file():
-        try:
-            value = json.loads(legacy.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{legacy} is not valid JSON: {e}") from e
+        value = read_json(legacy, CheckpointError)
         return Nvfp4Config.from_config(value, str(legacy))
     return None
 
@@ -488,10 +485,7 @@ def _tensor_locations(directory: Path) -> dict[str, Path]:
     the headers of every ``*.safetensors`` file of the directory."""
     index_path = directory / INDEX_NAME
     if index_path.is_file():
-        try:
-            index: Any = json.loads(index_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{index_path} is not valid JSON: {e}") from e
+        index: Any = read_json(index_path, CheckpointError)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_path} has no weight_map dict")

@@ -9,26 +9,19 @@ import sys
 
 import torch
 
+from .arguments import UsageError, at_least, device_of, parse_pins
 from .bench import add_parser as add_bench_parser
 from .deployment import DeploymentError, detect, requirements
 from .executor import DecodeConfig, SpecializedDecode
 from .harness import DecodeHarness
-from .layout import LayoutError, resolve
+from .layout import LayoutError, resolve, unsupported_reason
 from .plugins import discover
 from .reference.model import ReferenceModel
 from .spec import ModelSpec, SpecError
-from .weights import random_weights
+from .weights import EXPERT_FORMATS, random_weights
 
-
-def parse_pins(values: list[str]) -> dict[str, str]:
-    """``--pin BLOCK=PROVIDER`` values as a kind -> provider map."""
-    pins = {}
-    for value in values:
-        kind, sep, name = value.partition("=")
-        if not sep or not kind or not name:
-            raise SystemExit(f"--pin takes BLOCK=PROVIDER, got {value!r}")
-        pins[kind] = name
-    return pins
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MAX_DEMO_LAYERS = 62
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
@@ -39,8 +32,19 @@ def _spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def demo(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_of(args.device)
+    pins = parse_pins(args.pin)
     spec = ModelSpec.preset("tiny", args.layers)
+    needed = args.prompt + 8 * args.steps
+    if needed > args.max_context:
+        raise UsageError(
+            f"--prompt {args.prompt} and --steps {args.steps} of 8 tokens need a context of {needed}, "
+            f"above --max-context {args.max_context}"
+        )
+    if args.max_context > spec.max_position_embeddings:
+        raise UsageError(
+            f"--max-context {args.max_context} is above the tiny model's {spec.max_position_embeddings} positions"
+        )
     print(
         f"sparkdecode demo: tiny Muse Spark (H {spec.H}, {spec.num_layers} layers, E {spec.E} top-{spec.top_k}, "
         f"window {spec.sliding_window}), random weights (seed {args.seed}), on {device}"
@@ -51,7 +55,7 @@ def demo(args: argparse.Namespace) -> int:
         max_rows=8,
         max_context=args.max_context,
         aux_layers=(0, spec.num_layers // 2, spec.num_layers),
-        pins=parse_pins(args.pin),
+        pins=pins,
     )
     executor = SpecializedDecode(weights, config)
     print(executor.layout.table())
@@ -86,13 +90,18 @@ def demo(args: argparse.Namespace) -> int:
 
 def providers(args: argparse.Namespace) -> int:
     spec = _spec(args)
-    deployment = detect(spec, args.tp, max_context=args.max_context)
+    deployment = detect(spec, args.tp, max_context=args.max_context, expert_format=args.expert_format)
     registry = discover()
     where = deployment.gpu_name or deployment.device
-    print(f"providers for {where}, TP {args.tp}, {spec.num_layers} layers, max context {args.max_context}")
+    print(
+        f"providers for {where}, TP {args.tp}, {spec.num_layers} layers, max context {args.max_context}, "
+        f"{args.expert_format} experts"
+    )
+    for reason in requirements(deployment):
+        print(f"the executor does not take this deployment: {reason}")
     print(f"{'block':<20} {'provider':<34} {'pack':<12} {'version':<10} here")
     for reg in sorted(registry.providers, key=lambda r: (r.block, r.name)):
-        reason = reg.cls.unsupported(deployment)
+        reason = unsupported_reason(reg, deployment)
         here = "supported" if reason is None else f"unsupported: {reason}"
         print(f"{reg.block:<20} {reg.name:<34} {reg.pack:<12} {reg.version:<10} {here}")
     for pack, reason in registry.broken:
@@ -101,6 +110,7 @@ def providers(args: argparse.Namespace) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
+    pins = parse_pins(args.pin)
     spec = _spec(args)
     deployment = detect(spec, args.tp, max_context=args.max_context, expert_format=args.expert_format)
     reasons = requirements(deployment)
@@ -109,7 +119,7 @@ def check(args: argparse.Namespace) -> int:
             print(f"unsupported: {reason}")
         return 1
     try:
-        layout = resolve(discover(), deployment, parse_pins(args.pin))
+        layout = resolve(discover(), deployment, pins)
     except LayoutError as e:
         print(f"unsupported: {e}")
         return 1
@@ -120,14 +130,20 @@ def check(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparkdecode", description=__doc__)
-    parser.add_argument("--log", default="WARNING", help="log level (INFO shows the executor's decisions)")
+    parser.add_argument(
+        "--log",
+        default="WARNING",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="log level (INFO shows the executor's decisions)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="tiny random-weight model: stock forward vs the executor")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--prompt", type=int, default=100, help="prompt tokens to prefill")
-    p.add_argument("--steps", type=int, default=16, help="verify steps of 8 tokens")
-    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--layers", type=at_least(1), default=4, help=f"at most {MAX_DEMO_LAYERS}")
+    p.add_argument("--prompt", type=at_least(1), default=100, help="prompt tokens to prefill")
+    p.add_argument("--steps", type=at_least(1), default=16, help="verify steps of 8 tokens")
+    p.add_argument("--max-context", type=at_least(1), default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     p.add_argument("--pin", action="append", default=[], metavar="BLOCK=PROVIDER")
@@ -141,20 +157,23 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--preset", default="muse-spark-open", help="tiny or muse-spark-open")
         p.add_argument("--config", default=None, help="a config.json or checkpoint directory instead of a preset")
-        p.add_argument("--layers", type=int, default=None)
-        p.add_argument("--tp", type=int, default=1)
-        p.add_argument("--max-context", type=int, default=32768)
-        p.add_argument("--expert-format", default="bf16")
-        p.add_argument("--pin", action="append", default=[], metavar="BLOCK=PROVIDER")
+        p.add_argument("--layers", type=at_least(1), default=None)
+        p.add_argument("--tp", type=at_least(1), default=1)
+        p.add_argument("--max-context", type=at_least(1), default=32768)
+        p.add_argument("--expert-format", default="bf16", help=", ".join(EXPERT_FORMATS))
+        if fn is check:
+            p.add_argument("--pin", action="append", default=[], metavar="BLOCK=PROVIDER")
         p.set_defaults(run=fn)
 
     add_bench_parser(sub)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log.upper(), format="%(message)s")
+    if getattr(args, "layers", None) is not None and args.command == "demo" and args.layers > MAX_DEMO_LAYERS:
+        parser.error(f"demo --layers {args.layers}: at most {MAX_DEMO_LAYERS} (Muse Spark's depth)")
+    logging.basicConfig(level=args.log, format="%(message)s")
     try:
         return args.run(args)
-    except (SpecError, DeploymentError, LayoutError) as e:
+    except (SpecError, DeploymentError, LayoutError, UsageError) as e:
         print(f"sparkdecode: {e}", file=sys.stderr)
         return 2
 

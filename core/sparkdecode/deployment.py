@@ -107,6 +107,8 @@ def requirements(d: Deployment) -> list[str]:
         out.append(f"tensor parallel size {d.tp}: the sharded pooler/unpooler columns do not split evenly")
     if d.expert_parallel not in ("ep", "tp"):
         out.append(f"expert parallelism {d.expert_parallel!r} (supported: 'ep', 'tp')")
+    elif d.tp not in TP_SIZES:
+        pass  # the experts' split is judged at a supported size only
     elif d.expert_parallel == "ep" and s.num_local_experts % d.tp:
         out.append(f"expert parallel over {d.tp} ranks: {s.num_local_experts} experts do not split evenly")
     elif d.expert_parallel == "tp" and s.moe_intermediate_size % d.tp:
@@ -121,6 +123,8 @@ def requirements(d: Deployment) -> list[str]:
         out.append(f"KV cache block size {d.kv_block_size} (16 only)")
     if d.max_rows < 1:
         out.append(f"prepared rows {d.max_rows} (at least 1)")
+    if d.max_context < 1:
+        out.append(f"max context {d.max_context} (at least 1)")
     if d.max_context > s.max_position_embeddings:
         out.append(f"max context {d.max_context} above the model's {s.max_position_embeddings} positions")
     return out

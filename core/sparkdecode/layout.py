@@ -159,15 +159,23 @@ def cache_key(deployment: Deployment, registry: Registry, pins: Mapping[str, str
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def unsupported_reason(reg: Registered, deployment: Deployment) -> str | None:
+    """A provider's ``unsupported(deployment)``, kept from taking its caller down: a
+    check that raises, or answers other than None or a reason, is its own reason."""
+    try:
+        reason = reg.cls.unsupported(deployment)
+    except Exception as e:
+        return f"unsupported() raised {type(e).__name__}: {e}"
+    if reason is not None and not (isinstance(reason, str) and reason):
+        return f"unsupported() returned {reason!r}, not None or a reason"
+    return reason
+
+
 def _candidates(kind: str, registry: Registry, deployment: Deployment) -> list[tuple[Registered, Candidate]]:
-    out = []
-    for reg in registry.of(kind):
-        try:
-            reason = reg.cls.unsupported(deployment)
-        except Exception as e:  # a provider's check must not take the resolver down
-            reason = f"unsupported() raised {type(e).__name__}: {e}"
-        out.append((reg, Candidate(reg.name, reg.pack, reg.version, reason)))
-    return out
+    return [
+        (reg, Candidate(reg.name, reg.pack, reg.version, unsupported_reason(reg, deployment)))
+        for reg in registry.of(kind)
+    ]
 
 
 def _by_priority(supported: list[tuple[Registered, Candidate]]) -> list[tuple[Registered, Candidate]]:
@@ -209,9 +217,17 @@ def resolve(
     the caches are used."""
     pins = dict(pins or {})
     kinds = needed_kinds(deployment) if kinds is None else tuple(kinds)
-    for kind in pins:
+    for kind, name in pins.items():
         if kind not in ALL_KINDS:
             raise LayoutError(f"pin for unknown block {kind!r}; blocks: {', '.join(ALL_KINDS)}")
+        # A pin of a kind this layout does not resolve is still named right (a typo
+        # or a missing pack is found now, not where the other layout reads it).
+        reg = registry.find(name)
+        if kind not in kinds and reg is None:
+            known = ", ".join(r.name for r in registry.providers if r.block == kind) or "none"
+            raise LayoutError(f"{kind} is pinned to {name!r}, which no installed pack provides (known: {known})")
+        if kind not in kinds and reg is not None and reg.block != kind:
+            raise LayoutError(f"{kind} is pinned to {name!r}, a provider of {reg.block}")
     table = {kind: _candidates(kind, registry, deployment) for kind in kinds}
     choices: dict[str, Choice] = {}
     for kind in kinds:

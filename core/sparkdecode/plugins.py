@@ -126,7 +126,8 @@ def invalid_provider(cls: object) -> str | None:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or "." not in name:
         return f"{cls.__qualname__}.name must be 'pack.provider', got {name!r}"
-    if not isinstance(getattr(cls, "priority", None), int):
+    priority = getattr(cls, "priority", None)
+    if not isinstance(priority, int) or isinstance(priority, bool):
         return f"{name}: priority must be an int"
     for method in ("unsupported", "build"):
         if not callable(getattr(cls, method, None)):
@@ -164,7 +165,7 @@ def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None
         dist = ep.dist
         try:
             module = ep.load()
-        except Exception as e:  # a broken pack must not take the others down
+        except (Exception, SystemExit) as e:  # a broken pack (even one that exits) must not take the others down
             registry.broken.append((ep.name, f"import of {ep.value} failed: {type(e).__name__}: {e}"))
             continue
         sources.append((ep.name, module, dist.name if dist else ep.name, dist.version if dist else "unknown"))
@@ -185,7 +186,7 @@ def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None
             continue
         try:
             classes = list(impl.function())
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             registry.broken.append((pack, f"sparkdecode_providers() raised {type(e).__name__}: {e}"))
             continue
         for cls in classes:

@@ -130,12 +130,7 @@ class ModelSpec:
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
-            try:
-                config = json.loads(path.read_text())
-            except FileNotFoundError as e:
-                raise SpecError(f"no Muse Spark config at {path}") from e
-            except json.JSONDecodeError as e:
-                raise SpecError(f"{path} is not valid JSON: {e}") from e
+            config = read_json(path, SpecError, "no Muse Spark config at")
         if not isinstance(config, dict):
             raise SpecError(f"a Muse Spark config must be a dict, got {type(config).__name__}")
         text = config.get("text_config", config)
@@ -146,9 +141,8 @@ class ModelSpec:
         for name, value in _FIXED.items():
             if name in text and text[name] != value:
                 raise SpecError(f"{name} must be {value!r} for Muse Spark, got {text[name]!r}")
-        rope = text.get("rope_parameters")
-        if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
-            raise SpecError(f"rope_parameters.rope_type must be 'default', got {rope['rope_type']!r}")
+        for key in ("rope_parameters", "rope_scaling"):
+            _check_rope(key, text.get(key))
         if "mlp_layer_types" in text:
             kinds = text["mlp_layer_types"]
             if not isinstance(kinds, list) or any(k not in ("sparse", "dense") for k in kinds):
@@ -295,6 +289,34 @@ def _validate(s: ModelSpec) -> None:
         s.sliding_window < s.max_position_embeddings,
         f"sliding_window {s.sliding_window} must be below max_position_embeddings {s.max_position_embeddings}",
     )
+
+
+def read_json(path: Path, error: type[Exception], missing: str = "no such file:") -> Any:
+    """A JSON file's value, or ``error`` naming the file: missing, unreadable (a
+    folder, no permission), not UTF-8 text, or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise error(f"{missing} {path}") from e
+    except OSError as e:
+        raise error(f"cannot read {path}: {e}") from e
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
+        raise error(f"{path} is not valid JSON: {e}") from e
+
+
+def _check_rope(key: str, rope: Any) -> None:
+    """Muse Spark's RoPE is the default one (vLLM refuses any other type): a config
+    asking for scaling (``rope_scaling``, or ``rope_parameters`` whole or per layer
+    type, as transformers writes it) is refused rather than run unscaled."""
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise SpecError(f"{key} must be a dict, got {rope!r}")
+    per_type = [(f"{key}.{name}", v) for name, v in rope.items() if isinstance(v, dict)]
+    for where, params in per_type or [(key, rope)]:
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise SpecError(f"{where}: rope type {kind!r}: Muse Spark's RoPE is 'default' (no scaling)")
 
 
 def _layer_types(num_layers: int) -> tuple[str, ...]:

@@ -70,6 +70,26 @@ def test_an_unknown_backend_raises(make_config: MakeConfig) -> None:
         gate.check(make_config(additional={"decode_backend": "fast"}), capability=HOPPER)
 
 
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"decode-backend": "latency_specialized"}, "key 'decode-backend' is not one sparkdecode reads"),
+        ({"decode_backed": "latency_specialized"}, "key 'decode_backed' is not one sparkdecode reads"),
+        ({"decode_provider": {"attention": "reference.attention"}}, "key 'decode_provider' is not one"),
+        ('{"decode_backend": "latency_specialized"}', "additional_config is a str, not a dict"),
+    ],
+    ids=["dash", "typo", "singular", "a-string"],
+)
+def test_a_near_miss_of_our_keys_is_warned_about(make_config: MakeConfig, caplog, extra, words: str) -> None:
+    """The stock decode stays on (nothing of ours was asked for by name), with a
+    warning naming the key."""
+    config = make_config()
+    config.additional_config = extra
+    with caplog.at_level("WARNING", logger="vllm.sparkdecode"):
+        assert gate.check(config, capability=None) is None
+    assert words in caplog.text
+
+
 # (id, make_config overrides, words of the one refused line). Each row changes one
 # thing of the accepted deployment.
 REFUSED = [

@@ -32,15 +32,16 @@ gloo, a smoke run.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 
 import torch
 
+from ..arguments import at_least, device_of, parse_pins
 from ..plugins import discover, provider_class
-from .configs import ROUTINGS, BenchConfigError, named
+from ..spec import read_json
+from .configs import ROUTINGS, ROWS, BenchConfigError, named
 from .report import PlotUnavailableError, plot, stem, table, write
 from .runner import Progress, run
 from .steer import CANDIDATE_KINDS
@@ -59,10 +60,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "(or -nvfp4-marlin) (ranks.py); "
         "streams-tp8-rank or streams-tp1 (streams.py)",
     )
-    p.add_argument("--context", type=int, action="append", help="a context length (repeatable; default: the config's)")
+    p.add_argument(
+        "--context",
+        type=at_least(ROWS + 1),
+        action="append",
+        help="a context length (repeatable; default: the config's)",
+    )
     p.add_argument("--routing", choices=ROUTINGS, action="append", help="random or correlated (default: both)")
-    p.add_argument("--replays", type=int, default=None, help="timed replays of each step (default 100; 3 on the CPU)")
-    p.add_argument("--block-replays", type=int, default=None, help="timed replays of each block (default 30)")
+    p.add_argument(
+        "--replays", type=at_least(1), default=None, help="timed replays of each step (default 100; 3 on the CPU)"
+    )
+    p.add_argument("--block-replays", type=at_least(1), default=None, help="timed replays of each block (default 30)")
     p.add_argument("--no-blocks", action="store_true", help="skip the per-block graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
@@ -122,17 +130,26 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..cli import parse_pins  # cli imports this module to register the subcommand
-
     if args.plot_from is not None:
-        record = json.loads(args.plot_from.read_text())
         try:
+            record = read_json(args.plot_from, BenchConfigError)
+            if not isinstance(record, dict) or "runs" not in record:
+                raise BenchConfigError(f"{args.plot_from} is not a sparkdecode bench record (no runs)")
             path = plot(record, args.plot_from.with_suffix(".png"))
-        except PlotUnavailableError as e:
+        except (PlotUnavailableError, BenchConfigError) as e:
             print(f"sparkdecode bench: {e}", file=sys.stderr)
             return 2
         print(f"plot: {path}")
         return 0
+    pins = parse_pins(args.pin)
+    if args.out.exists() and not args.out.is_dir():
+        print(f"sparkdecode bench: --out {args.out} is not a folder", file=sys.stderr)
+        return 2
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # checked before the run, so no record is lost at its end
+        print(f"sparkdecode bench: --out {args.out}: {e}", file=sys.stderr)
+        return 2
     if not args.config:
         print(
             "sparkdecode bench: name a config (tiny, tp1-real-L2, tp8-rank-L<N>-bf16) or --plot-from", file=sys.stderr
@@ -162,8 +179,14 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, AttributeError) as e:  # no class there, no provider, or a name taken
         print(f"sparkdecode bench: --provider: {e}", file=sys.stderr)
         return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_of(args.device)
     try:
+        spec = cfg.spec()
+        for context in args.context or ():
+            if context > spec.max_position_embeddings:
+                raise BenchConfigError(
+                    f"context {context} is above {cfg.name}'s {spec.max_position_embeddings} positions"
+                )
         if cfg.layers == 0:
             if device.type != "cuda":
                 raise BenchConfigError(f"{cfg.name} sizes itself to a GPU's memory")
@@ -182,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
         block_replays=args.block_replays,
         blocks=not args.no_blocks,
         seed=args.seed,
-        pins=parse_pins(args.pin),
+        pins=pins,
         candidates=tuple(dict.fromkeys(args.candidates)),
         registry=registry,
         command=command,

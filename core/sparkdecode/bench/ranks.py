@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..arguments import parse_pins
 from ..executor import DecodeConfig, SpecializedDecode
 from ..protocols import HostStep
 from .configs import ROUTINGS, ROWS, BenchConfig, BenchConfigError
@@ -355,6 +356,8 @@ def main(cfg: BenchConfig, args: Any, command: str) -> int:
             return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        if device not in ("cpu", "cuda"):
+            raise BenchConfigError(f"--device {device!r}: cpu or cuda (the ranks place themselves on the GPUs)")
         if device == "cuda" and not torch.cuda.is_available():
             raise BenchConfigError("no CUDA GPU here; --device cpu runs the ranks on the CPU (a smoke run)")
         placement = Placement(cfg.tp, device, args.one_gpu, args.backend)
@@ -368,8 +371,6 @@ def main(cfg: BenchConfig, args: Any, command: str) -> int:
         if not ROWS < context <= spec.max_position_embeddings:
             print(f"sparkdecode bench: context {context} is outside {ROWS + 1}..{spec.max_position_embeddings}")
             return 2
-    from ..cli import parse_pins
-
     job = {
         "command": command,
         "contexts": contexts,

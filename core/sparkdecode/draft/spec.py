@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..spec import ModelSpec, SpecError
+from ..spec import ModelSpec, SpecError, read_json
 
 MODEL_TYPE = "muse_spark_dspark"
 ARCHITECTURE = "MuseSparkDSparkModel"
@@ -305,12 +305,7 @@ class DraftSpec:
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
-            try:
-                config = json.loads(path.read_text())
-            except FileNotFoundError as e:
-                raise DraftSpecError(f"no DSpark draft config at {path}") from e
-            except json.JSONDecodeError as e:
-                raise DraftSpecError(f"{path} is not valid JSON: {e}") from e
+            config = read_json(path, DraftSpecError, "no DSpark draft config at")
         if not isinstance(config, dict):
             raise DraftSpecError(f"a DSpark draft config must be a dict, got {type(config).__name__}")
         return cls(**_read(config, target))

@@ -71,10 +71,31 @@ class Settings:
     max_context: int = 4096
 
 
+OUR_KEYS = ("decode_backend", "decode_providers")
+
+
 def requested(vllm_config: Any) -> bool:
-    """Whether ``latency_specialized`` is asked for (``auto``: False; else raises)."""
+    """Whether ``latency_specialized`` is asked for (``auto``: False; else raises).
+    A key that looks like one of ours but is not (``decode-backend``,
+    ``decode_provider``), or an additional config that is not a dict, is warned
+    about: it would otherwise leave the stock decode on without a word."""
     extra = vllm_config.additional_config
-    return core.decode_backend(extra if isinstance(extra, Mapping) else {}) == "latency_specialized"
+    if extra is not None and not isinstance(extra, Mapping):
+        logger.warning(
+            "sparkdecode: additional_config is a %s, not a dict: decode_backend is not read from it "
+            '(pass --additional-config \'{"decode_backend": "latency_specialized"}\')',
+            type(extra).__name__,
+        )
+        extra = {}
+    for key in extra or {}:
+        plain = str(key).lower().replace("-", "_")
+        if key not in OUR_KEYS and plain.startswith("decode"):
+            logger.warning(
+                "sparkdecode: additional_config key %r is not one sparkdecode reads (it reads %s)",
+                key,
+                ", ".join(OUR_KEYS),
+            )
+    return core.decode_backend(extra or {}) == "latency_specialized"
 
 
 def pins(vllm_config: Any) -> dict[str, str]:

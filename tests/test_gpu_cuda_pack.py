@@ -304,3 +304,49 @@ def test_cuda_attention_provider(shape, layer_index):
     one_ulp_close(kv.k, kv_ref.k)
     err = (partial.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
     assert err.max() < 2e-2, err
+
+
+@pytest.mark.parametrize("layer_index", [0, 1])
+def test_cuda_attention_skips_padding_slots(layer_index):
+    """Rows whose slot is negative (vLLM's PAD_SLOT_ID, as a dummy run's padding
+    rows carry) write no K/V: the whole cache is its old contents except the valid
+    rows' slots, which hold what the reference writes there (V bitwise, K to one ulp)."""
+    from sparkdecode.reference.kvcache import BLOCK_SIZE, PagedKVCache
+
+    spec = ModelSpec.preset("tiny", 2)
+    weights = random_weights(spec, seed=3, device="cuda")
+    executor = SpecializedDecode(
+        weights, DecodeConfig(max_context=1024, pins={"attention": "cuda.attention", "linear": "reference.linear"})
+    )
+    lw = weights.layers[layer_index]
+    first = 200
+    caches, befores = [], []
+    for _ in range(2):
+        cache = PagedKVCache(spec, 80, 1024, 8, "cuda", num_kv_heads=lw.num_kv_heads)
+        g = torch.Generator(device="cuda").manual_seed(9)
+        for t in cache.tensors:
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+        host = cache.begin_step(first, 8)
+        slots = cache.kv()[layer_index].group.slot_mapping
+        slots[3:8] = -1
+        befores.append([t.clone() for t in cache.tensors])
+        caches.append(cache)
+    valid = caches[0].kv()[layer_index].group.slot_mapping[:3].tolist()
+    executor.prepare_kv(caches[0].kv())
+    positions = torch.arange(first, first + 8, device="cuda")
+    step = executor.plan(positions)
+    executor.prepare_step(host)
+    x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    partial = torch.empty((8, spec.H), dtype=torch.bfloat16, device="cuda")
+    executor.layers[layer_index].attention.run(step, x, partial)
+    table = weights.rope_table(lw.rope_theta, 1024) if lw.rope_theta > 0 else None
+    model.attention(spec, lw, x, positions, caches[1].kv()[layer_index], table, 1024)
+    torch.cuda.synchronize()
+    kv, kv_ref = caches[0].kv()[layer_index], caches[1].kv()[layer_index]
+    assert torch.equal(kv.v, kv_ref.v)
+    one_ulp_close(kv.k, kv_ref.k)
+    # Only this layer's valid rows' slots moved, in K and in V.
+    for layer, (now, old) in enumerate(zip(caches[0].tensors, befores[0], strict=True)):
+        moved = (now != old).flatten(3).any(-1).nonzero().tolist()  # (k|v, page, offset)
+        slots = {page * BLOCK_SIZE + offset for _, page, offset in moved}
+        assert slots <= (set(valid) if layer == layer_index else set()), (layer, sorted(slots - set(valid)))

@@ -58,6 +58,16 @@ def test_unsupported_reasons(cls):
     assert "bf16" in cls.unsupported(dataclasses.replace(d, kv_dtype=torch.float8_e4m3fn))
 
 
+def test_host_planned_cores_refuse_inexact_host_lengths():
+    """fa2 and fa3 plan each step from the host's context length; XQA reads it from the
+    device: only XQA serves where the host knows it as an upper bound (vLLM's
+    asynchronous scheduling)."""
+    d = hopper(host_lengths_exact=False)
+    assert FlashInferXqa.unsupported(d) is None
+    for cls in (FlashInferPrefill, FlashInferFa3):
+        assert "--no-async-scheduling" in cls.unsupported(d)
+
+
 def test_unsupported_shapes():
     spec = ModelSpec.preset("tiny")
     assert "block size 8" in FlashInferXqa.unsupported(hopper(kv_block_size=8))

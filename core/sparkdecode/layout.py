@@ -150,6 +150,7 @@ def cache_key(deployment: Deployment, registry: Registry, pins: Mapping[str, str
             "kv": [str(deployment.kv_dtype), deployment.kv_block_size],
             "max_rows": deployment.max_rows,
             "max_context": deployment.max_context,
+            "host_lengths_exact": deployment.host_lengths_exact,
             "packs": sorted(registry.versions().items()),
             "pins": sorted(pins.items()),
             "measure": MEASURE_VERSION,

@@ -20,7 +20,8 @@ E experts, k top-k (spec.py). Lifecycle of every provider:
   order on every rank (builds may be collective);
 - ``prepare_kv(kv)`` for every bound KV cache;
 - ``prepare_step(host)`` (optional) host work redone before every step, outside
-  the graph; prefer kernels that need none;
+  the graph; prefer kernels that need none. A provider that plans from the host's
+  lengths refuses deployments whose ``host_lengths_exact`` is False;
 - ``run(...)`` CUDA-graph capturable: allocates nothing, syncs nothing with the
   host, takes no per-step constant. Launches on the current stream; a provider
   that forks a side stream joins it before ``run`` returns.
@@ -153,6 +154,11 @@ class Deployment:
     shard_pooler: bool = False  # the pooler's output columns split over the ranks
     shard_unpooler: bool = False  # the unpooler's output columns split over the ranks
     libraries: dict[str, str | None] = field(default_factory=dict)
+    # Whether the host knows each step's lengths exactly before the step (False under
+    # vLLM's asynchronous scheduling, whose host count of computed tokens assumes every
+    # draft accepted): a provider that plans a step on the host (``prepare_step``)
+    # from them needs True.
+    host_lengths_exact: bool = True
 
 
 class Mailbox(Protocol):

@@ -127,6 +127,11 @@ class FlashInferPrefill:
         reason = flashinfer_unsupported(deployment)
         if reason is None and deployment.spec.head_dim not in HEAD_DIMS:
             reason = f"head_dim {deployment.spec.head_dim}: the prefill kernels take {HEAD_DIMS}"
+        if reason is None and not deployment.host_lengths_exact:
+            reason = (
+                "plans each step on the host from its context length, which the host knows only as an upper "
+                "bound here (vLLM's asynchronous scheduling); serve with --no-async-scheduling to use it"
+            )
         return reason
 
     def __init__(self, ctx: BuildContext, layer: int):

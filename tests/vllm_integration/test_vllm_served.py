@@ -314,13 +314,23 @@ def test_the_plan(served: Served, caplog) -> None:
 
 
 @pytest.mark.parametrize("host_planned", [True, False], ids=["host-planned-core", "device-read-core"])
-def test_a_host_planned_step_gets_the_exact_context(served: Served, monkeypatch, host_planned: bool) -> None:
-    """Under asynchronous scheduling the runner's host mirror of the computed tokens
-    counts every draft as accepted: after 5 rejected drafts it is 5 ahead of the
-    device's sequence lengths. A provider that plans on the host gets the device's
-    exact length; without one, nothing waits on the device."""
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_a_host_planned_step_gets_the_exact_context(
+    served: Served, monkeypatch, host_planned: bool, asynchronous: bool
+) -> None:
+    """Under asynchronous scheduling (the served config's, vLLM's default) the
+    runner's host mirror of the computed tokens counts every draft as accepted: after
+    5 rejected drafts it is 5 ahead of the device's sequence lengths. A provider that
+    plans on the host (the packs' own refuse such a deployment; another pack's may
+    not) then gets the device's exact length; without one, or with exact host lengths
+    (synchronous scheduling), nothing waits on the device."""
     kv_cache_config, _, _ = bind(served, "LBNHC")
     decode = served.state.decode
+    assert served.config.scheduler_config.async_scheduling
+    assert decode.settings.deployment.host_lengths_exact is False
+    if not asynchronous:
+        exact = dataclasses.replace(decode.settings.deployment, host_lengths_exact=True)
+        monkeypatch.setattr(decode, "settings", dataclasses.replace(decode.settings, deployment=exact))
     buffers = InputBuffers(MAX_REQS, 64, torch.device("cpu"))
     request = Request(len(kv_cache_config.kv_cache_groups))
     first = 3 * Q
@@ -335,7 +345,7 @@ def test_a_host_planned_step_gets_the_exact_context(served: Served, monkeypatch,
     exact = served_model.exact_context_len
     monkeypatch.setattr(served_model, "exact_context_len", lambda b: synced.append(b) or exact(b))
     decode.prepare_step(batch, CUDAGraphMode.FULL, tables, slots, for_capture=False)
-    if host_planned:
+    if host_planned and asynchronous:
         assert synced == [batch]
         assert planned == [HostStep(first_position=first, rows=Q, context_len=first + Q)]
         assert decode.host.first_position == first

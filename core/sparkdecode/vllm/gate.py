@@ -406,6 +406,8 @@ def make_deployment(
         shard_pooler=shard_pooler,
         shard_unpooler=shard_unpooler,
         libraries=core.installed_libraries(),
+        # vLLM resolved async_scheduling when it built the config (None: off).
+        host_lengths_exact=not vllm_config.scheduler_config.async_scheduling,
     )
 
 

@@ -30,6 +30,25 @@ from sparkdecode_flashinfer.xqa import FlashInferXqa, causal_mask
 PROVIDERS = (FlashInferXqa, FlashInferPrefill, FlashInferFa3)
 
 
+@pytest.fixture(autouse=True)
+def importable(monkeypatch):
+    """The deployments here pretend to a Hopper GPU with FlashInfer installed, which
+    this machine lacks: its import probe answers as it would there."""
+    monkeypatch.setattr(support, "import_problem", lambda module: None)
+
+
+def test_an_install_that_cannot_import_is_a_reason(monkeypatch):
+    """FlashInfer installed without its dependencies (``pip install --no-deps``):
+    its providers say so rather than fail in their build."""
+    problem = "flashinfer is installed but cannot be imported (ModuleNotFoundError: No module named 'tvm_ffi')"
+    monkeypatch.setattr(support, "import_problem", lambda module: problem if module == "flashinfer" else None)
+    for cls in (*PROVIDERS, FlashInferAllReduce):
+        assert cls.unsupported(hopper(tp=2) if cls is FlashInferAllReduce else hopper()) == problem
+    d = hopper()
+    other = dataclasses.replace(d, libraries={**d.libraries, "flashinfer": "0.7.20"})
+    assert "FlashInfer 0.7.20 is installed" in FlashInferXqa.unsupported(other)
+
+
 def hopper(spec: ModelSpec | None = None, **changes) -> object:
     d = detect(spec or ModelSpec.preset("tiny"), device="cpu")
     libraries = {**d.libraries, "flashinfer": "0.7.2.post1"}

@@ -277,3 +277,106 @@ def test_executor_with_extra_pack_matches_reference(
     # The K/V the step wrote are the same too.
     for mine, theirs in zip(clone.tensors, cache.tensors):
         assert torch.equal(mine, theirs)
+
+
+class FakeEntryPoint:
+    """An entry point of the providers group as ``discover`` reads one: a name, a
+    value, a distribution and ``load()``."""
+
+    def __init__(self, name: str, dist: str, load) -> None:
+        self.name, self.value, self._load = name, f"{dist.replace('-', '_')}:plugin", load
+        self.dist = type("Dist", (), {"name": dist, "version": "1.0"})()
+
+    def load(self):
+        return self._load()
+
+
+def _plugin(*classes: type) -> object:
+    from sparkdecode.plugins import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def sparkdecode_providers(self):
+            return classes
+
+    return Plugin()
+
+
+def _extra_boundary(name: str, priority: object = 5) -> type:
+    return type(name, (ReferenceAttentionBoundary,), {"name": name, "priority": priority})
+
+
+def test_an_entry_point_name_two_distributions_register_takes_neither() -> None:
+    one = FakeEntryPoint("dup", "dist-one", lambda: _plugin(_extra_boundary("dup.one")))
+    two = FakeEntryPoint("dup", "dist-two", lambda: _plugin(_extra_boundary("dup.two")))
+    registry = discover([one, two])
+    assert registry.find("dup.one") is None and registry.find("dup.two") is None
+    assert ("dup", "registered by several distributions: dist-one, dist-two") in registry.broken
+
+
+def test_a_pack_named_reference_never_displaces_the_core() -> None:
+    rogue = FakeEntryPoint("reference", "rogue-dist", lambda: _plugin(_extra_boundary("rogue.boundary")))
+    registry = discover([rogue])
+    assert registry.find(REFERENCE) is not None and registry.find("rogue.boundary") is None
+    assert any(pack == "reference" and "rogue-dist" in reason for pack, reason in registry.broken)
+
+
+def test_a_pack_that_exits_at_import_is_reported() -> None:
+    def exits():
+        raise SystemExit("no CUDA here")
+
+    registry = discover([FakeEntryPoint("exiting", "exiting-dist", exits)])
+    assert registry.find(REFERENCE) is not None
+    assert any(pack == "exiting" and "SystemExit: no CUDA here" in reason for pack, reason in registry.broken)
+
+
+def test_a_bool_priority_is_not_a_priority() -> None:
+    registry = discover([FakeEntryPoint("odd", "odd-dist", lambda: _plugin(_extra_boundary("odd.boundary", True)))])
+    assert registry.find("odd.boundary") is None
+    assert ("odd", "odd.boundary: priority must be an int") in registry.broken
+
+
+def test_a_pin_to_a_provider_of_a_skipped_pack_names_the_pack() -> None:
+    def fails():
+        raise ImportError("No module named 'numpy'")
+
+    registry = discover([FakeEntryPoint("fast", "fast-dist", fails)])
+    deployment = Deployment(spec=SPEC, max_context=1024)
+    with pytest.raises(LayoutError, match="which no installed pack provides .*; skipped packs: fast: import of"):
+        resolve(registry, deployment, {"attention_boundary": "fast.attention_boundary"})
+
+
+def test_installed_libraries_need_the_module_too(monkeypatch) -> None:
+    """A distribution whose module is absent (``pip install --no-deps
+    nvidia-cutlass-dsl`` leaves such a placeholder) counts as missing."""
+    from sparkdecode import deployment
+
+    monkeypatch.setattr(deployment, "LIBRARIES", {"pluggy": "pluggy", "no_such_module_here": "pluggy"})
+    found = deployment.installed_libraries()
+    assert found["pluggy"] == importlib.metadata.version("pluggy") and found["no_such_module_here"] is None
+
+
+def test_import_problem_names_the_failure() -> None:
+    from sparkdecode.deployment import import_problem
+
+    assert import_problem("json") is None
+    assert import_problem("no_such_module_here") == (
+        "no_such_module_here is installed but cannot be imported "
+        "(ModuleNotFoundError: No module named 'no_such_module_here')"
+    )
+
+
+def test_a_failed_build_names_the_provider() -> None:
+    class Failing(ReferenceAttentionBoundary):
+        name = "failing.attention_boundary"
+        priority = 9
+
+        @classmethod
+        def build(cls, ctx, layer):
+            raise ValueError("the weights are not in the form this kernel reads")
+
+    registry = discover([FakeEntryPoint("failing", "failing-dist", lambda: _plugin(Failing))])
+    weights = random_weights(SPEC, seed=0)
+    with pytest.raises(ValueError, match="not in the form") as e:
+        SpecializedDecode(weights, DecodeConfig(max_context=256), registry=registry)
+    assert "sparkdecode: raised building failing.attention_boundary for layer 0" in e.value.__notes__

@@ -118,8 +118,11 @@ def check(args: argparse.Namespace) -> int:
         for reason in reasons:
             print(f"unsupported: {reason}")
         return 1
+    registry = discover()
+    for pack, reason in registry.broken:
+        print(f"broken pack {pack}: {reason}")
     try:
-        layout = resolve(discover(), deployment, pins)
+        layout = resolve(registry, deployment, pins)
     except LayoutError as e:
         print(f"unsupported: {e}")
         return 1

@@ -10,7 +10,10 @@ the vLLM integration adds the serving configuration's own lines in front.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,14 +51,34 @@ def decode_backend(additional_config: Mapping[str, Any] | None) -> str:
 
 
 def installed_libraries() -> dict[str, str | None]:
-    """Importable name -> installed version (None when missing), without importing."""
+    """Importable name -> installed version (None when missing), without importing:
+    a distribution whose module is not there (``pip install --no-deps
+    nvidia-cutlass-dsl`` leaves its placeholder without ``cutlass``) counts as missing."""
     out: dict[str, str | None] = {}
     for module, dist in LIBRARIES.items():
         try:
-            out[module] = importlib.metadata.version(dist)
+            version: str | None = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
-            out[module] = None
+            version = None
+        try:
+            present = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package missing or broken
+            present = False
+        out[module] = version if present else None
     return out
+
+
+@functools.cache
+def import_problem(module: str) -> str | None:
+    """Why ``module`` fails to import here (a library installed without what it needs),
+    or None. Imports it: for a provider's ``unsupported`` once the cheap checks have
+    passed, so the failure is a reason, not a traceback from its build."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:
+        text = " ".join(str(e).split())
+        return f"{module} is installed but cannot be imported ({type(e).__name__}: {text})"
+    return None
 
 
 def detect(

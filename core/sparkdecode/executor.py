@@ -52,6 +52,18 @@ class DecodeConfig:
     pins: Mapping[str, str] = field(default_factory=dict)  # kind -> provider name
 
 
+def named_build(cls: Any, ctx: BuildContext, layer: int | None) -> Any:
+    """``cls.build(ctx, layer)``; what it raises carries a note naming the provider and
+    the layer (a compile, a missing library or a weight check deep in its build)."""
+    try:
+        return cls.build(ctx, layer)
+    except Exception as e:
+        where = "the final block" if layer is None else f"layer {layer}"
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(f"sparkdecode: raised building {getattr(cls, 'name', cls.__name__)} for {where}")
+        raise
+
+
 class DecodeLayer(NamedTuple):
     """The providers of one decoder layer."""
 
@@ -191,14 +203,14 @@ class SpecializedDecode:
         aux = self.config.aux_layers
         layers = []
         for i in range(self.spec.num_layers):
-            boundary, attention = classes["boundary"].build(ctx, i), classes["attention"].build(ctx, i)
-            attention_boundary = classes["attention_boundary"].build(ctx, i)
+            boundary, attention = named_build(classes["boundary"], ctx, i), named_build(classes["attention"], ctx, i)
+            attention_boundary = named_build(classes["attention_boundary"], ctx, i)
             pair(attention_boundary, attention)
-            moe = classes["moe"].build(ctx, i)
+            moe = named_build(classes["moe"], ctx, i)
             aux_buffer = self._buffer(f"aux{i}", torch.float32) if i in aux else None
             layers.append(DecodeLayer(boundary, attention, attention_boundary, moe, aux_buffer))
         self.layers = tuple(layers)
-        self.final = classes["final"].build(ctx, None)
+        self.final = named_build(classes["final"], ctx, None)
         end = self.spec.num_layers
         self.final_aux = self._buffer(f"aux{end}", torch.float32) if end in aux else None
         if self.device.type == "cuda":
@@ -355,11 +367,13 @@ class SpecializedDecode:
         kv = _measurement_kv(self.weights, indices, self.config.max_context, self.config.max_rows, device)
         built: list[DecodeLayer] = []
         for index in indices:
-            boundary, attention = classes["boundary"].build(ctx, index), classes["attention"].build(ctx, index)
-            attention_boundary = classes["attention_boundary"].build(ctx, index)
+            boundary = named_build(classes["boundary"], ctx, index)
+            attention = named_build(classes["attention"], ctx, index)
+            attention_boundary = named_build(classes["attention_boundary"], ctx, index)
             pair(attention_boundary, attention)
-            built.append(DecodeLayer(boundary, attention, attention_boundary, classes["moe"].build(ctx, index), None))
-        last = classes["final"].build(ctx, None) if final else None
+            moe = named_build(classes["moe"], ctx, index)
+            built.append(DecodeLayer(boundary, attention, attention_boundary, moe, None))
+        last = named_build(classes["final"], ctx, None) if final else None
         providers = [p for layer in built for p in layer.blocks] + ([last] if last else [])
         for provider in providers:
             provider.prepare_kv(kv)

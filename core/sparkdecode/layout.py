@@ -160,6 +160,13 @@ def cache_key(deployment: Deployment, registry: Registry, pins: Mapping[str, str
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def _skipped(registry: Registry) -> str:
+    """The packs discovery skipped, for a message about a provider not found."""
+    if not registry.broken:
+        return ""
+    return "; skipped packs: " + "; ".join(f"{pack}: {reason}" for pack, reason in registry.broken)
+
+
 def unsupported_reason(reg: Registered, deployment: Deployment) -> str | None:
     """A provider's ``unsupported(deployment)``, kept from taking its caller down: a
     check that raises, or answers other than None or a reason, is its own reason."""
@@ -226,7 +233,9 @@ def resolve(
         reg = registry.find(name)
         if kind not in kinds and reg is None:
             known = ", ".join(r.name for r in registry.providers if r.block == kind) or "none"
-            raise LayoutError(f"{kind} is pinned to {name!r}, which no installed pack provides (known: {known})")
+            raise LayoutError(
+                f"{kind} is pinned to {name!r}, which no installed pack provides (known: {known}){_skipped(registry)}"
+            )
         if kind not in kinds and reg is not None and reg.block != kind:
             raise LayoutError(f"{kind} is pinned to {name!r}, a provider of {reg.block}")
     table = {kind: _candidates(kind, registry, deployment) for kind in kinds}
@@ -240,7 +249,10 @@ def resolve(
             reg = registry.find(name)
             if reg is None:
                 known = ", ".join(r.name for r, _ in candidates) or "none"
-                raise LayoutError(f"{kind} is pinned to {name!r}, which no installed pack provides (known: {known})")
+                raise LayoutError(
+                    f"{kind} is pinned to {name!r}, which no installed pack provides (known: {known})"
+                    f"{_skipped(registry)}"
+                )
             if reg.block != kind:
                 raise LayoutError(f"{kind} is pinned to {name!r}, a provider of {reg.block}")
             reason = next(c.reason for r, c in candidates if r.name == name)

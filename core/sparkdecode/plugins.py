@@ -17,7 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
-import pluggy
+try:
+    import pluggy
+except ImportError as e:  # a core installed without its dependencies
+    raise ImportError(f"sparkdecode needs pluggy (pip install 'pluggy>=1.5'): {e}") from e
 
 from .protocols import ALL_KINDS
 
@@ -169,17 +172,23 @@ def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None
             registry.broken.append((ep.name, f"import of {ep.value} failed: {type(e).__name__}: {e}"))
             continue
         sources.append((ep.name, module, dist.name if dist else ep.name, dist.version if dist else "unknown"))
-    seen: set[str] = set()
-    for pack, module, distribution, version in sources:
-        if pack in seen:
-            registry.broken.append((pack, "another installed pack registers the same entry-point name"))
+    # An entry-point name two distributions register is ambiguous: neither pack is
+    # taken (whichever came first would otherwise win by the order of the disk). The
+    # core's own "reference" always stands.
+    owners: dict[str, list[str]] = {}
+    for pack, _, distribution, _ in sources:
+        owners.setdefault(pack, []).append(distribution)
+    for pack, dists in owners.items():
+        if len(dists) > 1:
+            registry.broken.append((pack, f"registered by several distributions: {', '.join(sorted(dists))}"))
+    for index, (pack, module, distribution, version) in enumerate(sources):
+        if len(owners[pack]) > 1 and not (pack == "reference" and index == 0):
             continue
         try:
             manager.register(module, name=pack)
         except Exception as e:
             registry.broken.append((pack, f"not a valid plug-in module: {type(e).__name__}: {e}"))
             continue
-        seen.add(pack)
         impl = next((i for i in manager.hook.sparkdecode_providers.get_hookimpls() if i.plugin_name == pack), None)
         if impl is None:
             registry.broken.append((pack, "implements no sparkdecode_providers hook"))

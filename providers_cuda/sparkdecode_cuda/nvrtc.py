@@ -33,7 +33,7 @@ def nvrtc_unavailable() -> str | None:
     try:
         err, *_ = nvrtc.nvrtcVersion()
     except Exception as e:  # the library itself failed to load
-        return f"NVRTC could not be loaded ({type(e).__name__}: {e})"
+        return f"NVRTC could not be loaded ({type(e).__name__}: {' '.join(str(e).split())})"
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         return f"NVRTC could not be loaded ({err})"
     return None

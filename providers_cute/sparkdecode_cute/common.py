@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from sparkdecode.deployment import import_problem
 from sparkdecode.protocols import Deployment, LayerKV
 
 # The CuTe DSL release these kernels are written and tested against.
@@ -23,7 +24,7 @@ CUTLASS_DSL_PIN = f"nvidia-cutlass-dsl=={CUTLASS_DSL_VERSION}"
 
 def cute_unsupported(d: Deployment) -> str | None:
     """A Hopper GPU and nvidia-cutlass-dsl 4.8.1 (read from the ``Deployment``; the
-    DSL is not imported here)."""
+    DSL is imported, once, only where everything else holds)."""
     version = d.libraries.get("cutlass")
     if version is None:
         return f"the CuTe DSL is not installed (pip install {CUTLASS_DSL_PIN})"
@@ -34,7 +35,8 @@ def cute_unsupported(d: Deployment) -> str | None:
     if d.capability != (9, 0):
         major, minor = d.capability
         return f"built and tested for SM90 (Hopper, sm_90a); this GPU is SM{major}{minor}"
-    return None
+    # The DSL and the driver bindings the kernels launch through, importable.
+    return import_problem("cutlass") or import_problem("cuda.bindings.driver")
 
 
 class CuteProvider:

@@ -1,5 +1,7 @@
-"""What every provider of this pack needs, read from the ``Deployment`` only (the
-same answer on every rank; FlashInfer is never imported here)."""
+"""What every provider of this pack needs, read from the ``Deployment`` (the same
+answer on every rank). FlashInfer is imported here only on a Hopper deployment
+with the pinned release installed, to find an install that cannot import (one
+without its own dependencies) before a build would."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from sparkdecode.deployment import import_problem
 from sparkdecode.protocols import BuildContext, Deployment, LayerKV
 
 # The FlashInfer release whose kernels this pack was read against and tested with:
@@ -39,9 +42,9 @@ def flashinfer_gpu_unsupported(d: Deployment) -> str | None:
     version = d.libraries.get("flashinfer")
     if version is None:
         return f"FlashInfer is not installed (pip install {FLASHINFER_PIN})"
-    if not version.startswith(FLASHINFER_VERSION):
+    if version != FLASHINFER_VERSION and not version.startswith(f"{FLASHINFER_VERSION}."):
         return f"FlashInfer {version} is installed; this pack is built against {FLASHINFER_PIN}"
-    return None
+    return import_problem("flashinfer")
 
 
 def per_context(ctx: BuildContext, name: str, make: Callable[[], T]) -> T:

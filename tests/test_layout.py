@@ -525,3 +525,44 @@ def test_priority_choice_stands_within_the_margin(tmp_path: Path) -> None:
     far = Timer({"base.attention": 15.0, "fav.attention": 10.0 * (1 + 2 * margin), "quick.attention": 10.0})
     layout = resolve(reg, DEPLOYMENT, measure=far, cache_dir=tmp_path / "far", rounds=1)
     assert layout.choices["attention"].chosen.name == "quick.attention"
+
+
+class OtherRank:
+    """``every_rank`` for two ranks, rank 1's text changed by ``change`` on its calls
+    numbered in ``when`` (0: the providers' check, 1: the caches' choices)."""
+
+    def __init__(self, change, when: tuple[int, ...]):
+        self.change, self.when, self.calls = change, when, 0
+
+    def __call__(self, text: str) -> list[str]:
+        call, self.calls = self.calls, self.calls + 1
+        return [text, self.change(text) if call in self.when else text]
+
+
+def test_ranks_that_see_different_providers_raise_before_choosing(tmp_path: Path) -> None:
+    reg = registry(provider("quick.attention", "attention"))
+
+    def lose_quick(text: str) -> str:
+        data = json.loads(text)
+        data["supported"]["attention"].remove("quick.attention")
+        return json.dumps(data, sort_keys=True)
+
+    with pytest.raises(LayoutError, match=r"rank 1 has attention served by \['base.attention'\] where rank 0 has"):
+        resolve(reg, DEPLOYMENT, measure=fail_measure, cache_dir=tmp_path, every_rank=OtherRank(lose_quick, (0,)))
+
+
+def test_ranks_whose_caches_differ_measure_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    reg = registry(provider("quick.attention", "attention"))
+    timer = Timer({"base.attention": 2.0, "quick.attention": 1.0})
+    resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path)
+    calls = len(timer.calls)
+    same = resolve(reg, DEPLOYMENT, measure=fail_measure, cache_dir=tmp_path, every_rank=OtherRank(str, ()))
+    assert same.choices["attention"].how == "cached"
+
+    def other_choice(text: str) -> str:
+        return text.replace("quick.attention", "base.attention")
+
+    with caplog.at_level(logging.WARNING, logger="sparkdecode.layout"):
+        layout = resolve(reg, DEPLOYMENT, measure=timer, cache_dir=tmp_path, every_rank=OtherRank(other_choice, (1,)))
+    assert layout.choices["attention"].how == "measured" and len(timer.calls) > calls
+    assert "layout caches hold different choices" in caplog.text

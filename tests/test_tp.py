@@ -14,7 +14,9 @@ Per TP size, variants of the two tails (EP, expert TP) and of the pooler/unpoole
   (the attention's logits reach tens, so its softmax amplifies rounding); greedy tokens must agree wherever TP-1's top-2
   margin exceeds 4x the largest logit difference seen (a closer call is decided by
   rounding, not by the sharding);
-- one rank failing the deployment gate makes every rank raise that rank's reason.
+- one rank failing the deployment gate makes every rank raise that rank's reason;
+- one rank's failed build makes every rank raise (none waits in a collective), and
+  ranks that see different providers raise before choosing apart.
 """
 
 from __future__ import annotations
@@ -125,3 +127,11 @@ def check(tp: int, ranks: list[dict]) -> None:
     if tp == 2:
         for r in ranks:
             assert "rank 1: max context 1000000" in r["gate"]
+        rank0, rank1 = (r["failures"] for r in ranks)
+        assert rank1["build"] == "ValueError: rank 1's build failed"
+        assert (
+            rank0["build"]
+            == "RankFailedError: building the providers failed on rank 1: ValueError: rank 1's build failed"
+        )
+        for r in (rank0, rank1):
+            assert r["providers"].startswith("LayoutError: the ranks see different providers: rank 1 has "), r

@@ -17,9 +17,11 @@ import torch.distributed as dist
 from sparkdecode.deployment import DeploymentError
 from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.harness import DecodeHarness
+from sparkdecode.plugins import discover
 from sparkdecode.reference import functional as fn
 from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.reference.model import ReferenceModel
+from sparkdecode.reference.providers import ReferenceAttentionBoundary
 from sparkdecode.spec import ModelSpec
 from sparkdecode.weights import ModelWeights, Sharding, random_weights, shard_weights
 
@@ -104,6 +106,48 @@ def gate_disagreement(rank: int, tp: int, device: torch.device) -> str:
     return "built"
 
 
+class RankOneFails(ReferenceAttentionBoundary):
+    """The reference attention boundary, except that its build fails on rank 1 (a
+    compile error, a weight check, an allocation on that rank alone)."""
+
+    name = "failing.attention_boundary"
+
+    @classmethod
+    def build(cls, ctx, layer):
+        if ctx.rank == 1:
+            raise ValueError("rank 1's build failed")
+        return super().build(ctx, layer)
+
+
+class OnlyOnRankOne(ReferenceAttentionBoundary):
+    """A provider only rank 1 has installed (a pack that failed to import on rank 0)."""
+
+    name = "lonely.attention_boundary"
+    priority = 50
+
+
+def rank_failures(rank: int, tp: int, device: torch.device) -> dict[str, str]:
+    """What each rank raises when one rank's build fails, and when the ranks see
+    different providers: every rank must raise (none may be left waiting in a
+    collective), the failed rank its own error, the others naming it."""
+    spec = ModelSpec.preset("tiny", 2)
+    shard = shard_weights(random_weights(spec, seed=0, device=device), Sharding(tp, rank))
+    out = {}
+    for case, extra, pins in (
+        ("build", [RankOneFails], {"attention_boundary": RankOneFails.name}),
+        ("providers", [OnlyOnRankOne] if rank == 1 else [], {}),
+    ):
+        registry = discover().adding(extra)
+        try:
+            SpecializedDecode(
+                shard, DecodeConfig(max_context=MAX_CONTEXT, pins=pins), registry=registry, group=dist.group.WORLD
+            )
+            out[case] = "built"
+        except Exception as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def to_cpu(value):
     if isinstance(value, torch.Tensor):
         return value.cpu()
@@ -125,6 +169,7 @@ def main(rank: int, tp: int, init: str, out_dir: str, variants: list[dict], gate
         results = {"variants": [run_variant(rank, tp, v, device) for v in variants]}
         if gate:
             results["gate"] = gate_disagreement(rank, tp, device)
+            results["failures"] = rank_failures(rank, tp, device)
         torch.save(to_cpu(results), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -14,8 +14,8 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +25,7 @@ from .protocols import Deployment
 from .spec import ModelSpec
 from .weights import EXPERT_FORMATS
 
+T = TypeVar("T")
 BACKENDS = ("auto", "latency_specialized")
 TP_SIZES = (1, 2, 4, 8)
 # Importable name -> distribution, for what providers may require.
@@ -185,6 +186,30 @@ def agree(reason: str | None, group: Any = None) -> str | None:
     dist.all_gather_object(reasons, reason, group=group)
     rank, first = next((r, x) for r, x in enumerate(reasons) if x)
     return f"rank {rank}: {first}"
+
+
+class RankFailedError(RuntimeError):
+    """Raised on the ranks that did not fail when another rank's step did."""
+
+
+def on_every_rank(step: Callable[[], T], group: Any, what: str) -> T:
+    """``step()`` on this rank, with its failure made every rank's: this rank raises
+    its own exception, the others a ``RankFailedError`` naming the first failing rank's
+    (collective over ``group``; every rank must call it at the same point). For local
+    work before or between collectives (a build, an allocation, a compile): one rank
+    failing there would otherwise leave the others waiting in the next collective."""
+    problem: BaseException | None = None
+    value: Any = None
+    try:
+        value = step()
+    except Exception as e:
+        problem = e
+    reason = agree(None if problem is None else f"{type(problem).__name__}: {problem}", group)
+    if problem is not None:
+        raise problem
+    if reason is not None:
+        raise RankFailedError(f"{what} failed on {reason}")
+    return value
 
 
 def require(

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .comm import Collectives, ColumnMailbox, LocalMailbox
-from .deployment import detect, require
+from .deployment import detect, on_every_rank, require
 from .layout import Layout, resolve
 from .plugins import Registry, discover
 from .protocols import (
@@ -146,6 +146,7 @@ class SpecializedDecode:
             cache_dir,
             rank=self.rank,
             agree=self._all_ranks if group is not None else None,
+            every_rank=self._every_rank if group is not None else None,
         )
         self.buffers: dict[str, torch.Tensor] = {}
         self.kv: tuple[LayerKV, ...] | None = None
@@ -200,6 +201,21 @@ class SpecializedDecode:
         self.mailboxes = self._mailboxes()
         classes = self.layout.classes()
         ctx = self._context(classes, self.buffers, self.mailboxes)
+        self._build_collective_first(classes, ctx)
+        on_every_rank(lambda: self._build_layers(classes, ctx), self.group, "building the providers")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _build_collective_first(self, classes: Mapping[str, type], ctx: BuildContext) -> None:
+        """The all-reduce's shared workspace, whose making is the build's collective
+        step (a rendezvous of every rank's buffers, a warm all-reduce), before any other
+        provider: the builds after it are each rank's own, so a failure in them is
+        agreed over the ranks (``on_every_rank``) instead of leaving the others in the
+        workspace's rendezvous."""
+        if self.tp > 1 and self.group is not None and "all_reduce" in classes:
+            on_every_rank(lambda: named_build(classes["all_reduce"], ctx, 0), self.group, "the all-reduce's workspace")
+
+    def _build_layers(self, classes: Mapping[str, type], ctx: BuildContext) -> None:
         aux = self.config.aux_layers
         layers = []
         for i in range(self.spec.num_layers):
@@ -213,8 +229,6 @@ class SpecializedDecode:
         self.final = named_build(classes["final"], ctx, None)
         end = self.spec.num_layers
         self.final_aux = self._buffer(f"aux{end}", torch.float32) if end in aux else None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def providers(self) -> list[Any]:
         """Every built provider, in build order."""
@@ -316,6 +330,14 @@ class SpecializedDecode:
             aux_out.append(final_aux)
         return output, aux_out
 
+    def _every_rank(self, text: str) -> list[str]:
+        """Every rank's ``text``, in rank order (collective)."""
+        import torch.distributed as dist
+
+        out: list[str] = [""] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, text, group=self.group)
+        return out
+
     def _all_ranks(self, ok: bool) -> bool:
         """True only if ``ok`` on every rank of the group (a MIN all-reduce)."""
         import torch.distributed as dist
@@ -339,15 +361,40 @@ class SpecializedDecode:
 
             if dist.get_backend(self.group) != "nccl":
                 return None
-        chain = self.measurement_chain(classes, final=kind == "final")
-        seconds = graph_seconds(chain.run, self.device) / len(chain.indices)
+        try:
+            # Built on every rank or on none (a build failing on one rank alone would
+            # leave the others replaying collectives it never joins).
+            chain = on_every_rank(
+                lambda: self.measurement_chain(classes, final=kind == "final"),
+                self.group,
+                f"building {getattr(cls, 'name', cls)} to time it",
+            )
+            combine = self._slowest if self.group is not None else None
+            seconds = graph_seconds(chain.run, self.device, combine=combine) / len(chain.indices)
+        except Exception as e:  # the candidate cannot run here: untimed on every rank
+            failure = f"{type(e).__name__}: {e}"
+            seconds = math.inf
+        else:
+            failure = None
         if self.group is not None:
-            import torch.distributed as dist
-
-            t = torch.tensor([seconds], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            seconds = float(t.item())
+            seconds = self._slowest(seconds)  # inf where any rank failed
+        if failure is not None or math.isinf(seconds):
+            logger.warning(
+                "sparkdecode: %s could not be timed for %s (%s); it is not chosen by time",
+                getattr(cls, "name", cls),
+                kind,
+                failure or "it failed on another rank",
+            )
+            return None
         return seconds
+
+    def _slowest(self, seconds: float) -> float:
+        """The largest of every rank's ``seconds`` (a MAX all-reduce)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t.item())
 
     def measurement_chain(self, classes: Mapping[str, type], final: bool = False) -> MeasurementChain:
         """What the resolver times: the first ``MEASURE_LAYERS`` layers built from
@@ -364,6 +411,7 @@ class SpecializedDecode:
         for box in mailboxes:
             box.publish(self.config.max_rows).normal_()
         ctx = self._context(classes, buffers, mailboxes)
+        self._build_collective_first(classes, ctx)
         kv = _measurement_kv(self.weights, indices, self.config.max_context, self.config.max_rows, device)
         built: list[DecodeLayer] = []
         for index in indices:
@@ -425,11 +473,14 @@ def graph_seconds(
     batches: int = 4,
     replays: int = 5,
     warm_seconds: float = WARM_SECONDS,
+    combine: Callable[[float], float] | None = None,
 ) -> float:
     """Seconds per replay of ``run`` captured in a CUDA graph (after two warm-up runs
     on a side stream, then replays for ``warm_seconds``): the least mean of
     ``batches`` batches of back-to-back replays, since interference (another
-    process, a clock dip) only adds time."""
+    process, a clock dip) only adds time. ``combine`` makes the first replay's time,
+    which sets the count of warm replays, the same on every rank (a graph holding
+    collectives must be replayed as often on each)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -446,6 +497,8 @@ def graph_seconds(
     end.record()
     end.synchronize()
     once = max(begin.elapsed_time(end) / 1e3, 1e-6)
+    if combine is not None:
+        once = combine(once)
     for _ in range(min(math.ceil(warm_seconds / once), 10_000)):
         graph.replay()
     for begin, end in events:

@@ -160,6 +160,30 @@ def cache_key(deployment: Deployment, registry: Registry, pins: Mapping[str, str
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def _same_on_every_rank(
+    every_rank: Callable[[str], list[str]], registry: Registry, table: Mapping[str, list[tuple[Registered, Candidate]]]
+) -> None:
+    """``LayoutError`` on every rank unless every rank has the same packs and the same
+    supported candidates of each kind (a pack broken on one rank, a library or GPU
+    another rank lacks)."""
+    mine = {
+        "packs": sorted(registry.versions().items()),
+        "supported": {kind: sorted(c.name for _, c in rows if c.reason is None) for kind, rows in table.items()},
+    }
+    texts = every_rank(json.dumps(mine, sort_keys=True))
+    first = json.loads(texts[0])
+    for rank, text in enumerate(texts):
+        theirs = json.loads(text)
+        if theirs == first:
+            continue
+        if theirs["packs"] != first["packs"]:
+            what = f"packs {dict(theirs['packs'])} where rank 0 has {dict(first['packs'])}"
+        else:
+            kind = next(k for k in first["supported"] if theirs["supported"][k] != first["supported"][k])
+            what = f"{kind} served by {theirs['supported'][kind]} where rank 0 has {first['supported'][kind]}"
+        raise LayoutError(f"the ranks see different providers: rank {rank} has {what}")
+
+
 def _skipped(registry: Registry) -> str:
     """The packs discovery skipped, for a message about a provider not found."""
     if not registry.broken:
@@ -214,6 +238,7 @@ def resolve(
     rank: int = 0,
     agree: Callable[[bool], bool] | None = None,
     rounds: int = MEASURE_ROUNDS,
+    every_rank: Callable[[str], list[str]] | None = None,
 ) -> Layout:
     """The provider of every kind the deployment needs (see the module docstring);
     ``kinds`` resolves those instead (the draft executor: ``DRAFT_KINDS``). Pins of
@@ -222,9 +247,16 @@ def resolve(
     Over several ranks, ``measure`` is collective (its times are combined over the
     ranks), so every rank must measure or none: each rank keeps its own cache file
     (``rank``), and ``agree`` (True only if every rank says True) decides whether
-    the caches are used."""
+    the caches are used. ``every_rank`` (every rank's copy of a text, a collective)
+    makes sure first that every rank sees the same packs and the same supported
+    candidates (else ``LayoutError`` on every rank: they would choose apart and
+    their collectives would not meet), and then that every rank's cache holds the
+    same choices (else every rank measures again)."""
     pins = dict(pins or {})
     kinds = needed_kinds(deployment) if kinds is None else tuple(kinds)
+    table = {kind: _candidates(kind, registry, deployment) for kind in kinds}
+    if every_rank is not None:
+        _same_on_every_rank(every_rank, registry, table)
     for kind, name in pins.items():
         if kind not in ALL_KINDS:
             raise LayoutError(f"pin for unknown block {kind!r}; blocks: {', '.join(ALL_KINDS)}")
@@ -238,7 +270,6 @@ def resolve(
             )
         if kind not in kinds and reg is not None and reg.block != kind:
             raise LayoutError(f"{kind} is pinned to {name!r}, a provider of {reg.block}")
-    table = {kind: _candidates(kind, registry, deployment) for kind in kinds}
     choices: dict[str, Choice] = {}
     for kind in kinds:
         candidates = table[kind]
@@ -278,7 +309,13 @@ def resolve(
     if cached is not None and stale:
         logger.warning("sparkdecode: the layout cache %s is stale (%s); measuring again", path, ", ".join(stale))
     usable = cached is not None and not stale
-    if agree is not None:
+    if every_rank is not None:
+        assert cached is not None or not usable
+        texts = every_rank(json.dumps({k: cached[k] for k in contested}, sort_keys=True) if usable else "")
+        if texts[0] and any(t != texts[0] for t in texts):
+            logger.warning("sparkdecode: the ranks' layout caches hold different choices; measuring again")
+        usable = bool(texts[0]) and all(t == texts[0] for t in texts)
+    elif agree is not None:
         usable = agree(usable)
     if usable:
         assert cached is not None

@@ -83,6 +83,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from sparkdecode.deployment import on_every_rank
 from sparkdecode.protocols import BuildContext, Deployment
 
 from .launch import Kernel, _check, _ensure_context, i32, i64, ptr
@@ -138,24 +139,45 @@ class LamportWorkspace:
     the control block (generation, blocks done, trap flag)."""
 
     def __init__(self, device: torch.device, group: object, tp: int, rank: int, capacity: int):
-        from cuda.bindings import driver
-
         self.tp, self.rank, self.capacity = tp, rank, capacity
-        _ensure_context(device)
-        _close_deferred()
-        nbytes = GENERATIONS * tp * capacity * 2
-        (local,) = _check(driver.cuMemAlloc(nbytes), "cuMemAlloc of the Lamport buffer")
-        _check(driver.cuMemsetD16(local, SENTINEL, nbytes // 2), "cuMemsetD16")
-        _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
-        (handle,) = _check(driver.cuIpcGetMemHandle(local), "cuIpcGetMemHandle (CUDA IPC)")
-        mine = ctypes.string_at(handle.getPtr(), driver.CU_IPC_HANDLE_SIZE)
+        # Each rank's local work (the allocation, the handle; then the peers' mappings
+        # and the compile) is agreed before the next collective step, so one rank
+        # failing there stops every rank instead of leaving them in the exchange or
+        # in the first all-reduce.
+        local, mine = on_every_rank(lambda: self._local_buffer(device), group, "the Lamport buffer")
         handles: list[bytes | None] = [None] * tp
         # Collective, at the same point of the build on every rank; it is also the
         # barrier after which every buffer holds only sentinels.
         dist.all_gather_object(handles, mine, group=group)
-        opened, bases = [], []
+        opened: list = []
+        self._finalizer = weakref.finalize(self, _close, opened, local)
+        on_every_rank(lambda: self._map_peers(device, handles, local, opened), group, "mapping the Lamport peers")
+
+    def _local_buffer(self, device: torch.device) -> tuple[object, bytes]:
+        """This rank's buffer, all sentinels, and its IPC handle."""
+        from cuda.bindings import driver
+
+        _ensure_context(device)
+        _close_deferred()
+        nbytes = GENERATIONS * self.tp * self.capacity * 2
+        (local,) = _check(driver.cuMemAlloc(nbytes), "cuMemAlloc of the Lamport buffer")
+        try:
+            _check(driver.cuMemsetD16(local, SENTINEL, nbytes // 2), "cuMemsetD16")
+            _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+            (handle,) = _check(driver.cuIpcGetMemHandle(local), "cuIpcGetMemHandle (CUDA IPC)")
+        except Exception:
+            driver.cuMemFree(local)
+            raise
+        return local, ctypes.string_at(handle.getPtr(), driver.CU_IPC_HANDLE_SIZE)
+
+    def _map_peers(self, device: torch.device, handles: list, local: object, opened: list) -> None:
+        """Every peer's buffer mapped (into ``opened``, which the finalizer closes), the
+        pointer table, the control block, the kernel."""
+        from cuda.bindings import driver
+
+        bases = []
         for r, h in enumerate(handles):
-            if r == rank:
+            if r == self.rank:
                 bases.append(int(local))
                 continue
             theirs = driver.CUipcMemHandle()
@@ -167,7 +189,6 @@ class LamportWorkspace:
         self.peers = torch.tensor(bases, dtype=torch.int64, device=device)
         self.control = torch.zeros(4, dtype=torch.int32, device=device)
         self.kernel = Kernel(SOURCE, "all_reduce_kernel", device, None, COMPILE_OPTIONS)
-        self._finalizer = weakref.finalize(self, _close, opened, local)
 
     def args(self) -> list:
         """The kernel arguments every Lamport kernel ends with."""

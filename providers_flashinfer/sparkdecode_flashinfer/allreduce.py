@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from sparkdecode.deployment import on_every_rank
 from sparkdecode.protocols import BuildContext, Deployment
 
 from .support import flashinfer_gpu_unsupported, per_context
@@ -163,11 +164,20 @@ def create_workspace(ctx: BuildContext) -> Any:
     """The IPC workspace of this rank (collective over ``ctx.group``), then one
     all-reduce of zeros on every rank: the kernel's JIT build and its first launch
     (launch-shape queries cached in the library) happen here, not under capture."""
-    from flashinfer.comm import TRTLLMAllReduceFusionWorkspace
-
     spec = ctx.spec
+
+    def jit_build() -> Any:
+        from flashinfer.comm import TRTLLMAllReduceFusionWorkspace
+        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+
+        get_trtllm_comm_module()  # the kernel's JIT build (or load), on each rank alone
+        return TRTLLMAllReduceFusionWorkspace
+
+    # The local steps agreed before each collective one (FlashInfer's workspace
+    # exchange, the warm all-reduce), so a rank that fails there stops every rank.
+    make = on_every_rank(jit_build, ctx.group, "FlashInfer's all-reduce module")
     with torch.cuda.device(ctx.device):
-        workspace = TRTLLMAllReduceFusionWorkspace(
+        workspace = make(
             tp_size=ctx.tp,
             tp_rank=ctx.rank,
             max_token_num=math.ceil(capacity(ctx) / spec.H),
@@ -175,7 +185,7 @@ def create_workspace(ctx: BuildContext) -> Any:
             dtype=torch.bfloat16,
             group=ctx.group,
         )
-        warm = FlashInferAllReduce(ctx, workspace)
+        warm = on_every_rank(lambda: FlashInferAllReduce(ctx, workspace), ctx.group, "FlashInfer's all-reduce")
         for width in warm.widths:
             warm.run(torch.zeros(ctx.max_rows, width, dtype=torch.bfloat16, device=ctx.device))
         torch.cuda.synchronize(ctx.device)

@@ -397,4 +397,7 @@ def test_the_adapter_at_tp2(checkpoint: Path, draft: Path, tmp_path: Path) -> No
     for rank in range(2):
         for mode in ("ep", "expert-tp"):
             assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)
-        assert (tmp_path / f"rank{rank}-one-rank-fails").read_text() == "rank 1: layer 3: not loaded"
+    assert (tmp_path / "rank1-one-rank-fails").read_text() == "AdapterError: layer 3: not loaded"
+    assert (tmp_path / "rank0-one-rank-fails").read_text() == (
+        "RankFailedError: reading vLLM's weights failed on rank 1: AdapterError: layer 3: not loaded"
+    )

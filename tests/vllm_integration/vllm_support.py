@@ -356,10 +356,11 @@ def tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: P
         except AssertionError as e:
             result = f"differs: {e}"
         (out / f"rank{rank}-{mode}").write_text(result)
-    # An adapter problem on rank 1 alone stops both ranks, each naming rank 1's reason.
+    # An adapter problem on rank 1 alone stops both ranks: rank 1 with its own error,
+    # rank 0 naming rank 1's.
     from vllm.distributed import parallel_state
 
-    from sparkdecode.vllm.model import on_every_rank
+    from sparkdecode.deployment import RankFailedError, on_every_rank
 
     def read() -> str:
         if rank == 1:
@@ -367,8 +368,8 @@ def tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: P
         return "weights"
 
     try:
-        on_every_rank(read, parallel_state.get_tp_group().cpu_group)
+        on_every_rank(read, parallel_state.get_tp_group().cpu_group, "reading vLLM's weights")
         stopped = "not stopped"
-    except adapter.AdapterError as e:
-        stopped = str(e)
+    except (adapter.AdapterError, RankFailedError) as e:
+        stopped = f"{type(e).__name__}: {e}"
     (out / f"rank{rank}-one-rank-fails").write_text(stopped)

@@ -21,20 +21,18 @@ three additions, all inert under ``decode_backend=auto``:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 from vllm.models.muse_spark import MuseSparkForConditionalGeneration
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-from ..deployment import DeploymentError, agree
+from ..deployment import DeploymentError, on_every_rank
 from ..executor import DecodeConfig, SpecializedDecode
 from ..protocols import HostStep, Step
 from . import LOGGER, adapter, gate
 
 logger = logging.getLogger(LOGGER)
-T = TypeVar("T")
 
 
 class HostBatch(NamedTuple):
@@ -58,7 +56,9 @@ class VllmDecode:
         d = settings.deployment
         self.spec = d.spec
         rank = get_tensor_model_parallel_rank() if d.tp > 1 else 0
-        self.weights = on_every_rank(lambda: self._weights(model, d, rank), _tp_groups()[0])
+        # What the adapter finds wrong on one rank stops every rank here, before the
+        # executor's collective build.
+        self.weights = on_every_rank(lambda: self._weights(model, d, rank), _tp_groups()[0], "reading vLLM's weights")
         self.config = DecodeConfig(
             q=settings.q,
             max_rows=settings.q,
@@ -216,22 +216,6 @@ class VllmDecode:
         rows = inputs_embeds if normed else self.backbone.embed_tokens(input_ids)
         hidden, aux = self.executor.run(step, inputs_embeds=rows)
         return (hidden, aux) if aux else hidden
-
-
-def on_every_rank(read: Callable[[], T], group: Any) -> T:
-    """``read()`` (the adapter's reading of this rank's modules), with its
-    ``AdapterError`` raised on every rank of ``group``: one rank's problem stops them
-    all before the executor's collective build, where the others would wait for the
-    failed rank forever."""
-    problem: str | None = None
-    try:
-        value = read()
-    except adapter.AdapterError as e:
-        problem = str(e)
-    problem = agree(problem, group)
-    if problem is not None:
-        raise adapter.AdapterError(problem)
-    return value
 
 
 def exact_context_len(input_batch: Any) -> int:

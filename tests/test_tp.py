@@ -135,3 +135,7 @@ def check(tp: int, ranks: list[dict]) -> None:
         )
         for r in (rank0, rank1):
             assert r["providers"].startswith("LayoutError: the ranks see different providers: rank 1 has "), r
+        assert rank1["chain"] == "ValueError: rank 1's build failed"
+        assert (
+            rank0["chain"] == "RankFailedError: the timing's builds failed on rank 1: ValueError: rank 1's build failed"
+        )

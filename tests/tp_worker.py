@@ -145,6 +145,15 @@ def rank_failures(rank: int, tp: int, device: torch.device) -> dict[str, str]:
             out[case] = "built"
         except Exception as e:
             out[case] = f"{type(e).__name__}: {e}"
+    # A candidate built for its timing (the resolver's measurement chain) failing on
+    # rank 1 alone: every rank raises, none goes on to replay the chain.
+    executor = SpecializedDecode(shard, DecodeConfig(max_context=MAX_CONTEXT), group=dist.group.WORLD)
+    classes = {**executor.layout.classes(), "attention_boundary": RankOneFails}
+    try:
+        executor.measurement_chain(classes)
+        out["chain"] = "built"
+    except Exception as e:
+        out["chain"] = f"{type(e).__name__}: {e}"
     return out
 
 

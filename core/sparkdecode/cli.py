@@ -99,11 +99,14 @@ def providers(args: argparse.Namespace) -> int:
     )
     for reason in requirements(deployment):
         print(f"the executor does not take this deployment: {reason}")
-    print(f"{'block':<20} {'provider':<34} {'pack':<12} {'version':<10} here")
-    for reg in sorted(registry.providers, key=lambda r: (r.block, r.name)):
+    rows = sorted(registry.providers, key=lambda r: (r.block, r.name))
+    kind_w = max((len(r.block) for r in rows), default=5) + 1
+    name_w = max((len(r.name) for r in rows), default=8) + 1
+    print(f"{'block':<{kind_w}} {'provider':<{name_w}} {'pack':<12} {'version':<10} here")
+    for reg in rows:
         reason = unsupported_reason(reg, deployment)
         here = "supported" if reason is None else f"unsupported: {reason}"
-        print(f"{reg.block:<20} {reg.name:<34} {reg.pack:<12} {reg.version:<10} {here}")
+        print(f"{reg.block:<{kind_w}} {reg.name:<{name_w}} {reg.pack:<12} {reg.version:<10} {here}")
     for pack, reason in registry.broken:
         print(f"broken pack {pack}: {reason}")
     return 0

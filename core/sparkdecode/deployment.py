@@ -63,7 +63,7 @@ def installed_libraries() -> dict[str, str | None]:
             version = None
         try:
             present = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):  # a parent package missing or broken
+        except Exception:  # a parent package missing or broken (find_spec imports it)
             present = False
         out[module] = version if present else None
     return out

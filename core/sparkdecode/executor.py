@@ -207,13 +207,16 @@ class SpecializedDecode:
             torch.cuda.synchronize(self.device)
 
     def _build_collective_first(self, classes: Mapping[str, type], ctx: BuildContext) -> None:
-        """The all-reduce's shared workspace, whose making is the build's collective
-        step (a rendezvous of every rank's buffers, a warm all-reduce), before any other
-        provider: the builds after it are each rank's own, so a failure in them is
-        agreed over the ranks (``on_every_rank``) instead of leaving the others in the
-        workspace's rendezvous."""
-        if self.tp > 1 and self.group is not None and "all_reduce" in classes:
-            on_every_rank(lambda: named_build(classes["all_reduce"], ctx, 0), self.group, "the all-reduce's workspace")
+        """The build's collective steps (``collective_setup``: a workspace's rendezvous
+        of every rank's buffers, its warm all-reduce), before any provider's build and
+        in one order on every rank: the builds after them are each rank's own, so a
+        failure in one is agreed over the ranks (``on_every_rank``) instead of leaving
+        the others in a rendezvous. Not itself inside an agreed step: the setups agree
+        their own local steps around their exchanges."""
+        for kind in sorted(classes):
+            setup = getattr(classes[kind], "collective_setup", None)
+            if setup is not None:
+                setup(ctx)
 
     def _build_layers(self, classes: Mapping[str, type], ctx: BuildContext) -> None:
         aux = self.config.aux_layers
@@ -351,9 +354,10 @@ class SpecializedDecode:
         """Seconds per layer, in a CUDA graph, of ``measurement_chain``'s layers with
         ``cls`` serving ``kind``: the candidate in place, launch gaps and overlaps
         included, the overlap of one layer's start with the end of the layer before
-        as well. The slowest rank's time, so every rank decides alike. None when the
-        layer's all-reduce runs torch.distributed collectives over a group a CUDA
-        graph cannot capture (gloo): that candidate is not timed."""
+        as well. The slowest rank's time, so every rank decides alike. None (not timed)
+        when the layer's all-reduce runs torch.distributed collectives over a group a
+        CUDA graph cannot capture (gloo), or when the candidate could not be built,
+        captured or run on some rank (a warning names why)."""
         classes = dict(layout)
         classes[kind] = cls
         if self.group is not None and getattr(classes.get("all_reduce"), "host_collectives", False):
@@ -362,13 +366,9 @@ class SpecializedDecode:
             if dist.get_backend(self.group) != "nccl":
                 return None
         try:
-            # Built on every rank or on none (a build failing on one rank alone would
-            # leave the others replaying collectives it never joins).
-            chain = on_every_rank(
-                lambda: self.measurement_chain(classes, final=kind == "final"),
-                self.group,
-                f"building {getattr(cls, 'name', cls)} to time it",
-            )
+            # Built and captured on every rank or on none (every step agreed): a rank
+            # failing alone would leave the others replaying collectives it never joins.
+            chain = self.measurement_chain(classes, final=kind == "final")
             combine = self._slowest if self.group is not None else None
             seconds = graph_seconds(chain.run, self.device, combine=combine) / len(chain.indices)
         except Exception as e:  # the candidate cannot run here: untimed on every rank
@@ -401,9 +401,14 @@ class SpecializedDecode:
         ``classes`` (each with its own weights and attention kind), a random paged
         cache at the longest context, and random embeddings; the final boundary after
         them with ``final``. Its own buffers and mailboxes, so the executor's are left
-        alone."""
-        spec, rows, device = self.spec, self.config.q, self.device
-        indices = measured_layers(spec.num_layers)
+        alone. Made in three steps, each agreed over the ranks and none inside another:
+        this rank's inputs, the collective setups, the builds."""
+        ctx, kv = on_every_rank(lambda: self._chain_inputs(classes), self.group, "the timing's inputs")
+        self._build_collective_first(classes, ctx)
+        return on_every_rank(lambda: self._chain_builds(classes, ctx, kv, final), self.group, "the timing's builds")
+
+    def _chain_inputs(self, classes: Mapping[str, type]) -> tuple[BuildContext, tuple[LayerKV, ...]]:
+        spec, device = self.spec, self.device
         buffers: dict[str, torch.Tensor] = {
             "embeddings": torch.randn(self.config.max_rows, spec.H, device=device).to(torch.bfloat16)
         }
@@ -411,8 +416,15 @@ class SpecializedDecode:
         for box in mailboxes:
             box.publish(self.config.max_rows).normal_()
         ctx = self._context(classes, buffers, mailboxes)
-        self._build_collective_first(classes, ctx)
+        indices = measured_layers(spec.num_layers)
         kv = _measurement_kv(self.weights, indices, self.config.max_context, self.config.max_rows, device)
+        return ctx, kv
+
+    def _chain_builds(
+        self, classes: Mapping[str, type], ctx: BuildContext, kv: tuple[LayerKV, ...], final: bool
+    ) -> MeasurementChain:
+        rows, device = self.config.q, self.device
+        indices = measured_layers(self.spec.num_layers)
         built: list[DecodeLayer] = []
         for index in indices:
             boundary = named_build(classes["boundary"], ctx, index)
@@ -433,7 +445,7 @@ class SpecializedDecode:
             if hook is not None:
                 hook(host)
         step = Step(self.config.q, rows, positions, kv, False)
-        return MeasurementChain(indices, built, last, step, buffers["embeddings"])
+        return MeasurementChain(indices, built, last, step, ctx.buffers["embeddings"])
 
 
 class MeasurementChain:
@@ -481,15 +493,24 @@ def graph_seconds(
     process, a clock dip) only adds time. ``combine`` makes the first replay's time,
     which sets the count of warm replays, the same on every rank (a graph holding
     collectives must be replayed as often on each)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
+    failure: Exception | None = None
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             run()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    except Exception as e:
+        failure = e
+    if combine is not None and math.isinf(combine(math.inf if failure is not None else 0.0)):
+        # Captured on every rank or replayed on none.
+        raise failure or RuntimeError("the graph could not be captured on another rank")
+    if failure is not None:
+        raise failure
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batches)]
     begin, end = events[0]
     begin.record()

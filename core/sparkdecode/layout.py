@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 # measure(kind, candidate, layout) -> seconds a layer with ``candidate`` serving
 # ``kind`` and ``layout`` (kind -> class) serving the others, or None where that layer
-# cannot be timed here (a CUDA graph cannot capture its transport): not chosen by time.
+# cannot be timed here (a CUDA graph cannot capture its transport, or the candidate
+# could not be built or captured on some rank): not chosen by time.
 Measure = Callable[[str, type, Mapping[str, type]], float | None]
 
 MEASURE_ROUNDS = 3

@@ -18,6 +18,10 @@ E experts, k top-k (spec.py). Lifecycle of every provider:
 - ``build(ctx, layer)`` once, after the weights are loaded, before KV binding and
   graph capture: weight views, repacks, compiles, rendezvous, warm-ups, in the same
   order on every rank (builds may be collective);
+- ``collective_setup(ctx)`` (optional class method) the build's collective steps
+  (a workspace shared over the ranks), run by the executor before any build, in one
+  order on every rank; a build then finds what it made in ``ctx`` and is this
+  rank's own work (the executor agrees its failures over the ranks);
 - ``prepare_kv(kv)`` for every bound KV cache;
 - ``prepare_step(host)`` (optional) host work redone before every step, outside
   the graph; prefer kernels that need none. A provider that plans from the host's

@@ -25,6 +25,11 @@ class CudaAllReduce:
         self.workspace = workspace(ctx)
 
     @classmethod
+    def collective_setup(cls, ctx: BuildContext) -> None:
+        """The executor's Lamport workspace (collective), made before any build."""
+        workspace(ctx)
+
+    @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaAllReduce:
         return cls(ctx)
 

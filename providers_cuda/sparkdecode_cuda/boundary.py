@@ -199,6 +199,11 @@ class CudaAttentionBoundary(_Cuda):
     def unsupported(cls, deployment: Deployment) -> str | None:
         return super().unsupported(deployment) or lamport_unsupported(deployment)
 
+    @classmethod
+    def collective_setup(cls, ctx: BuildContext) -> None:
+        """The executor's Lamport workspace (collective), made before any build."""
+        workspace(ctx)
+
     def __init__(self, ctx: BuildContext, layer: int):
         self.spec, self.layer = ctx.spec, ctx.layer(layer)
         self.kernel = _BoundaryKernel(ctx)

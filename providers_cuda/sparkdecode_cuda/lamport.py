@@ -129,6 +129,13 @@ def _close(peers: list, local: object) -> None:
     driver.cuMemFree(local)
 
 
+def _release(opened: list, held: list) -> None:
+    """The finalizer of a workspace, finished or not: the peers' mappings and this
+    rank's buffer, where it was allocated."""
+    if held:
+        _close(opened, held[0])
+
+
 def _close_deferred() -> None:
     while _DEFERRED:
         _close(*_DEFERRED.pop())
@@ -144,30 +151,30 @@ class LamportWorkspace:
         # and the compile) is agreed before the next collective step, so one rank
         # failing there stops every rank instead of leaving them in the exchange or
         # in the first all-reduce.
-        local, mine = on_every_rank(lambda: self._local_buffer(device), group, "the Lamport buffer")
+        # What this rank holds (its buffer, the peers' mappings), released by the
+        # finalizer whether or not the workspace is finished.
+        held: list = []
+        opened: list = []
+        self._finalizer = weakref.finalize(self, _release, opened, held)
+        local, mine = on_every_rank(lambda: self._local_buffer(device, held), group, "the Lamport buffer")
         handles: list[bytes | None] = [None] * tp
         # Collective, at the same point of the build on every rank; it is also the
         # barrier after which every buffer holds only sentinels.
         dist.all_gather_object(handles, mine, group=group)
-        opened: list = []
-        self._finalizer = weakref.finalize(self, _close, opened, local)
         on_every_rank(lambda: self._map_peers(device, handles, local, opened), group, "mapping the Lamport peers")
 
-    def _local_buffer(self, device: torch.device) -> tuple[object, bytes]:
-        """This rank's buffer, all sentinels, and its IPC handle."""
+    def _local_buffer(self, device: torch.device, held: list) -> tuple[object, bytes]:
+        """This rank's buffer (into ``held``), all sentinels, and its IPC handle."""
         from cuda.bindings import driver
 
         _ensure_context(device)
         _close_deferred()
         nbytes = GENERATIONS * self.tp * self.capacity * 2
         (local,) = _check(driver.cuMemAlloc(nbytes), "cuMemAlloc of the Lamport buffer")
-        try:
-            _check(driver.cuMemsetD16(local, SENTINEL, nbytes // 2), "cuMemsetD16")
-            _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
-            (handle,) = _check(driver.cuIpcGetMemHandle(local), "cuIpcGetMemHandle (CUDA IPC)")
-        except Exception:
-            driver.cuMemFree(local)
-            raise
+        held.append(local)
+        _check(driver.cuMemsetD16(local, SENTINEL, nbytes // 2), "cuMemsetD16")
+        _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+        (handle,) = _check(driver.cuIpcGetMemHandle(local), "cuIpcGetMemHandle (CUDA IPC)")
         return local, ctypes.string_at(handle.getPtr(), driver.CU_IPC_HANDLE_SIZE)
 
     def _map_peers(self, device: torch.device, handles: list, local: object, opened: list) -> None:

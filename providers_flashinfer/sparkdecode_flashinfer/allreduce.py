@@ -107,6 +107,12 @@ class FlashInferAllReduce:
             self.pattern = AllReduceFusionPattern.kAllReduce
 
     @classmethod
+    def collective_setup(cls, ctx: BuildContext) -> None:
+        """The shared workspace (collective), made before any build."""
+        if ctx.group is not None:
+            per_context(ctx, cls.name, lambda: create_workspace(ctx))
+
+    @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> FlashInferAllReduce:
         """Every layer's all-reduce shares one workspace, made collectively at the
         first build from ``ctx`` (and its kernel JIT-compiled and run once); a rank
@@ -177,13 +183,18 @@ def create_workspace(ctx: BuildContext) -> Any:
     # exchange, the warm all-reduce), so a rank that fails there stops every rank.
     make = on_every_rank(jit_build, ctx.group, "FlashInfer's all-reduce module")
     with torch.cuda.device(ctx.device):
-        workspace = make(
-            tp_size=ctx.tp,
-            tp_rank=ctx.rank,
-            max_token_num=math.ceil(capacity(ctx) / spec.H),
-            hidden_dim=spec.H,
-            dtype=torch.bfloat16,
-            group=ctx.group,
+        # FlashInfer's exchange is inside; a failure after it is agreed here.
+        workspace = on_every_rank(
+            lambda: make(
+                tp_size=ctx.tp,
+                tp_rank=ctx.rank,
+                max_token_num=math.ceil(capacity(ctx) / spec.H),
+                hidden_dim=spec.H,
+                dtype=torch.bfloat16,
+                group=ctx.group,
+            ),
+            ctx.group,
+            "FlashInfer's all-reduce workspace",
         )
         warm = on_every_rank(lambda: FlashInferAllReduce(ctx, workspace), ctx.group, "FlashInfer's all-reduce")
         for width in warm.widths:

@@ -42,7 +42,7 @@ def flashinfer_gpu_unsupported(d: Deployment) -> str | None:
     version = d.libraries.get("flashinfer")
     if version is None:
         return f"FlashInfer is not installed (pip install {FLASHINFER_PIN})"
-    if version != FLASHINFER_VERSION and not version.startswith(f"{FLASHINFER_VERSION}."):
+    if version != FLASHINFER_VERSION and not version.startswith((f"{FLASHINFER_VERSION}.", f"{FLASHINFER_VERSION}+")):
         return f"FlashInfer {version} is installed; this pack is built against {FLASHINFER_PIN}"
     return import_problem("flashinfer")
 

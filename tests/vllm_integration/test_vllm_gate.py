@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm.config import WeightTransferConfig
 from vllm_support import MakeConfig, free_port, gate_rank, tiny_spec, write_multimodal_config
 
 from sparkdecode.checkpoint import Nvfp4Config
@@ -113,6 +114,7 @@ REFUSED = [
         "Decode context parallelism",
     ),
     ("sleep", {"model": {"enable_sleep_mode": True}}, "Sleep mode is on"),
+    ("weight-transfer", {"weight_transfer_config": WeightTransferConfig()}, "Weight transfer is configured"),
     ("graphs-none", {"compilation": {"cudagraph_mode": "NONE"}}, "CUDA graph mode is NONE"),
     ("graphs-piecewise", {"compilation": {"cudagraph_mode": "PIECEWISE"}}, "CUDA graph mode is PIECEWISE"),
     ("graphs-full-mixed", {"compilation": {"cudagraph_mode": "FULL"}}, "CUDA graph mode is FULL"),

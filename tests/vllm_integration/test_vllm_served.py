@@ -143,14 +143,6 @@ def test_an_unfinished_load_is_named(served: Served) -> None:
         moe.router_output_multiplier = saved
 
 
-def test_a_weight_reload_is_refused(served: Served) -> None:
-    """After the executor is built over the loaded weights, a second load (vLLM's
-    in-place reload) is refused before it touches a parameter."""
-    assert served.model.sparkdecode is not None
-    with pytest.raises(DeploymentError, match="does not take a weight reload"):
-        served.model.load_weights(iter([("model.norm.weight", torch.zeros(1))]))
-
-
 def bind(served: Served, layout: str) -> tuple[Any, Any, HostBlockTables]:
     kv_cache_config, attn_groups = kv_cache_setup(served.config, layout)
     tables = HostBlockTables(len(kv_cache_config.kv_cache_groups), MAX_REQS, MAX_BLOCKS)

@@ -207,6 +207,11 @@ def serving_reasons(vllm_config: Any, capability: tuple[int, int] | None) -> lis
     need(vllm_config.lora_config is None, "LoRA is on: the executor reads the base weights only.")
     need(not model.enable_sleep_mode, "Sleep mode is on: the executor holds views of weights that sleep would move.")
     need(
+        getattr(vllm_config, "weight_transfer_config", None) is None,
+        "Weight transfer is configured: the executor keeps values it derived from the weights at build, which an "
+        "update of the weights would leave stale.",
+    )
+    need(
         vllm_config.use_v2_model_runner,
         "vLLM runs the V1 model runner: only the V2 runner asks the model for its ModelState, which builds the "
         "executor and binds the KV cache (set VLLM_USE_V2_MODEL_RUNNER=1, or drop what makes vLLM fall back).",

@@ -27,7 +27,7 @@ import torch
 from vllm.models.muse_spark import MuseSparkForConditionalGeneration
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-from ..deployment import DeploymentError, on_every_rank
+from ..deployment import on_every_rank
 from ..executor import DecodeConfig, SpecializedDecode
 from ..protocols import HostStep, Step
 from . import LOGGER, adapter, gate
@@ -285,17 +285,6 @@ class SparkDecodeMuseSpark(MuseSparkForConditionalGeneration):
             _, device_group = _tp_groups()
             self.sparkdecode = VllmDecode(self, self.sparkdecode_settings, device, device_group)
         return self.sparkdecode
-
-    def load_weights(self, weights: Any) -> Any:
-        """The stock load; a second one (vLLM's in-place reload, a weight transfer)
-        after the executor is built is refused: the executor holds views of the loaded
-        tensors and values derived from them at build, which a reload would leave stale."""
-        if self.sparkdecode is not None:
-            raise DeploymentError(
-                "decode_backend=latency_specialized does not take a weight reload: the specialized decode was "
-                "built over the loaded weights; restart the server with the new weights"
-            )
-        return super().load_weights(weights)
 
     def forward(
         self,

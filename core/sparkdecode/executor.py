@@ -513,13 +513,20 @@ def graph_seconds(
         raise failure
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batches)]
     begin, end = events[0]
-    begin.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    once = max(begin.elapsed_time(end) / 1e3, 1e-6)
+    try:
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        once = max(begin.elapsed_time(end) / 1e3, 1e-6)
+    except Exception as e:
+        if combine is None:
+            raise
+        failure, once = e, math.inf
     if combine is not None:
         once = combine(once)
+        if math.isinf(once):  # a replay failed on some rank: no rank replays on
+            raise failure or RuntimeError("the graph's first replay failed on another rank")
     for _ in range(min(math.ceil(warm_seconds / once), 10_000)):
         graph.replay()
     for begin, end in events:

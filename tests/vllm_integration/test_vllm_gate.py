@@ -326,6 +326,38 @@ def test_nvfp4_beyond_the_experts_is_refused(make_config: MakeConfig, checkpoint
         gate.check(config, capability=HOPPER)
 
 
+@pytest.mark.parametrize("quantizes", ["experts", "everything"])
+def test_a_legacy_hf_quant_config_is_read_too(
+    make_config: MakeConfig, checkpoint: Path, tmp_path: Path, quantizes: str
+) -> None:
+    """The NVFP4 config in a legacy hf_quant_config.json (no quantization_config in
+    config.json), which vLLM's config loader puts in the HF config: judged as the
+    config.json form is."""
+    spec = tiny_spec()
+    ignore = list(Nvfp4Config.for_layers(spec, range(1, spec.num_layers - 1)).ignore) if quantizes == "experts" else []
+    directory = tmp_path / "legacy"
+    shutil.copytree(checkpoint, directory)
+    write_multimodal_config(directory, spec)
+    legacy = {
+        "producer": {"name": "modelopt", "version": "0.29.0"},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": None,
+            "group_size": 16,
+            "exclude_modules": ignore,
+        },
+    }
+    (directory / "hf_quant_config.json").write_text(json.dumps(legacy))
+    config = make_config(directory=directory)
+    assert type(config.quant_config).__name__ == "ModelOptNvFp4Config"
+    if quantizes == "experts":
+        assert reasons(config) == []
+    else:
+        (found,) = reasons(config)
+        assert found.startswith("The checkpoint's ModelOpt NVFP4 config is not one the executor serves")
+        assert "quantizes lm_head" in found
+
+
 def test_the_ranks_agree_before_anyone_proceeds(checkpoint: Path, draft: Path, tmp_path: Path) -> None:
     """Two ranks over gloo, rank 1 on an Ampere GPU: rank 0, which could serve,
     stops too, and both name rank 1's reason."""

@@ -332,16 +332,20 @@ def _nvfp4_reason(vllm_config: Any) -> str | None:
     experts (its ``ignore`` / ``exclude_modules`` matched as vLLM matches them,
     checkpoint.Nvfp4Config). None when it quantizes routed experts only."""
     model = vllm_config.model_config
-    for hf in (model.hf_config, model.hf_text_config):
-        value = getattr(hf, "quantization_config", None)
-        if value is None:
-            continue
-        try:
-            config = Nvfp4Config.from_config(dict(value), "quantization_config")
-            config.quantized_layers(model_spec(vllm_config), MULTIMODAL_PREFIX, "quantization_config")
-        except (CheckpointError, SpecError) as e:
-            return f"The checkpoint's ModelOpt NVFP4 config is not one the executor serves: {e}."
-        return None
+    configs = (getattr(hf, "quantization_config", None) for hf in (model.hf_config, model.hf_text_config))
+    value = next((c for c in configs if c is not None), None)
+    if value is None:
+        # vLLM's config loader puts a legacy hf_quant_config.json there too; a config
+        # from elsewhere (an hf_overrides file) is one the gate cannot read.
+        return (
+            "The checkpoint's ModelOpt NVFP4 config is not in its HF config (config.json or hf_quant_config.json): "
+            "the executor cannot tell which modules it quantizes."
+        )
+    try:
+        config = Nvfp4Config.from_config(dict(value), "quantization_config")
+        config.quantized_layers(model_spec(vllm_config), MULTIMODAL_PREFIX, "quantization_config")
+    except (CheckpointError, SpecError) as e:
+        return f"The checkpoint's ModelOpt NVFP4 config is not one the executor serves: {e}."
     return None
 
 

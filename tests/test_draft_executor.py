@@ -342,3 +342,12 @@ def test_bench_record_on_the_cpu(weights):
     assert set(record["layout"]) == set(DRAFT_KINDS)
     assert record["step"]["count"] == 2 and record["floor"]["bytes"] == sum(record["floor"]["blocks"].values())
     assert 0 < record["floor"]["fraction"]
+
+
+def test_the_reference_step_refuses_a_draft_to_target_map(weights):
+    """vLLM scatters the draft's logits to the target ids arange + d2t; the reference
+    keeps the draft's ids, so a map other than the identity is refused by name."""
+    d2t = weights.d2t.clone()
+    d2t[3] = 1
+    with pytest.raises(ValueError, match=r"identity draft-to-target map \(d2t all zeros\)"):
+        ReferenceDraft(replace(weights, d2t=d2t), 256)

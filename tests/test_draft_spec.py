@@ -69,7 +69,9 @@ def test_vllm_defaults_fill_what_a_config_leaves_out():
         "moe": {"is_enabled": False},
     }
     spec = DraftSpec.from_config(config, TARGET)
-    assert spec.num_key_value_heads == 16 and spec.draft_vocab_size == 1024
+    # vLLM's MuseSpark1xTextConfig: 8 KV heads when absent, the query heads when null.
+    assert spec.num_key_value_heads == 8 and spec.draft_vocab_size == 1024
+    assert DraftSpec.from_config({**config, "num_key_value_heads": None}, TARGET).num_key_value_heads == 16
     assert spec.residual_dtype == "bf16" and not spec.use_residual_gate and spec.use_rope
     assert spec.window(0) is None and spec.output_multiplier == 1.0 and spec.output_soft_cap_temp is None
     assert spec.intermediate_size == 1024 and spec.post_norm_eps == spec.rms_norm_eps

@@ -271,6 +271,10 @@ class ReferenceDraft:
         unmet = supported_draft(spec)
         if unmet:
             raise ValueError(f"the DSpark draft step does not support this draft: {unmet}")
+        if weights.d2t.ne(0).any():
+            # vLLM scatters the draft's logits to the target ids arange + d2t; this step
+            # keeps the draft's ids (full-vocabulary drafts ship zeros).
+            raise ValueError("the DSpark draft step takes the identity draft-to-target map (d2t all zeros)")
         self.weights, self.spec, self.max_context = weights, spec, max_context
 
     def context(

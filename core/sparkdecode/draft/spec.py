@@ -397,6 +397,7 @@ _DEFAULTS: dict[str, Any] = {
     "dspark_draft_topk": None,
     "max_position_embeddings": 4096 * 32,
 }
+DEFAULT_KV_HEADS = 8
 _REQUIRED = (
     "hidden_size",
     "num_hidden_layers",
@@ -501,7 +502,8 @@ def _read(config: dict[str, Any], target: ModelSpec) -> dict[str, Any]:
         if name not in config:
             raise DraftSpecError(f"draft config is missing {name}")
     values: dict[str, Any] = {name: config.get(name, _DEFAULTS.get(name)) for name in _FIELDS}
-    values["num_key_value_heads"] = config.get("num_key_value_heads", config["num_attention_heads"])
+    # vLLM's MuseSpark1xTextConfig: 8 when absent, the query heads when null.
+    values["num_key_value_heads"] = config.get("num_key_value_heads", DEFAULT_KV_HEADS)
     if values["num_key_value_heads"] is None:
         values["num_key_value_heads"] = config["num_attention_heads"]
     values["draft_vocab_size"] = config.get("draft_vocab_size") or config["vocab_size"]

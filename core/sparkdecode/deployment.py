@@ -131,14 +131,13 @@ def requirements(d: Deployment) -> list[str]:
         out.append(f"tensor parallel size {d.tp}: the sharded pooler/unpooler columns do not split evenly")
     if d.expert_parallel not in ("ep", "tp"):
         out.append(f"expert parallelism {d.expert_parallel!r} (supported: 'ep', 'tp')")
-    elif d.tp not in TP_SIZES:
-        pass  # the experts' split is judged at a supported size only
-    elif d.expert_parallel == "ep" and s.num_local_experts % d.tp:
-        out.append(f"expert parallel over {d.tp} ranks: {s.num_local_experts} experts do not split evenly")
-    elif d.expert_parallel == "tp" and s.moe_intermediate_size % d.tp:
-        out.append(
-            f"expert TP over {d.tp} ranks: moe_intermediate_size {s.moe_intermediate_size} does not split evenly"
-        )
+    elif d.tp in TP_SIZES:  # the experts' split is judged at a supported size only
+        if d.expert_parallel == "ep" and s.num_local_experts % d.tp:
+            out.append(f"expert parallel over {d.tp} ranks: {s.num_local_experts} experts do not split evenly")
+        elif d.expert_parallel == "tp" and s.moe_intermediate_size % d.tp:
+            out.append(
+                f"expert TP over {d.tp} ranks: moe_intermediate_size {s.moe_intermediate_size} does not split evenly"
+            )
     if d.expert_format not in EXPERT_FORMATS:
         out.append(f"expert format {d.expert_format!r} (supported: {', '.join(EXPERT_FORMATS)})")
     if d.kv_dtype != torch.bfloat16:
@@ -198,7 +197,7 @@ def on_every_rank(step: Callable[[], T], group: Any, what: str) -> T:
     (collective over ``group``; every rank must call it at the same point). For local
     work before or between collectives (a build, an allocation, a compile): one rank
     failing there would otherwise leave the others waiting in the next collective."""
-    problem: BaseException | None = None
+    problem: Exception | None = None
     value: Any = None
     try:
         value = step()

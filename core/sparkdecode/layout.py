@@ -185,11 +185,20 @@ def _same_on_every_rank(
         raise LayoutError(f"the ranks see different providers: rank {rank} has {what}")
 
 
-def _skipped(registry: Registry) -> str:
-    """The packs discovery skipped, for a message about a provider not found."""
-    if not registry.broken:
-        return ""
-    return "; skipped packs: " + "; ".join(f"{pack}: {reason}" for pack, reason in registry.broken)
+def _pinned(kind: str, name: str, registry: Registry) -> Registered:
+    """The provider a pin names, or ``LayoutError``: none installed (with the packs
+    discovery skipped, where any), or one of another kind."""
+    reg = registry.find(name)
+    if reg is None:
+        known = ", ".join(r.name for r in registry.of(kind)) or "none"
+        skipped = "; ".join(f"{pack}: {reason}" for pack, reason in registry.broken)
+        raise LayoutError(
+            f"{kind} is pinned to {name!r}, which no installed pack provides (known: {known})"
+            + (f"; skipped packs: {skipped}" if skipped else "")
+        )
+    if reg.block != kind:
+        raise LayoutError(f"{kind} is pinned to {name!r}, a provider of {reg.block}")
+    return reg
 
 
 def unsupported_reason(reg: Registered, deployment: Deployment) -> str | None:
@@ -263,14 +272,8 @@ def resolve(
             raise LayoutError(f"pin for unknown block {kind!r}; blocks: {', '.join(ALL_KINDS)}")
         # A pin of a kind this layout does not resolve is still named right (a typo
         # or a missing pack is found now, not where the other layout reads it).
-        reg = registry.find(name)
-        if kind not in kinds and reg is None:
-            known = ", ".join(r.name for r in registry.providers if r.block == kind) or "none"
-            raise LayoutError(
-                f"{kind} is pinned to {name!r}, which no installed pack provides (known: {known}){_skipped(registry)}"
-            )
-        if kind not in kinds and reg is not None and reg.block != kind:
-            raise LayoutError(f"{kind} is pinned to {name!r}, a provider of {reg.block}")
+        if kind not in kinds:
+            _pinned(kind, name, registry)
     choices: dict[str, Choice] = {}
     for kind in kinds:
         candidates = table[kind]
@@ -278,15 +281,7 @@ def resolve(
         supported = _by_priority([rc for rc in candidates if rc[1].reason is None])
         if kind in pins:
             name = pins[kind]
-            reg = registry.find(name)
-            if reg is None:
-                known = ", ".join(r.name for r, _ in candidates) or "none"
-                raise LayoutError(
-                    f"{kind} is pinned to {name!r}, which no installed pack provides (known: {known})"
-                    f"{_skipped(registry)}"
-                )
-            if reg.block != kind:
-                raise LayoutError(f"{kind} is pinned to {name!r}, a provider of {reg.block}")
+            reg = _pinned(kind, name, registry)
             reason = next(c.reason for r, c in candidates if r.name == name)
             if reason is not None:
                 raise LayoutError(f"{kind} is pinned to {name!r}, which does not support this deployment: {reason}")

@@ -27,8 +27,8 @@ def parse_pins(values: list[str]) -> dict[str, str]:
     return pins
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an int of at least ``low``."""
+def at_least(low: int, most: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``low`` (and at most ``most``)."""
 
     def parse(text: str) -> int:
         try:
@@ -37,9 +37,11 @@ def at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{value}: at most {most}")
         return value
 
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = f"integer >= {low}" if most is None else f"integer in {low}..{most}"
     return parse
 
 

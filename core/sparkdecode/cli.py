@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="tiny random-weight model: stock forward vs the executor")
-    p.add_argument("--layers", type=at_least(1), default=4, help=f"at most {MAX_DEMO_LAYERS}")
+    p.add_argument(
+        "--layers", type=at_least(1, MAX_DEMO_LAYERS), default=4, help=f"at most {MAX_DEMO_LAYERS} (Muse Spark's depth)"
+    )
     p.add_argument("--prompt", type=at_least(1), default=100, help="prompt tokens to prefill")
     p.add_argument("--steps", type=at_least(1), default=16, help="verify steps of 8 tokens")
     p.add_argument("--max-context", type=at_least(1), default=1024)
@@ -174,8 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
 
     args = parser.parse_args(argv)
-    if getattr(args, "layers", None) is not None and args.command == "demo" and args.layers > MAX_DEMO_LAYERS:
-        parser.error(f"demo --layers {args.layers}: at most {MAX_DEMO_LAYERS} (Muse Spark's depth)")
     logging.basicConfig(level=args.log, format="%(message)s")
     try:
         return args.run(args)

@@ -9,6 +9,7 @@ import torch
 from sparkdecode.protocols import BuildContext, Deployment
 
 from .boundary import cuda_unsupported
+from .lamport import collective_setup as lamport_setup
 from .lamport import lamport_unsupported, workspace
 
 
@@ -24,10 +25,7 @@ class CudaAllReduce:
     def __init__(self, ctx: BuildContext):
         self.workspace = workspace(ctx)
 
-    @classmethod
-    def collective_setup(cls, ctx: BuildContext) -> None:
-        """The executor's Lamport workspace (collective), made before any build."""
-        workspace(ctx)
+    collective_setup = classmethod(lamport_setup)
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaAllReduce:

@@ -20,6 +20,7 @@ import torch
 
 from sparkdecode.protocols import BuildContext, Deployment, LayerKV, Step
 
+from .lamport import collective_setup as lamport_setup
 from .lamport import lamport_unsupported, workspace
 from .launch import Kernel, f32, i32, ptr
 from .nvrtc import nvrtc_unavailable
@@ -199,10 +200,7 @@ class CudaAttentionBoundary(_Cuda):
     def unsupported(cls, deployment: Deployment) -> str | None:
         return super().unsupported(deployment) or lamport_unsupported(deployment)
 
-    @classmethod
-    def collective_setup(cls, ctx: BuildContext) -> None:
-        """The executor's Lamport workspace (collective), made before any build."""
-        workspace(ctx)
+    collective_setup = classmethod(lamport_setup)
 
     def __init__(self, ctx: BuildContext, layer: int):
         self.spec, self.layer = ctx.spec, ctx.layer(layer)

@@ -219,6 +219,12 @@ _WORKSPACES: dict[int, LamportWorkspace] = {}
 _MARKER = "lamport_workspace"
 
 
+def collective_setup(cls: type, ctx: BuildContext) -> None:
+    """The ``collective_setup`` of a provider that uses the executor's Lamport
+    workspace: the workspace made (collectively) before any build."""
+    workspace(ctx)
+
+
 def workspace(ctx: BuildContext) -> LamportWorkspace | None:
     """The executor's one workspace (shared by every build from its buffers), built
     at the first ask, collectively. None at TP 1 and on a detached rank."""

@@ -85,6 +85,30 @@ def test_quantize_follows_modelopt_and_round_trips():
     assert (nvfp4.unpack(codes).abs().amax(-1) >= 4).all()
 
 
+def test_block_scale_divides_once_as_modelopt_does():
+    """ModelOpt's block scale is ``block_amax / (6 * global)``, one fp32 division.
+    Dividing by 6 and then by the global rounds twice; at an e4m3 tie (6.375 lies
+    between 6 and 6.75, and 1.0625 between 1 and 1.125) the extra ulp picks the other
+    neighbour. The tensor here is built so that the two orders disagree."""
+    g = torch.Generator().manual_seed(11)
+    for _ in range(10_000):
+        amax = float(torch.rand((), generator=g)) + 0.5
+        glob = torch.tensor(amax, dtype=torch.float32) / (6 * 448)
+        block_amax = torch.tensor(1.0625 * 6, dtype=torch.float32) * glob
+        once = (block_amax / (6 * glob)).to(torch.float8_e4m3fn)
+        twice = (block_amax / 6 / glob).to(torch.float8_e4m3fn)
+        if once.float() != twice.float():
+            break
+    else:
+        pytest.fail("no tensor where the two orders of division disagree")
+    w = torch.zeros(1, 32)
+    w[0, 0] = amax
+    w[0, 16] = block_amax
+    _, scale, global_scale = nvfp4.quantize(w)
+    assert global_scale.item() == glob.item()
+    assert scale[0, 1].float() == once.float()
+
+
 def test_expert_tp_and_ep_slices_of_packed_experts():
     spec = ModelSpec.preset("tiny", 3)
     full = random_weights(spec, seed=4, expert_format="nvfp4")

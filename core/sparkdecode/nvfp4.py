@@ -18,7 +18,7 @@ is sign (bit 3) and a magnitude index into E2M1 = (0, 0.5, 1, 1.5, 2, 3, 4, 6).
 Dequantization, as vLLM defines it (``dequantize_to_dtype``): in fp32,
 ``value = e2m1 * (float(scale) * global)``, then rounded to the target dtype.
 Quantization, as ModelOpt defines it: ``global = amax / (6 * 448)``; a block's
-scale ``e4m3((block_amax / 6) / global)`` (1 where the block is all zero); codes
+scale ``e4m3(block_amax / (6 * global))`` (1 where the block is all zero); codes
 ``round_e2m1(w / (float(scale) * global))`` to the nearest value, ties to even.
 """
 
@@ -95,7 +95,9 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     global_scale = amax / (E2M1_MAX * E4M3_MAX)
     global_scale = torch.where(global_scale > 0, global_scale, torch.ones_like(global_scale))
     blocks = w32.unflatten(-1, (-1, BLOCK))
-    block_scale = blocks.abs().amax(-1) / E2M1_MAX / global_scale[..., None, None]
+    # One division by 6 * global, as ModelOpt computes it: dividing by 6 and then by
+    # the global rounds twice and can land the other side of an e4m3 tie.
+    block_scale = blocks.abs().amax(-1) / (E2M1_MAX * global_scale[..., None, None])
     block_scale = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
     scale = block_scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     scaled = blocks / (scale.float() * global_scale[..., None, None])[..., None]

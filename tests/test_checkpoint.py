@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,9 @@ def assert_same_layer(a: LayerWeights, b: LayerWeights) -> None:
             assert (x.nvfp4 is None) == (y.nvfp4 is None)
             for name, t in (vars(x.nvfp4) if x.nvfp4 is not None else {}).items():
                 u = getattr(y.nvfp4, name)
+                if t is None or u is None:
+                    assert t is u, name
+                    continue
                 # e4m3 has no torch.equal kernel on the CPU: compare the bytes.
                 assert t.dtype == u.dtype and torch.equal(t.view(torch.uint8), u.view(torch.uint8)), name
         else:
@@ -524,10 +528,79 @@ def test_nvfp4_exclusion_follows_vllm_matching():
     assert not config.excludes("model.language_model.layers.7.self_attn.q_proj")
 
 
-def test_nvfp4_save_needs_the_input_scales(q_weights, tmp_path):
+def without_input_scales(weights: ModelWeights, layers: Collection[int] | None = None) -> ModelWeights:
+    """``weights`` with the input scales of the NVFP4 experts (of ``layers``, or all) taken out."""
+    out = []
+    for layer in weights.layers:
+        e = layer.experts
+        if e.nvfp4 is not None and (layers is None or layer.index in layers):
+            scales = dataclasses.replace(e.nvfp4, w13_input_scale=None, w2_input_scale=None)
+            layer = dataclasses.replace(layer, experts=dataclasses.replace(e, nvfp4=scales))
+        out.append(layer)
+    return dataclasses.replace(weights, layers=out)
+
+
+def test_nvfp4_save_needs_both_input_scales_or_neither(q_weights, tmp_path):
     layers = [dataclasses.replace(x) for x in q_weights.layers]
     e = layers[1].experts
     layers[1].experts = dataclasses.replace(e, nvfp4=dataclasses.replace(e.nvfp4, w2_input_scale=None))
-    with pytest.raises(ValueError, match="layer 1: the NVFP4 experts have no w2_input_scale"):
+    with pytest.raises(ValueError, match=r"input scales in some places and not in others .*\{1: \(True, False\)\}"):
         save_checkpoint(dataclasses.replace(q_weights, layers=layers), tmp_path / "a")
     assert not (tmp_path / "a").exists()
+
+
+def test_nvfp4_save_refuses_input_scales_in_some_layers_only(tmp_path):
+    weights = random_weights(ModelSpec.preset("tiny", 4), seed=8, expert_format="nvfp4")
+    with pytest.raises(ValueError, match=r"\{1: \(False, False\), 2: \(True, True\)\}"):
+        save_checkpoint(without_input_scales(weights, [1]), tmp_path / "a")
+
+
+@pytest.fixture(scope="module")
+def w4a16_ckpt(q_weights, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("w4a16_ckpt")
+    save_checkpoint(without_input_scales(q_weights), directory, shard_bytes=SHARD_BYTES)
+    return directory
+
+
+def test_weight_only_nvfp4_round_trip(q_weights, w4a16_ckpt):
+    """Experts without input scales are saved as ModelOpt's weight-only form
+    (W4A16_NVFP4, no input scale tensors) and load back bit for bit, with the same
+    outputs as the NVFP4 checkpoint they came from (the input scales are unused)."""
+    config = json.loads((w4a16_ckpt / "config.json").read_text())["quantization_config"]
+    assert config["quant_algo"] == "W4A16_NVFP4"
+    assert not [n for n in weight_map(w4a16_ckpt) if n.endswith("input_scale")]
+    loaded = load_checkpoint(w4a16_ckpt)
+    assert_same_weights(without_input_scales(q_weights), loaded)
+    s = loaded.layers[1].experts.nvfp4
+    assert s.w13_input_scale is None and s.w2_input_scale is None
+    assert_same_reference_outputs(q_weights, loaded, prompt_len=24, seed=12)
+
+
+def test_weight_only_config_reads_input_scales_it_finds(q_weights, q_ckpt, tmp_path):
+    """A weight-only config over a checkpoint that kept its input scales (as vLLM
+    loads such checkpoints): they are read."""
+    directory = copy_checkpoint(q_ckpt, tmp_path / "c")
+    edit_config(directory, lambda c: c["quantization_config"].update(quant_algo="W4A16_NVFP4"))
+    assert_same_weights(q_weights, load_checkpoint(directory))
+
+
+def test_nvfp4_groups_without_input_activations_are_weight_only(w4a16_ckpt, tmp_path):
+    """quant_algo NVFP4 whose every config group quantizes weights only is weight-only,
+    as vLLM 0.33 reads it (it routes such checkpoints to W4A16)."""
+    directory = copy_checkpoint(w4a16_ckpt, tmp_path / "c")
+    groups = {"group_0": {"weights": {"num_bits": 4, "group_size": 16}, "input_activations": None}}
+    edit_config(directory, lambda c: c["quantization_config"].update(quant_algo="NVFP4", config_groups=groups))
+    assert load_checkpoint(directory).layers[1].experts.nvfp4.w2_input_scale is None
+    groups["group_0"]["input_activations"] = {"num_bits": 4}
+    edit_config(directory, lambda c: c["quantization_config"].update(config_groups=groups))
+    name = re.escape(f"{PREFIX}layers.1.mlp.experts.gate_up_proj_input_scale")
+    with pytest.raises(CheckpointError, match=rf"{name} is missing .*NVFP4 with activation scales"):
+        load_checkpoint(directory)
+
+
+def test_weight_only_checkpoint_with_one_input_scale_is_refused(w4a16_ckpt, tmp_path, q_weights):
+    directory = copy_checkpoint(w4a16_ckpt, tmp_path / "c")
+    name = f"{PREFIX}layers.1.mlp.experts.down_proj_input_scale"
+    add_tensors(directory, {name: q_weights.layers[1].experts.nvfp4.w2_input_scale})
+    with pytest.raises(CheckpointError, match="carry one of their two input scales"):
+        load_checkpoint(directory)

@@ -15,6 +15,8 @@ and ``down_proj`` (uint8) with their ``_weight_scale`` (e4m3), ``_weight_scale_2
 ``_input_scale`` tensors. Which layers' experts are quantized comes from the
 quantization config (``Nvfp4Config``): ``config.json``'s ``quantization_config``
 (ModelOpt >= 0.31) or, without one, ``hf_quant_config.json`` (older ModelOpt).
+A weight-only config (W4A16_NVFP4) may leave out the input scales; experts saved
+without them are written in that form.
 
 The loader is strict: a missing tensor, a tensor of the wrong shape or dtype, an
 unknown text-model tensor name, a quantized tensor the quantization config does
@@ -89,6 +91,11 @@ EXPERTS_MODULE = "mlp.experts"
 # exclude them, for this loader reads them as bf16.
 _LAYER_LINEARS = tuple(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj"))
 NVFP4_ALGO = "NVFP4"
+# ModelOpt's weight-only form: the same packed experts and scales, no activation
+# scales (vLLM runs both through Marlin's W4A16 kernels on SM90).
+W4A16_NVFP4_ALGO = "W4A16_NVFP4"
+# The NVFP4 expert tensors a weight-only checkpoint may leave out (vLLM drops them).
+INPUT_SCALE_SUFFIXES = ("mlp.experts.gate_up_proj_input_scale", "mlp.experts.down_proj_input_scale")
 
 
 class CheckpointError(ValueError):
@@ -98,14 +105,21 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Nvfp4Config:
-    """A ModelOpt NVFP4 quantization config: ``quant_algo`` NVFP4, blocks of 16, and
-    the modules it leaves unquantized (``ignore``, ModelOpt's ``exclude_modules``),
-    matched as vLLM's ``ModelOptQuantConfigBase.is_layer_excluded`` matches them:
-    a module is excluded by an entry equal to its name, contained in its name, or a
-    wildcard matching it (``path*`` meaning ``path`` and everything under it).
-    Module names are the checkpoint's (``model.language_model.layers.1.mlp.experts``)."""
+    """A ModelOpt NVFP4 quantization config: ``quant_algo`` NVFP4 or W4A16_NVFP4,
+    blocks of 16, and the modules it leaves unquantized (``ignore``, ModelOpt's
+    ``exclude_modules``), matched as vLLM's ``ModelOptQuantConfigBase.is_layer_excluded``
+    matches them: a module is excluded by an entry equal to its name, contained in
+    its name, or a wildcard matching it (``path*`` meaning ``path`` and everything
+    under it). Module names are the checkpoint's (``model.language_model.layers.1.mlp.experts``).
+
+    ``weights_only``: the config quantizes weights only, as vLLM 0.33 decides it:
+    ``quant_algo`` W4A16_NVFP4, or NVFP4 with ``config_groups`` whose every group has
+    no ``input_activations``. Such a checkpoint may leave out the experts'
+    ``_input_scale`` tensors; the weights are the same either way (the executor's
+    NVFP4 kernels, like Marlin's, never quantize activations)."""
 
     ignore: tuple[str, ...] = ()
+    weights_only: bool = False
 
     @classmethod
     def from_config(cls, config: Any, where: str) -> Nvfp4Config:
@@ -128,31 +142,41 @@ class Nvfp4Config:
             body = config
             ignore = config.get("ignore", config.get("exclude_modules", []))
         algo = body.get("quant_algo")
-        if not isinstance(algo, str) or algo.upper() != NVFP4_ALGO:
-            raise CheckpointError(f"{where}: quant_algo is {algo!r}; this loader reads {NVFP4_ALGO} only")
+        if not isinstance(algo, str) or algo.upper() not in (NVFP4_ALGO, W4A16_NVFP4_ALGO):
+            raise CheckpointError(
+                f"{where}: quant_algo is {algo!r}; this loader reads {NVFP4_ALGO} and {W4A16_NVFP4_ALGO} only"
+            )
         group = body.get("group_size", nvfp4.BLOCK)
         if group != nvfp4.BLOCK:
             raise CheckpointError(f"{where}: group_size is {group!r}; NVFP4 scales blocks of {nvfp4.BLOCK}")
         if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
             raise CheckpointError(f"{where}: the excluded modules must be a list of names, got {ignore!r}")
-        return cls(tuple(ignore))
+        groups = body.get("config_groups")
+        weights_only = algo.upper() == W4A16_NVFP4_ALGO or (
+            isinstance(groups, dict)
+            and bool(groups)
+            and all(isinstance(g, dict) and g.get("input_activations") is None for g in groups.values())
+        )
+        return cls(tuple(ignore), weights_only)
 
     def to_config(self) -> dict[str, Any]:
         """The ``quantization_config`` of ``config.json`` (ModelOpt >= 0.31's form)."""
         return {
             "quant_method": "modelopt",
-            "quant_algo": NVFP4_ALGO,
+            "quant_algo": W4A16_NVFP4_ALGO if self.weights_only else NVFP4_ALGO,
             "group_size": nvfp4.BLOCK,
             "ignore": list(self.ignore),
         }
 
     @classmethod
-    def for_layers(cls, spec: ModelSpec, quantized: Collection[int], prefix: str = MULTIMODAL_PREFIX) -> Nvfp4Config:
+    def for_layers(
+        cls, spec: ModelSpec, quantized: Collection[int], prefix: str = MULTIMODAL_PREFIX, weights_only: bool = False
+    ) -> Nvfp4Config:
         """The config of a checkpoint whose routed experts are NVFP4 in the
         ``quantized`` layers only (everything else bf16)."""
         ignore = [LM_HEAD.removesuffix(".weight"), f"{prefix}layers.*.self_attn*"]
         ignore += [f"{prefix}layers.{i}.{EXPERTS_MODULE}*" for i in range(spec.num_layers) if i not in quantized]
-        return cls(tuple(ignore))
+        return cls(tuple(ignore), weights_only)
 
     def excludes(self, module: str) -> bool:
         for entry in self.ignore:
@@ -295,6 +319,7 @@ def save_checkpoint(weights: ModelWeights, directory: str | Path, shard_bytes: i
     host only while its shard is written."""
     if shard_bytes <= 0:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    weights_only = _weights_only(weights)
     entries = _save_entries(weights)
     shards: list[list[tuple[str, torch.Tensor, bool]]] = [[]]
     size = 0
@@ -315,7 +340,9 @@ def save_checkpoint(weights: ModelWeights, directory: str | Path, shard_bytes: i
     }
     quantized = [layer.index for layer in weights.layers if layer.experts.format == "nvfp4"]
     if quantized:
-        config["quantization_config"] = Nvfp4Config.for_layers(weights.spec, quantized).to_config()
+        config["quantization_config"] = Nvfp4Config.for_layers(
+            weights.spec, quantized, weights_only=weights_only
+        ).to_config()
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
     head_dim = weights.spec.head_dim
@@ -332,6 +359,24 @@ def save_checkpoint(weights: ModelWeights, directory: str | Path, shard_bytes: i
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _weights_only(weights: ModelWeights) -> bool:
+    """Whether the NVFP4 experts are saved as a weight-only checkpoint (W4A16_NVFP4):
+    no layer's experts carry input scales. Either every NVFP4 layer carries both or
+    none carries any."""
+    carried = {}
+    for layer in weights.layers:
+        scales = layer.experts.nvfp4
+        if scales is not None:
+            carried[layer.index] = (scales.w13_input_scale is not None, scales.w2_input_scale is not None)
+    kinds = set(carried.values())
+    if len(kinds) > 1 or (True, False) in kinds or (False, True) in kinds:
+        raise ValueError(
+            "cannot save NVFP4 experts with input scales in some places and not in others (layer: gate_up's, "
+            f"down's): {carried}; a checkpoint is NVFP4 with every input scale or W4A16_NVFP4 with none"
+        )
+    return kinds == {(False, False)}
 
 
 def _save_entries(weights: ModelWeights) -> list[tuple[str, torch.Tensor, bool]]:
@@ -389,6 +434,8 @@ def _layer_sources(spec: ModelSpec, layer: LayerWeights) -> dict[str, torch.Tens
         tensors = {**vars(e.nvfp4), "w13": e.w13, "w2": e.w2}
         experts = {}
         for suffix, (key, _, _) in nvfp4_expert_table(spec).items():
+            if tensors[key] is None and suffix in INPUT_SCALE_SUFFIXES:
+                continue  # a weight-only checkpoint (_weights_only)
             if tensors[key] is None:
                 raise ValueError(f"{where}: the NVFP4 experts have no {key}, which the checkpoint stores ({suffix})")
             experts[suffix] = tensors[key]
@@ -445,11 +492,18 @@ def load_checkpoint(
     quant = read_quant_config(directory, json.loads((directory / CONFIG_NAME).read_text()))
     quantized = frozenset() if quant is None else quant.quantized_layers(full_spec, prefix, str(directory))
     _check_names(locations, prefix, full_spec, directory, quantized, quant is not None)
+    # A weight-only config's experts may leave out their input scales.
+    optional = INPUT_SCALE_SUFFIXES if quant is not None and quant.weights_only else ()
 
     top = global_tensor_table(spec, prefix)
     for name in iter_checkpoint_names(spec, prefix, quantized):
-        if name not in locations:
-            raise CheckpointError(f"tensor {name} is missing from the checkpoint at {directory}")
+        if name not in locations and not name.endswith(optional):
+            why = (
+                " (the quantization config is NVFP4 with activation scales; a weight-only one is W4A16_NVFP4)"
+                if name.endswith(INPUT_SCALE_SUFFIXES)
+                else ""
+            )
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint at {directory}{why}")
 
     dev = torch.device(device)
     with _Reader(directory, locations, dev) as read:
@@ -459,11 +513,16 @@ def load_checkpoint(
             tensors: dict[str, Any] = {
                 key: read(f"{prefix}layers.{index}.{suffix}", shape, dtype)
                 for suffix, (key, shape, dtype) in layer_tensor_table(spec, index in quantized).items()
+                if f"{prefix}layers.{index}.{suffix}" in locations or suffix not in optional
             }
             if index in quantized:
-                tensors["nvfp4"] = Nvfp4Scales(
-                    **{f: tensors.pop(f) for f in Nvfp4Scales.__dataclass_fields__}  # type: ignore[arg-type]
-                )
+                scales = {f: tensors.pop(f, None) for f in Nvfp4Scales.__dataclass_fields__}
+                if (scales["w13_input_scale"] is None) != (scales["w2_input_scale"] is None):
+                    raise CheckpointError(
+                        f"layer {index}'s experts in {directory} carry one of their two input scales "
+                        "(gate_up_proj_input_scale, down_proj_input_scale): either both or neither"
+                    )
+                tensors["nvfp4"] = Nvfp4Scales(**scales)
             layers.append(
                 make_layer(
                     spec,

@@ -343,3 +343,61 @@ def test_served_steps_equal_the_reference(served: Any, ours: ModelWeights, monke
             assert torch.equal(a, b), first
         differs |= not torch.equal(hidden, hidden_ckpt)
     assert differs
+
+
+@pytest.fixture(scope="module")
+def weight_only_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The NVFP4 checkpoint's weights saved without input scales: ModelOpt's
+    weight-only form (quant_algo W4A16_NVFP4)."""
+    directory = tmp_path_factory.mktemp("muse-spark-tiny-w4a16-nvfp4")
+    spec = tiny_spec()
+    weights = random_weights(spec, seed=SEED, expert_format="nvfp4")
+    layers = []
+    for layer in weights.layers:
+        e = layer.experts
+        if e.nvfp4 is not None:
+            scales = dataclasses.replace(e.nvfp4, w13_input_scale=None, w2_input_scale=None)
+            layer = dataclasses.replace(layer, experts=dataclasses.replace(e, nvfp4=scales))
+        layers.append(layer)
+    save_checkpoint(dataclasses.replace(weights, layers=layers), directory)
+    quantization = json.loads((directory / "config.json").read_text())["quantization_config"]
+    assert quantization["quant_algo"] == "W4A16_NVFP4"
+    write_multimodal_config(directory, spec, quantization)
+    return directory
+
+
+def test_weight_only_nvfp4_serves_the_same_marlin_experts(
+    weight_only_checkpoint: Path,
+    served: Any,
+    draft: Path,
+    distributed: None,
+    marlin_as_on_hopper: None,
+    marlin_repack_on_the_cpu: None,
+) -> None:
+    """A W4A16_NVFP4 checkpoint (no input scales): vLLM 0.33 takes it as its
+    weight-only NVFP4 config, the gate serves it, and the experts the executor views
+    are Marlin's tensors equal, byte for byte, to those of the NVFP4 checkpoint of
+    the same weights (the activation scales never enter Marlin's W4A16 kernels)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gate, "platform_capability", lambda: (9, 0))
+        probe = gate.check(build_config(weight_only_checkpoint, draft), capability=(9, 0))
+        assert probe is not None and probe.deployment.expert_format == "nvfp4_marlin"
+        config = build_config(weight_only_checkpoint, draft, additional={"decode_backend": "auto"})
+        assert config.quant_config.quant_method == "W4A16_NVFP4"
+        model = load_model(config, weight_only_checkpoint)
+    spec = tiny_spec()
+    names = (
+        "w13_weight",
+        "w13_weight_scale",
+        "w13_weight_scale_2",
+        "w2_weight",
+        "w2_weight_scale",
+        "w2_weight_scale_2",
+    )
+    for layer, theirs in zip(model.model.layers[1:-1], served.model.model.layers[1:-1], strict=True):
+        method = routed(layer).quant_method
+        assert method.use_a16 and method.use_route_major, layer.layer_idx
+        for name in names:
+            a, b = getattr(routed(layer), name).data, getattr(routed(theirs), name).data
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (layer.layer_idx, name)
+    assert len(model.model.layers) == spec.num_layers

@@ -6,6 +6,7 @@ rank's input from the same seeds). What the test asserts on is saved for the par
 
 from __future__ import annotations
 
+import gc
 import os
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from sparkdecode.deployment import detect
 from sparkdecode.protocols import BuildContext
 from sparkdecode.spec import ModelSpec
+from sparkdecode_flashinfer import allreduce
 from sparkdecode_flashinfer.allreduce import FlashInferAllReduce
 
 ROWS = 8
@@ -84,8 +86,18 @@ def run_checks(rank: int, tp: int, device: torch.device) -> dict:
         mailboxes=[],
         ops={},
     )
-    op = FlashInferAllReduce.build(ctx, None)
-    shared = FlashInferAllReduce.build(ctx, None).workspace is op.workspace
+    # As the executor builds: the collective setup first, then each layer's build
+    # finds its workspace (made once).
+    made = []
+    create = allreduce.create_workspace
+    allreduce.create_workspace = lambda c: made.append(c) or create(c)
+    try:
+        FlashInferAllReduce.collective_setup(ctx)
+        op = FlashInferAllReduce.build(ctx, None)
+        shared = FlashInferAllReduce.build(ctx, None).workspace is op.workspace and len(made) == 1
+    finally:
+        allreduce.create_workspace = create
+    made.clear()
     cases = shapes(spec)
     eager = []
     for seed, shape in enumerate(cases):
@@ -110,7 +122,15 @@ def run_checks(rank: int, tp: int, device: torch.device) -> dict:
         graph.replay()
         torch.cuda.synchronize(device)
         replayed += [compare(b, expected(s, seed, tp)) for b, s, seed in zip(buffers, order, seeds, strict=True)]
-    return {"shared_workspace": shared, "eager": eager, "graph": replayed}
+    # The workspace's memory goes back to FlashInfer once nothing holds it.
+    from flashinfer.comm import trtllm_ar
+
+    handles = id(op.workspace.ipc_handles)
+    held = handles in trtllm_ar._symm_workspace_refs
+    del op, graph, ctx
+    gc.collect()
+    released = held and handles not in trtllm_ar._symm_workspace_refs
+    return {"shared_workspace": shared, "released": released, "eager": eager, "graph": replayed}
 
 
 def main(rank: int, tp: int, init: str, out_dir: str, one_gpu: bool) -> None:

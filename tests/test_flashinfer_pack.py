@@ -42,8 +42,14 @@ def test_an_install_that_cannot_import_is_a_reason(monkeypatch):
     its providers say so rather than fail in their build."""
     problem = "flashinfer is installed but cannot be imported (ModuleNotFoundError: No module named 'tvm_ffi')"
     monkeypatch.setattr(support, "import_problem", lambda module: problem if module == "flashinfer" else None)
-    for cls in (*PROVIDERS, FlashInferAllReduce):
-        assert cls.unsupported(hopper(tp=2) if cls is FlashInferAllReduce else hopper()) == problem
+    for cls in PROVIDERS:
+        assert cls.unsupported(hopper()) == problem
+    # The all-reduce imports flashinfer.comm, which needs cuda-python besides.
+    assert FlashInferAllReduce.unsupported(hopper(tp=2)) is None
+    comm = "flashinfer.comm is installed but cannot be imported (ModuleNotFoundError: No module named 'cuda')"
+    monkeypatch.setattr(support, "import_problem", lambda module: comm if module == "flashinfer.comm" else None)
+    assert FlashInferAllReduce.unsupported(hopper(tp=2)) == comm
+    assert all(cls.unsupported(hopper()) is None for cls in PROVIDERS)
     d = hopper()
     other = dataclasses.replace(d, libraries={**d.libraries, "flashinfer": "0.7.20"})
     assert "FlashInfer 0.7.20 is installed" in FlashInferXqa.unsupported(other)

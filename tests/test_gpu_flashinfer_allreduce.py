@@ -63,7 +63,7 @@ def test_op_equals_the_reference_sum(tp, one_gpu, tmp_path):
         enough_gpus(tp)
     ranks = watched(flashinfer_allreduce_worker.main, tp, tmp_path, one_gpu)
     for rank, r in enumerate(ranks):
-        assert r["shared_workspace"], rank
+        assert r["shared_workspace"] and r["released"], rank
         checks = r["eager"] + r["graph"]
         assert len(r["graph"]) == 6 * flashinfer_allreduce_worker.REPLAYS
         for i, c in enumerate(checks):

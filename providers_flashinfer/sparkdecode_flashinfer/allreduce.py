@@ -38,6 +38,7 @@ partials under EP); the workspace is sized for the largest.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -82,7 +83,8 @@ class FlashInferAllReduce:
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
-        reason = flashinfer_gpu_unsupported(deployment)
+        # flashinfer.comm needs cuda-python, which importing flashinfer alone does not.
+        reason = flashinfer_gpu_unsupported(deployment, "flashinfer.comm")
         if reason is not None:
             return reason
         if deployment.tp == 1:
@@ -166,24 +168,52 @@ def capacity(ctx: BuildContext) -> int:
     return ctx.max_rows * max(spec.H, spec.top_k * spec.P)
 
 
+# Workspaces released while a CUDA graph was being captured on this thread: freeing
+# then (a garbage collection can run anywhere) would break the capture, so they
+# wait for the next workspace.
+_DEFERRED: list[tuple[list, torch.device]] = []
+
+
+def _release(ipc_handles: list, device: torch.device) -> None:
+    """A workspace's memory, once no provider holds it: FlashInfer keeps its buffers
+    in a module-level table until told to drop them (its workspace object's own
+    ``destroy`` does not)."""
+    if torch.cuda.is_current_stream_capturing():
+        _DEFERRED.append((ipc_handles, device))
+        return
+    from flashinfer.comm import trtllm_destroy_ipc_workspace_for_all_reduce_fusion
+
+    torch.cuda.synchronize(device)  # this rank's last all-reduce on it has finished
+    trtllm_destroy_ipc_workspace_for_all_reduce_fusion(ipc_handles)
+
+
+def _release_deferred() -> None:
+    while _DEFERRED:
+        _release(*_DEFERRED.pop())
+
+
 def create_workspace(ctx: BuildContext) -> Any:
     """The IPC workspace of this rank (collective over ``ctx.group``), then one
     all-reduce of zeros on every rank: the kernel's JIT build and its first launch
-    (launch-shape queries cached in the library) happen here, not under capture."""
+    (launch-shape queries cached in the library) happen here, not under capture.
+    Its memory goes back to FlashInfer when the last provider holding it goes."""
     spec = ctx.spec
 
     def jit_build() -> Any:
         from flashinfer.comm import TRTLLMAllReduceFusionWorkspace
         from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
 
+        _release_deferred()
         get_trtllm_comm_module()  # the kernel's JIT build (or load), on each rank alone
         return TRTLLMAllReduceFusionWorkspace
 
-    # The local steps agreed before each collective one (FlashInfer's workspace
-    # exchange, the warm all-reduce), so a rank that fails there stops every rank.
-    make = on_every_rank(jit_build, ctx.group, "FlashInfer's all-reduce module")
     with torch.cuda.device(ctx.device):
-        # FlashInfer's exchange is inside; a failure after it is agreed here.
+        # Agreed before FlashInfer's exchange: a rank whose module cannot be built or
+        # loaded stops every rank here.
+        make = on_every_rank(jit_build, ctx.group, "FlashInfer's all-reduce module")
+        # FlashInfer's own exchange is inside this step: a failure on every rank (no
+        # shareable memory handles, say) is agreed, but one rank failing midway leaves
+        # the others in FlashInfer's collectives until its own timeouts.
         workspace = on_every_rank(
             lambda: make(
                 tp_size=ctx.tp,
@@ -196,8 +226,14 @@ def create_workspace(ctx: BuildContext) -> Any:
             ctx.group,
             "FlashInfer's all-reduce workspace",
         )
-        warm = on_every_rank(lambda: FlashInferAllReduce(ctx, workspace), ctx.group, "FlashInfer's all-reduce")
-        for width in warm.widths:
-            warm.run(torch.zeros(ctx.max_rows, width, dtype=torch.bfloat16, device=ctx.device))
-        torch.cuda.synchronize(ctx.device)
+        finalizer = weakref.finalize(workspace, _release, workspace.ipc_handles, torch.device(ctx.device))
+        finalizer.atexit = False  # at exit the process's memory goes anyway
+        try:
+            warm = on_every_rank(lambda: FlashInferAllReduce(ctx, workspace), ctx.group, "FlashInfer's all-reduce")
+            for width in warm.widths:
+                warm.run(torch.zeros(ctx.max_rows, width, dtype=torch.bfloat16, device=ctx.device))
+            torch.cuda.synchronize(ctx.device)
+        except BaseException:
+            finalizer()
+            raise
     return workspace

@@ -32,8 +32,9 @@ def flashinfer_unsupported(d: Deployment) -> str | None:
     return reason
 
 
-def flashinfer_gpu_unsupported(d: Deployment) -> str | None:
-    """A Hopper GPU and FlashInfer 0.7.2 installed (every provider of the pack)."""
+def flashinfer_gpu_unsupported(d: Deployment, module: str = "flashinfer") -> str | None:
+    """A Hopper GPU and FlashInfer 0.7.2 installed (every provider of the pack), its
+    ``module`` importable."""
     if d.device != "cuda" or d.capability is None:
         return "needs a CUDA GPU"
     if d.capability[0] != 9:
@@ -44,7 +45,7 @@ def flashinfer_gpu_unsupported(d: Deployment) -> str | None:
         return f"FlashInfer is not installed (pip install {FLASHINFER_PIN})"
     if version != FLASHINFER_VERSION and not version.startswith((f"{FLASHINFER_VERSION}.", f"{FLASHINFER_VERSION}+")):
         return f"FlashInfer {version} is installed; this pack is built against {FLASHINFER_PIN}"
-    return import_problem("flashinfer")
+    return import_problem(module)
 
 
 def per_context(ctx: BuildContext, name: str, make: Callable[[], T]) -> T:

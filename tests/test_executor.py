@@ -8,6 +8,7 @@ buffers, mailboxes, metadata, aux streams or the order it runs the blocks in.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -226,3 +227,110 @@ def test_measurement_chain_is_the_step_over_its_layers(weights, spec):
     assert step is not None
     hidden, _ = executor.run(step, inputs_embeds=chain.embeddings)
     assert torch.equal(hidden, first)
+
+
+@pytest.mark.parametrize(
+    ("pooler", "unpooler", "all_reduce", "expected"),
+    [
+        (False, False, "cuda", False),
+        (False, False, "reference", True),
+        (True, False, "cuda", True),
+        (False, True, "cuda", True),
+    ],
+)
+def test_chains_with_torch_collectives_are_known(spec, pooler, unpooler, all_reduce, expected) -> None:
+    """What a timing over a group a CUDA graph cannot capture (gloo) leaves untimed:
+    a chain whose all-reduce runs torch.distributed collectives, or whose sharded
+    pooler or unpooler gathers its columns through the reference transport."""
+    from sparkdecode.reference.providers import ReferenceAllReduce
+    from sparkdecode.weights import Sharding
+
+    sharding = Sharding(tp=2, rank=0, expert_parallel="tp", shard_pooler=pooler, shard_unpooler=unpooler)
+    executor = SpecializedDecode(random_weights(spec, seed=3, sharding=sharding), DecodeConfig(max_context=64))
+
+    class DeviceAllReduce:  # an all-reduce that moves the rows itself, as the cuda pack's does
+        block = "all_reduce"
+
+    cls = ReferenceAllReduce if all_reduce == "reference" else DeviceAllReduce
+    assert executor._host_collectives({"all_reduce": cls}) is expected
+
+
+class _FakeCuda:
+    """torch.cuda's stream and graph calls that graph_seconds makes before its first
+    replay, on the CPU: the run happens eagerly, and the capture fails where asked."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, capture_fails: bool) -> None:
+        import contextlib
+
+        class Stream:
+            def __init__(self, device=None) -> None:
+                pass
+
+            def wait_stream(self, other) -> None:
+                pass
+
+        @contextlib.contextmanager
+        def graph(g):
+            if capture_fails:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            yield
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+
+
+def test_graph_seconds_tells_a_failed_capture_from_a_failed_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed capture raises CaptureFailedError (fatal: the allocator may be left in
+    its capture state); a failed warm-up run, its own error; over ranks, the worst
+    rank's outcome is every rank's, agreed before any replay."""
+    from sparkdecode.executor import CaptureFailedError, graph_seconds
+
+    def broken() -> None:
+        raise ValueError("rows of 7")
+
+    device = torch.device("cpu")
+    _FakeCuda(monkeypatch, capture_fails=True)
+    with pytest.raises(CaptureFailedError, match=r"could not be captured \(RuntimeError: operation not permitted"):
+        graph_seconds(lambda: None, device)
+    with pytest.raises(ValueError, match="rows of 7"):
+        graph_seconds(broken, device)
+    seen: list[float] = []
+    with pytest.raises(ValueError, match="rows of 7"):  # another rank ran: the run's failure stands
+        graph_seconds(broken, device, combine=lambda x: seen.append(x) or x)
+    assert seen == [1.0]
+    _FakeCuda(monkeypatch, capture_fails=False)
+    with pytest.raises(CaptureFailedError, match="could not be captured on another rank"):
+        graph_seconds(lambda: None, device, combine=lambda x: 2.0)
+    with pytest.raises(RuntimeError, match="failed to run on another rank"):
+        graph_seconds(lambda: None, device, combine=lambda x: max(x, 1.0))
+
+
+def test_a_failed_capture_stops_the_layout_a_failed_run_leaves_the_candidate_untimed(
+    spec, weights, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sparkdecode.executor import CaptureFailedError
+    from sparkdecode.reference.providers import ReferenceMoE
+
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=64))
+    chain = SimpleNamespace(run=lambda: None, indices=(0,))
+    monkeypatch.setattr(
+        executor_module.SpecializedDecode, "measurement_chain", lambda self, classes, final=False: chain
+    )
+
+    def capture_fails(run, device, combine=None):
+        raise CaptureFailedError("the graph could not be captured (RuntimeError: sync while capturing)")
+
+    monkeypatch.setattr(executor_module, "graph_seconds", capture_fails)
+    with pytest.raises(CaptureFailedError, match=r"reference\.moe serving moe, timed for the layout: the graph could"):
+        executor._measure("moe", ReferenceMoE, {})
+
+    def run_fails(run, device, combine=None):
+        raise ValueError("rows of 7")
+
+    monkeypatch.setattr(executor_module, "graph_seconds", run_fails)
+    with caplog.at_level(logging.WARNING):
+        assert executor._measure("moe", ReferenceMoE, {}) is None
+    assert "reference.moe could not be timed for moe (ValueError: rows of 7)" in caplog.text

@@ -47,7 +47,8 @@ def at_least(low: int, most: int | None = None) -> Callable[[str], int]:
 
 def device_of(text: str | None) -> torch.device:
     """``--device``: cpu, cuda or cuda:N, one this machine has (default: cuda when
-    there is one)."""
+    there is one). A CUDA device becomes torch's current device: CUDA graphs capture
+    on the current device's streams, so work on another device would escape them."""
     if text is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -61,4 +62,5 @@ def device_of(text: str | None) -> torch.device:
             raise UsageError(f"--device {text}: this machine has no CUDA GPU (or this torch has no CUDA)")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UsageError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(device)
     return device

@@ -355,12 +355,13 @@ class SpecializedDecode:
         ``cls`` serving ``kind``: the candidate in place, launch gaps and overlaps
         included, the overlap of one layer's start with the end of the layer before
         as well. The slowest rank's time, so every rank decides alike. None (not timed)
-        when the layer's all-reduce runs torch.distributed collectives over a group a
-        CUDA graph cannot capture (gloo), or when the candidate could not be built,
-        captured or run on some rank (a warning names why)."""
+        when the chain runs torch.distributed collectives over a group a CUDA graph
+        cannot capture (gloo), or when the candidate could not be built or run on some
+        rank (a warning names why). A capture that fails raises ``CaptureFailedError``
+        on every rank."""
         classes = dict(layout)
         classes[kind] = cls
-        if self.group is not None and getattr(classes.get("all_reduce"), "host_collectives", False):
+        if self.group is not None and self._host_collectives(classes):
             import torch.distributed as dist
 
             if dist.get_backend(self.group) != "nccl":
@@ -371,6 +372,8 @@ class SpecializedDecode:
             chain = self.measurement_chain(classes, final=kind == "final")
             combine = self._slowest if self.group is not None else None
             seconds = graph_seconds(chain.run, self.device, combine=combine) / len(chain.indices)
+        except CaptureFailedError as e:  # on every rank alike (graph_seconds agrees it)
+            raise CaptureFailedError(f"{getattr(cls, 'name', cls)} serving {kind}, timed for the layout: {e}") from e
         except Exception as e:  # the candidate cannot run here: untimed on every rank
             failure = f"{type(e).__name__}: {e}"
             seconds = math.inf
@@ -387,6 +390,16 @@ class SpecializedDecode:
             )
             return None
         return seconds
+
+    def _host_collectives(self, classes: Mapping[str, type]) -> bool:
+        """Whether a chain of ``classes`` runs torch.distributed collectives: an
+        all-reduce that says so (``host_collectives``), or the column gathers of a
+        sharded unpooler (the mailboxes) or pooler (the MoE's pooled rows), which go
+        through the reference transport (``comm.Collectives.gather_columns``)."""
+        if getattr(classes.get("all_reduce"), "host_collectives", False):
+            return True
+        sharding = self.weights.sharding
+        return self.tp > 1 and (sharding.shard_unpooler or sharding.shard_pooler)
 
     def _slowest(self, seconds: float) -> float:
         """The largest of every rank's ``seconds`` (a MAX all-reduce)."""
@@ -471,6 +484,16 @@ class MeasurementChain:
             self.final.run(step, stream, self.out, None)
 
 
+class CaptureFailedError(RuntimeError):
+    """A CUDA graph capture failed. Not a candidate to pass over: what the executor
+    runs must capture (it serves inside a FULL CUDA graph), and a failed capture can
+    leave torch's allocator in its capture state and the thread on the capture
+    stream, so this process cannot go on measuring or serving."""
+
+
+# What graph_seconds' ranks agree on before any replay (the largest is every rank's).
+_RAN, _RUN_FAILED, _CAPTURE_FAILED = 0.0, 1.0, 2.0
+
 # Seconds of replays before a candidate is timed: the GPU's clocks leave their idle
 # state only under load, and the host work of building a candidate between timings
 # lets them fall back, so without it each candidate is timed from wherever the clocks
@@ -492,8 +515,11 @@ def graph_seconds(
     ``batches`` batches of back-to-back replays, since interference (another
     process, a clock dip) only adds time. ``combine`` makes the first replay's time,
     which sets the count of warm replays, the same on every rank (a graph holding
-    collectives must be replayed as often on each)."""
+    collectives must be replayed as often on each), and before it whether the
+    warm-up runs and the capture succeeded. A failed capture raises
+    ``CaptureFailedError``; a failed warm-up run, the run's own error."""
     failure: Exception | None = None
+    stage = _RAN
     try:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -501,16 +527,25 @@ def graph_seconds(
             for _ in range(2):
                 run()
         torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
     except Exception as e:
-        failure = e
-    if combine is not None and math.isinf(combine(math.inf if failure is not None else 0.0)):
-        # Captured on every rank or replayed on none.
-        raise failure or RuntimeError("the graph could not be captured on another rank")
-    if failure is not None:
-        raise failure
+        failure, stage = e, _RUN_FAILED
+    if failure is None:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+        except Exception as e:
+            failure, stage = e, _CAPTURE_FAILED
+    local = stage
+    if combine is not None:
+        # Captured on every rank or replayed on none; the worst rank's outcome is
+        # every rank's, so all raise the same kind of error.
+        stage = combine(stage)
+    if stage == _CAPTURE_FAILED:
+        why = f" ({type(failure).__name__}: {failure})" if local == _CAPTURE_FAILED else " on another rank"
+        raise CaptureFailedError(f"the graph could not be captured{why}") from failure
+    if stage == _RUN_FAILED:
+        raise failure or RuntimeError("the chain failed to run on another rank")
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batches)]
     begin, end = events[0]
     try:

@@ -334,3 +334,37 @@ def test_a_failed_capture_stops_the_layout_a_failed_run_leaves_the_candidate_unt
     with caplog.at_level(logging.WARNING):
         assert executor._measure("moe", ReferenceMoE, {}) is None
     assert "reference.moe could not be timed for moe (ValueError: rows of 7)" in caplog.text
+
+
+def test_timing_chains_share_what_their_collective_setups_make(spec) -> None:
+    """A collective setup's workspace (``BuildContext.shared``) is made by the first
+    timing chain that needs it and shared by the later ones, not made per timing; once
+    the executor drops the timings' markers (its layout resolved), a new one is made."""
+    from sparkdecode.reference.providers import ReferenceAllReduce
+    from sparkdecode.weights import Sharding
+
+    made: list[object] = []
+    seen: list[object] = []
+
+    class SharedAllReduce(ReferenceAllReduce):
+        name = "test.shared_all_reduce"
+
+        @classmethod
+        def collective_setup(cls, ctx) -> None:
+            ctx.shared("test_workspace", lambda: made.append(object()) or made[-1])
+
+        @classmethod
+        def build(cls, ctx, layer):
+            seen.append(ctx.shared("test_workspace", lambda: pytest.fail("made at a build")))
+            return super().build(ctx, layer)
+
+    # A TP-2 rank (detached: no group) builds the MoE's all-reduce.
+    weights = random_weights(spec, seed=3, sharding=Sharding(tp=2, rank=0, expert_parallel="tp"))
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=MAX_CONTEXT))
+    classes = {**executor.layout.classes(), "all_reduce": SharedAllReduce}
+    for _ in range(3):
+        executor.measurement_chain(classes)
+    assert len(made) == 1 and seen and all(w is made[0] for w in seen)
+    executor._timing_collectives.clear()  # as after the layout's resolution
+    executor.measurement_chain(classes)
+    assert len(made) == 2

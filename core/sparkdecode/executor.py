@@ -138,6 +138,9 @@ class SpecializedDecode:
         self.registry = registry if registry is not None else discover()
         require(self.deployment, self.registry, config.pins, group)
         measure_fn = self._measure if measure and self.device.type == "cuda" else None
+        # What the timings' collective setups made (their workspaces' markers), kept
+        # for every later timing while the layout is resolved (measurement_chain).
+        self._timing_collectives: dict[str, torch.Tensor] = {}
         self.layout: Layout = resolve(
             self.registry,
             self.deployment,
@@ -148,6 +151,7 @@ class SpecializedDecode:
             agree=self._all_ranks if group is not None else None,
             every_rank=self._every_rank if group is not None else None,
         )
+        self._timing_collectives.clear()  # their workspaces go with the last timing's providers
         self.buffers: dict[str, torch.Tensor] = {}
         self.kv: tuple[LayerKV, ...] | None = None
         self.logged: set[str] = set()
@@ -415,9 +419,16 @@ class SpecializedDecode:
         cache at the longest context, and random embeddings; the final boundary after
         them with ``final``. Its own buffers and mailboxes, so the executor's are left
         alone. Made in three steps, each agreed over the ranks and none inside another:
-        this rank's inputs, the collective setups, the builds."""
+        this rank's inputs, the collective setups, the builds. What a collective setup
+        makes (a workspace, ``BuildContext.shared``) is made once and shared by this
+        executor's later chains (those of its layout's resolution drop theirs once it
+        is resolved): every candidate's timing would otherwise make and free a
+        workspace of its own, a rendezvous of every rank each time."""
         ctx, kv = on_every_rank(lambda: self._chain_inputs(classes), self.group, "the timing's inputs")
+        ctx.buffers.update(self._timing_collectives)
+        before = set(ctx.buffers)
         self._build_collective_first(classes, ctx)
+        self._timing_collectives.update({k: v for k, v in ctx.buffers.items() if k not in before})
         return on_every_rank(lambda: self._chain_builds(classes, ctx, kv, final), self.group, "the timing's builds")
 
     def _chain_inputs(self, classes: Mapping[str, type]) -> tuple[BuildContext, tuple[LayerKV, ...]]:

@@ -33,9 +33,10 @@ E experts, k top-k (spec.py). Lifecycle of every provider:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -205,6 +206,13 @@ def scratch_buffer(
     return buffer
 
 
+T = TypeVar("T")
+
+# Objects shared by the builds from one set of buffers (``BuildContext.shared``), by
+# the id of their marker tensor in the buffers.
+_SHARED: dict[int, Any] = {}
+
+
 @dataclass
 class BuildContext:
     """What ``Provider.build`` receives, once, after the weights are loaded."""
@@ -237,6 +245,22 @@ class BuildContext:
     def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An executor-owned buffer shared by every layer, allocated at the first ask."""
         return scratch_buffer(self.buffers, self.device, name, shape, dtype)
+
+    def shared(self, name: str, make: Callable[[], T]) -> T:
+        """An object every build from these buffers shares (a collective workspace),
+        made by ``make`` at the first ask. It is keyed by a marker tensor kept in the
+        buffers under ``name`` that nothing else references, so it is forgotten when
+        the buffers go (no cycle keeps it; the providers holding it release it by
+        reference counting). The executor carries the markers a timing's
+        ``collective_setup`` steps leave into its later timings, which so share one
+        workspace of each kind instead of making one each."""
+        marker = self.buffers.get(name)
+        if marker is None:
+            made = make()
+            marker = self.buffers[name] = torch.empty(0, device=self.device)
+            _SHARED[id(marker)] = made
+            weakref.finalize(marker, _SHARED.pop, id(marker), None)
+        return _SHARED[id(marker)]
 
 
 @runtime_checkable

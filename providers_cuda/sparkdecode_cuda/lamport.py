@@ -212,10 +212,7 @@ class LamportWorkspace:
         self.kernel.launch((-(-chunks // THREADS), 1, 1), (THREADS, 1, 1), [ptr(x), i64(chunks), *self.args()])
 
 
-# Per executor (per ``ctx.buffers``): the workspace, keyed by a marker in the buffers
-# that nothing else references, so it is forgotten when the buffers go (no cycle
-# keeps it: the providers that hold it release it by reference counting).
-_WORKSPACES: dict[int, LamportWorkspace] = {}
+# The name of the workspace's marker in the executor's buffers (BuildContext.shared).
 _MARKER = "lamport_workspace"
 
 
@@ -230,10 +227,4 @@ def workspace(ctx: BuildContext) -> LamportWorkspace | None:
     at the first ask, collectively. None at TP 1 and on a detached rank."""
     if ctx.tp == 1 or ctx.group is None:
         return None
-    marker = ctx.buffers.get(_MARKER)
-    if marker is None:
-        ws = LamportWorkspace(ctx.device, ctx.group, ctx.tp, ctx.rank, capacity(ctx))
-        marker = ctx.buffers[_MARKER] = torch.empty(0, device=ctx.device)
-        _WORKSPACES[id(marker)] = ws
-        weakref.finalize(marker, _WORKSPACES.pop, id(marker), None)
-    return _WORKSPACES[id(marker)]
+    return ctx.shared(_MARKER, lambda: LamportWorkspace(ctx.device, ctx.group, ctx.tp, ctx.rank, capacity(ctx)))

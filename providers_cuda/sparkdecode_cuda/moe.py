@@ -40,7 +40,6 @@ another order (fp32 rounding, so a bf16 output may move by one ulp).
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
@@ -141,18 +140,13 @@ class MoEKernels:
 
 
 _SIDE_MARKER = "cuda_moe_side_scratch"
-_SIDE_BUFFERS: dict[int, dict[str, torch.Tensor]] = {}
 
 
 def side_context(ctx: BuildContext) -> BuildContext:
     """``ctx`` with its own scratch for the ops that run on the side stream: one
-    buffers dict shared by every build from ``ctx`` (kept by a marker in its buffers)."""
-    marker = ctx.buffers.get(_SIDE_MARKER)
-    if marker is None:
-        marker = ctx.buffers[_SIDE_MARKER] = torch.empty(0, device=ctx.device)
-        _SIDE_BUFFERS[id(marker)] = {}
-        weakref.finalize(marker, _SIDE_BUFFERS.pop, id(marker), None)
-    return dataclasses.replace(ctx, buffers=_SIDE_BUFFERS[id(marker)])
+    buffers dict shared by every build from ``ctx`` (``BuildContext.shared``)."""
+    side: dict[str, torch.Tensor] = ctx.shared(_SIDE_MARKER, dict)
+    return dataclasses.replace(ctx, buffers=side)
 
 
 def _moe_width_unsupported(d: Deployment) -> str | None:

@@ -46,9 +46,11 @@ import torch
 from sparkdecode.deployment import on_every_rank
 from sparkdecode.protocols import BuildContext, Deployment
 
-from .support import flashinfer_gpu_unsupported, per_context
+from .support import flashinfer_gpu_unsupported
 
 RANKS = (2, 4, 8, 16)  # the kernel's NRanks instantiations
+# The name of the workspace's marker in the executor's buffers (BuildContext.shared).
+_MARKER = "flashinfer_all_reduce_workspace"
 VEC = 8  # bf16 elements per 16-byte access
 MAX_CLUSTER = 8
 MAX_BLOCK = 1024
@@ -112,17 +114,16 @@ class FlashInferAllReduce:
     def collective_setup(cls, ctx: BuildContext) -> None:
         """The shared workspace (collective), made before any build."""
         if ctx.group is not None:
-            per_context(ctx, cls.name, lambda: create_workspace(ctx))
+            ctx.shared(_MARKER, lambda: create_workspace(ctx))
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> FlashInferAllReduce:
-        """Every layer's all-reduce shares one workspace, made collectively at the
-        first build from ``ctx`` (and its kernel JIT-compiled and run once); a rank
-        with no group (detached) leaves its collectives out, as the reference does."""
+        """Every layer's all-reduce shares one workspace, made collectively by
+        ``collective_setup`` (and its kernel JIT-compiled and run once); a rank with
+        no group (detached) leaves its collectives out, as the reference does."""
         if ctx.group is None:
             return cls(ctx, None)
-        workspace = per_context(ctx, cls.name, lambda: create_workspace(ctx))
-        return cls(ctx, workspace)
+        return cls(ctx, ctx.shared(_MARKER, lambda: create_workspace(ctx)))
 
     def prepare_kv(self, kv: tuple) -> None:
         pass

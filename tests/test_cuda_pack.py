@@ -407,3 +407,32 @@ def test_experts_bulk_work_and_unsupported():
     assert "rows" in cls.unsupported(dataclasses.replace(marlin, max_rows=16))
     assert (cls.block, cls.name, cls.format) == ("experts_nvfp4", "cuda.experts_nvfp4_marlin_bulk", "nvfp4_marlin")
     assert cls in plugin.PROVIDERS and experts.CudaExpertsNvfp4Marlin in plugin.PROVIDERS
+
+
+@pytest.mark.parametrize(("current", "wanted", "fails"), [(0, 0, False), (1, 1, False), (0, 1, True)])
+def test_driver_calls_go_to_the_device_built_for(monkeypatch, current, wanted, fails):
+    """The cuda pack's driver calls (module loads, the Lamport buffer) go to the
+    current context's GPU: building for another device than the thread's current one
+    is refused by name rather than loading or allocating on the wrong GPU."""
+    import contextlib
+
+    import torch
+    from cuda.bindings import driver
+
+    from sparkdecode_cuda import launch
+
+    ok = driver.CUresult.CUDA_SUCCESS
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(driver, "cuCtxGetCurrent", lambda: (ok, driver.CUcontext(1)))
+    monkeypatch.setattr(driver, "cuCtxGetDevice", lambda: (ok, driver.CUdevice(current)))
+    if fails:
+        with pytest.raises(
+            RuntimeError, match=rf"builds for cuda:{wanted}, but .* current CUDA device is cuda:{current}"
+        ):
+            launch._ensure_context(torch.device("cuda", wanted))
+    else:
+        launch._ensure_context(torch.device("cuda", wanted))
+    launch._ensure_context(torch.device("cuda"))  # the current device: always its own

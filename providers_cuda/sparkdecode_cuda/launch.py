@@ -28,17 +28,26 @@ def _check(result: tuple, what: str) -> tuple:
 
 
 def _ensure_context(device: torch.device) -> None:
-    """Make torch's (primary) context current for the driver API on this thread."""
+    """Make torch's (primary) context current for the driver API on this thread, and
+    check it is ``device``'s: the driver calls after this (module loads, allocations)
+    go to the current context's GPU, which is torch's current device."""
     from cuda.bindings import driver
 
     torch.cuda.init()
+    index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(device):
         torch.cuda.current_stream(device)  # the runtime binds the primary context
     (ctx,) = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if int(ctx) == 0:
-        (dev,) = _check(driver.cuDeviceGet(device.index or 0), "cuDeviceGet")
+        (dev,) = _check(driver.cuDeviceGet(index), "cuDeviceGet")
         (ctx,) = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    (current,) = _check(driver.cuCtxGetDevice(), "cuCtxGetDevice")
+    if int(current) != index:
+        raise RuntimeError(
+            f"the cuda pack builds for cuda:{index}, but this thread's current CUDA device is cuda:{int(current)}: "
+            f"make cuda:{index} current first (torch.cuda.set_device), as each rank of a served model does"
+        )
 
 
 @dataclass(frozen=True)

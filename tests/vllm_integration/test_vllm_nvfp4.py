@@ -21,12 +21,25 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_support import MAX_CONTEXT, build_config, iter_checkpoint, load_model, tiny_spec, write_multimodal_config
+from vllm_support import (
+    MAX_CONTEXT,
+    build_config,
+    free_port,
+    iter_checkpoint,
+    load_model,
+    marlin_definition,
+    nvfp4_tp_rank_weights,
+    patch_marlin_backend,
+    patch_marlin_repack,
+    python_marlin_repack,
+    tiny_spec,
+    write_multimodal_config,
+)
 
 from sparkdecode.checkpoint import MULTIMODAL_PREFIX, Nvfp4Config, load_checkpoint, save_checkpoint
 from sparkdecode.layout import needed_kinds
 from sparkdecode.vllm import gate
-from sparkdecode.weights import ExpertWeights, ModelWeights, Nvfp4Scales, random_weights
+from sparkdecode.weights import ModelWeights, random_weights
 
 SEED = 13
 
@@ -45,12 +58,8 @@ def nvfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def marlin_as_on_hopper() -> Iterator[None]:
-    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend, backend_to_kernel_cls
-    from vllm.model_executor.layers.quantization import modelopt
-
-    marlin = NvFp4MoeBackend.MARLIN
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(modelopt, "select_nvfp4_moe_backend", lambda **_: (marlin, backend_to_kernel_cls(marlin)[0]))
+        patch_marlin_backend(patch)
         yield
 
 
@@ -153,22 +162,6 @@ def test_sm90_marlin_takes_the_gate_scale_for_both_halves(
     assert torch.equal(seen["w13"], ours.layers[1].experts.w13)
 
 
-def python_marlin_repack(weight: torch.Tensor, size_n: int, size_k: int, is_a_8bit: bool) -> torch.Tensor:
-    """vLLM's ``_repack_marlin_experts`` with its CUDA op (``gptq_marlin_repack`` of
-    the GPTQ words) replaced by vLLM's own Python model of it (``marlin_weights``
-    of the unpacked codes, which vLLM's kernel tests check the op against)."""
-    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
-
-    assert not is_a_8bit
-    codes = nvfp4_codes(weight)  # [E, N, K]
-    perm = get_weight_perm(4)
-    return torch.stack([marlin_weights(c.T.contiguous(), size_k, size_n, 4, perm) for c in codes])
-
-
-def nvfp4_codes(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).to(torch.int32)
-
-
 def test_marlin_layout_reads_back_to_the_weights_marlin_computes_with(
     ours: ModelWeights, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -204,24 +197,10 @@ def test_marlin_layout_reads_back_to_the_weights_marlin_computes_with(
     assert not torch.equal(w13, e.dequantized()[0])
 
 
-def marlin_definition(experts: ExpertWeights) -> ExpertWeights:
-    """The checkpoint's NVFP4 experts with the global scales vLLM's SM90 method
-    hands to Marlin (the gate's for both halves of W13, W2's times up/gate): the
-    weights Marlin computes with, in the core's NVFP4 form."""
-    s = experts.nvfp4
-    assert s is not None
-    gate, up = s.w13_global[:, 0], s.w13_global[:, 1]
-    scales = Nvfp4Scales(s.w13_scale, torch.stack([gate, gate], dim=1), s.w2_scale, s.w2_global * (up / gate))
-    return dataclasses.replace(experts, nvfp4=scales)
-
-
 @pytest.fixture(scope="module")
 def marlin_repack_on_the_cpu() -> Iterator[None]:
-    """vLLM's Marlin repack with its CUDA op replaced by vLLM's Python model of it."""
-    from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(marlin_utils_fp4, "_repack_marlin_experts", python_marlin_repack)
+        patch_marlin_repack(patch)
         yield
 
 
@@ -401,3 +380,16 @@ def test_weight_only_nvfp4_serves_the_same_marlin_experts(
             a, b = getattr(routed(layer), name).data, getattr(routed(theirs), name).data
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (layer.layer_idx, name)
     assert len(model.model.layers) == spec.num_layers
+
+
+def test_the_adapter_reads_marlins_experts_at_tp2(nvfp4_checkpoint: Path, draft: Path, tmp_path: Path) -> None:
+    """Two ranks over gloo, each building, loading and repacking the NVFP4 checkpoint
+    with vLLM at TP 2 as on Hopper (EP, then expert TP): each rank's experts, read in
+    place from Marlin's tensors, are the checkpoint's cut for that rank (whole experts
+    under EP, I-slices of codes and scales under expert TP), bit for bit."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(nvfp4_tp_rank_weights, args=(2, free_port(), nvfp4_checkpoint, draft, tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        for mode in ("ep", "expert-tp"):
+            assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)

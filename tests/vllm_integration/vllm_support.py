@@ -6,6 +6,7 @@ and loaded by vLLM's own loader and ``load_weights`` on the CPU."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import socket
@@ -24,7 +25,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from sparkdecode.checkpoint import save_checkpoint
 from sparkdecode.spec import ModelSpec
-from sparkdecode.weights import random_weights
+from sparkdecode.weights import ExpertWeights, Nvfp4Scales, random_weights
 
 MAX_CONTEXT = 512
 SEED = 11
@@ -373,3 +374,109 @@ def tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: P
     except (adapter.AdapterError, RankFailedError) as e:
         stopped = f"{type(e).__name__}: {e}"
     (out / f"rank{rank}-one-rank-fails").write_text(stopped)
+
+
+# ---------------------------------------------------------------- NVFP4 on Marlin
+
+
+def python_marlin_repack(weight: torch.Tensor, size_n: int, size_k: int, is_a_8bit: bool) -> torch.Tensor:
+    """vLLM's ``_repack_marlin_experts`` with its CUDA op (``gptq_marlin_repack`` of
+    the GPTQ words) replaced by vLLM's own Python model of it (``marlin_weights``
+    of the unpacked codes, which vLLM's kernel tests check the op against)."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
+
+    assert not is_a_8bit
+    codes = nvfp4_codes(weight)  # [E, N, K]
+    perm = get_weight_perm(4)
+    return torch.stack([marlin_weights(c.T.contiguous(), size_k, size_n, 4, perm) for c in codes])
+
+
+def nvfp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).to(torch.int32)
+
+
+def marlin_definition(experts: ExpertWeights) -> ExpertWeights:
+    """The checkpoint's NVFP4 experts with the global scales vLLM's SM90 method
+    hands to Marlin (the gate's for both halves of W13, W2's times up/gate): the
+    weights Marlin computes with, in the core's NVFP4 form."""
+    s = experts.nvfp4
+    assert s is not None
+    gate, up = s.w13_global[:, 0], s.w13_global[:, 1]
+    scales = Nvfp4Scales(s.w13_scale, torch.stack([gate, gate], dim=1), s.w2_scale, s.w2_global * (up / gate))
+    return dataclasses.replace(experts, nvfp4=scales)
+
+
+def patch_marlin_backend(patch: pytest.MonkeyPatch) -> None:
+    """vLLM's NVFP4 MoE backend as it chooses it on Hopper (Marlin): the CPU platform
+    has none."""
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend, backend_to_kernel_cls
+    from vllm.model_executor.layers.quantization import modelopt
+
+    marlin = NvFp4MoeBackend.MARLIN
+    patch.setattr(modelopt, "select_nvfp4_moe_backend", lambda **_: (marlin, backend_to_kernel_cls(marlin)[0]))
+
+
+def patch_marlin_repack(patch: pytest.MonkeyPatch) -> None:
+    """vLLM's Marlin repack with its CUDA op replaced by vLLM's Python model of it."""
+    from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
+
+    patch.setattr(marlin_utils_fp4, "_repack_marlin_experts", python_marlin_repack)
+
+
+def nvfp4_tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path) -> None:
+    """One rank of a TP-2 deployment of an NVFP4 checkpoint, built, loaded and
+    repacked for Marlin by vLLM as on Hopper (over gloo), under EP and under expert
+    TP: this rank's experts as the adapter holds them (Marlin's tensors in place)
+    dequantize, bit for bit, to the core's cut of the checkpoint (``shard_weights``)
+    under the global scales vLLM's SM90 method hands to Marlin; every other weight
+    equals the core's cut. Writes ``ok`` or the first difference to
+    ``out/rank{rank}-{mode}``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    from sparkdecode.checkpoint import load_checkpoint
+    from sparkdecode.vllm import adapter
+    from sparkdecode.weights import Sharding, shard_weights
+
+    spec = tiny_spec()
+    with pytest.MonkeyPatch.context() as patch:
+        patch_marlin_backend(patch)
+        patch_marlin_repack(patch)
+        for ep in (True, False):
+            mode = "ep" if ep else "expert-tp"
+            parallel = {"tensor_parallel_size": world, "enable_expert_parallel": ep}
+            config = build_config(checkpoint, draft, parallel=parallel, additional={"decode_backend": "auto"})
+            if ep:
+                with set_current_vllm_config(config):
+                    init_distributed_environment(
+                        world_size=world,
+                        rank=rank,
+                        local_rank=rank,
+                        distributed_init_method=f"tcp://127.0.0.1:{port}",
+                        backend="gloo",
+                    )
+                    ensure_model_parallel_initialized(world, 1)
+            model = load_model(config, checkpoint)
+            try:
+                sharding = adapter.sharding_of(model.model, world, rank, ep)
+                ours = adapter.model_weights(spec, model.model, model.lm_head, sharding)
+                theirs = shard_weights(
+                    load_checkpoint(checkpoint), Sharding(tp=world, rank=rank, expert_parallel="ep" if ep else "tp")
+                )
+                result = "ok"
+                assert ours.expert_format == "nvfp4_marlin", ours.expert_format
+                for mine, ref in zip(ours.layers, theirs.layers, strict=True):
+                    for name in ("qkvg", "o_proj", "router", "pooler", "unpooler"):
+                        assert torch.equal(getattr(mine, name), getattr(ref, name)), (mine.index, name)
+                    a, b = mine.experts, ref.experts
+                    assert (a.first_expert, a.intermediate_slice) == (b.first_expert, b.intermediate_slice), (a, b)
+                    if b.format == "nvfp4":
+                        assert a.format == "nvfp4_marlin", (mine.index, a.format)
+                        b = marlin_definition(b)
+                    else:
+                        assert a.format == "bf16", (mine.index, a.format)
+                    for x, y, name in zip(a.dequantized(), b.dequantized(), ("w13", "w2"), strict=True):
+                        assert x.shape == y.shape and torch.equal(x, y), (mine.index, name)
+            except AssertionError as e:
+                result = f"differs: {e}"
+            (out / f"rank{rank}-{mode}").write_text(result)

@@ -234,18 +234,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def distributed(make_config: MakeConfig) -> None:
     """vLLM's distributed state for one process over gloo (TP 1)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-
-    with set_current_vllm_config(make_config()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-            backend="gloo",
-        )
-        ensure_model_parallel_initialized(1, 1)
+    init_tp_rank(make_config(), 0, 1, free_port())
 
 
 def load_model(vllm_config: Any, directory: Path) -> Any:
@@ -306,17 +295,44 @@ def kv_cache_setup(vllm_config: Any, layout: str, memory: int = 64 * 2**20) -> A
     return kv_cache_config, attn_groups
 
 
+def init_tp_rank(config: Any, rank: int, world: int, port: int) -> None:
+    """vLLM's distributed state of one rank of a TP group over gloo."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=world,
+            rank=rank,
+            local_rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(world, 1)
+
+
+def rank_weights(config: Any, checkpoint: Path, rank: int, world: int, ep: bool) -> tuple[Any, Any]:
+    """This rank's model built and loaded by vLLM, as the adapter reads it, and the
+    core's own cut of the checkpoint for the rank (``shard_weights``)."""
+    from sparkdecode.checkpoint import load_checkpoint
+    from sparkdecode.vllm import adapter
+    from sparkdecode.weights import Sharding, shard_weights
+
+    model = load_model(config, checkpoint)
+    sharding = adapter.sharding_of(model.model, world, rank, ep)
+    ours = adapter.model_weights(tiny_spec(), model.model, model.lm_head, sharding)
+    theirs = shard_weights(
+        load_checkpoint(checkpoint), Sharding(tp=world, rank=rank, expert_parallel="ep" if ep else "tp")
+    )
+    return ours, theirs
+
+
 def tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path) -> None:
     """One rank of a TP-2 deployment built and loaded by vLLM (over gloo), under EP
     and under expert TP: the adapter's ``ModelWeights`` of this rank against the
     core's own cut of the checkpoint (``shard_weights``), tensor by tensor.
     Writes ``ok`` or the first difference to ``out/rank{rank}-{mode}``."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-
-    from sparkdecode.checkpoint import load_checkpoint
     from sparkdecode.vllm import adapter
-    from sparkdecode.weights import Sharding, shard_weights
 
     for ep in (True, False):
         mode = "ep" if ep else "expert-tp"
@@ -327,23 +343,9 @@ def tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: P
             additional={"decode_backend": "auto"},
         )
         if ep:
-            with set_current_vllm_config(config):
-                init_distributed_environment(
-                    world_size=world,
-                    rank=rank,
-                    local_rank=rank,
-                    distributed_init_method=f"tcp://127.0.0.1:{port}",
-                    backend="gloo",
-                )
-                ensure_model_parallel_initialized(world, 1)
-        model = load_model(config, checkpoint)
-        spec = tiny_spec()
+            init_tp_rank(config, rank, world, port)
         try:
-            sharding = adapter.sharding_of(model.model, world, rank, ep)
-            ours = adapter.model_weights(spec, model.model, model.lm_head, sharding)
-            theirs = shard_weights(
-                load_checkpoint(checkpoint), Sharding(tp=world, rank=rank, expert_parallel="ep" if ep else "tp")
-            )
+            ours, theirs = rank_weights(config, checkpoint, rank, world, ep)
             result = "ok"
             assert ours.sharding == theirs.sharding, (ours.sharding, theirs.sharding)
             assert torch.equal(ours.final_norm, theirs.final_norm), "final_norm"
@@ -431,14 +433,7 @@ def nvfp4_tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, dr
     under the global scales vLLM's SM90 method hands to Marlin; every other weight
     equals the core's cut. Writes ``ok`` or the first difference to
     ``out/rank{rank}-{mode}``."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
-    from sparkdecode.checkpoint import load_checkpoint
-    from sparkdecode.vllm import adapter
-    from sparkdecode.weights import Sharding, shard_weights
-
-    spec = tiny_spec()
     with pytest.MonkeyPatch.context() as patch:
         patch_marlin_backend(patch)
         patch_marlin_repack(patch)
@@ -447,22 +442,9 @@ def nvfp4_tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, dr
             parallel = {"tensor_parallel_size": world, "enable_expert_parallel": ep}
             config = build_config(checkpoint, draft, parallel=parallel, additional={"decode_backend": "auto"})
             if ep:
-                with set_current_vllm_config(config):
-                    init_distributed_environment(
-                        world_size=world,
-                        rank=rank,
-                        local_rank=rank,
-                        distributed_init_method=f"tcp://127.0.0.1:{port}",
-                        backend="gloo",
-                    )
-                    ensure_model_parallel_initialized(world, 1)
-            model = load_model(config, checkpoint)
+                init_tp_rank(config, rank, world, port)
             try:
-                sharding = adapter.sharding_of(model.model, world, rank, ep)
-                ours = adapter.model_weights(spec, model.model, model.lm_head, sharding)
-                theirs = shard_weights(
-                    load_checkpoint(checkpoint), Sharding(tp=world, rank=rank, expert_parallel="ep" if ep else "tp")
-                )
+                ours, theirs = rank_weights(config, checkpoint, rank, world, ep)
                 result = "ok"
                 assert ours.expert_format == "nvfp4_marlin", ours.expert_format
                 for mine, ref in zip(ours.layers, theirs.layers, strict=True):

@@ -39,7 +39,9 @@ from vllm_support import (
     DRAFT_TARGET_LAYERS,
     MAX_CONTEXT,
     HostBlockTables,
+    build_config,
     free_port,
+    init_tp_rank,
     kv_cache_setup,
     load_model,
     tp_rank_weights,
@@ -393,3 +395,78 @@ def test_the_adapter_at_tp2(checkpoint: Path, draft: Path, tmp_path: Path) -> No
     assert (tmp_path / "rank0-one-rank-fails").read_text() == (
         "RankFailedError: reading vLLM's weights failed on rank 1: AdapterError: layer 3: not loaded"
     )
+
+
+def tp_rank_served_steps(rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path) -> None:
+    """One rank of a TP-2 deployment served with latency_specialized over gloo (the
+    reference providers pinned), under EP, then expert TP: vLLM builds, loads and
+    shards the model, the ModelState builds the executor on the TP group vLLM hands it
+    and binds this rank's KV caches; steps through the model's ``forward`` (inside a
+    pretended FULL capture, each after ``prepare_attn``) against the reference model
+    of this rank's cut of the checkpoint over the same group, hidden states and aux
+    streams bit for bit. Writes ``ok`` or the first difference to ``out/rank{rank}-{mode}``."""
+    from vllm.distributed import parallel_state
+
+    from sparkdecode.weights import Sharding, shard_weights
+
+    for ep in (True, False):
+        mode = "ep" if ep else "expert-tp"
+        parallel = {"tensor_parallel_size": world, "enable_expert_parallel": ep}
+        probe_config = build_config(checkpoint, draft, parallel=parallel)
+        if ep:
+            init_tp_rank(probe_config, rank, world, port)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gate, "platform_capability", lambda: (9, 0))  # this CPU stands in for an H200
+            mp.setattr(served_model, "stream_capturing", lambda: True)
+            mp.setattr(DefaultModelState, "prepare_attn", lambda self, *args, **kw: {"stock": True})
+            probe = gate.check(probe_config, capability=(9, 0))
+            assert probe is not None and probe.deployment.tp == world
+            pins = {kind: f"reference.{kind}" for kind in needed_kinds(probe.deployment)}
+            config = build_config(checkpoint, draft, parallel=parallel, additional={"decode_providers": pins})
+            model = load_model(config, checkpoint)
+            set_eagle3_aux_hidden_state_layers(model, config.speculative_config)
+            with set_current_vllm_config(config):
+                state = init_model_state(config, model, None, torch.device("cpu"))
+            kv_cache_config, attn_groups = kv_cache_setup(config, "LBNHC")
+            tables = HostBlockTables(len(kv_cache_config.kv_cache_groups), MAX_REQS, MAX_BLOCKS)
+            with set_current_vllm_config(config):
+                state.initialize_kv_cache(kv_cache_config, tables)
+            group = parallel_state.get_tp_group().device_group
+            shard = shard_weights(load_checkpoint(checkpoint), Sharding(world, rank, "ep" if ep else "tp"))
+            reference = ReferenceModel(shard, MAX_CONTEXT, group)
+            spec = shard.spec
+            cache = PagedKVCache(spec, 64, MAX_CONTEXT, Q, num_kv_heads=spec.num_key_value_heads // world)
+            aux_layers = model.model.aux_hidden_state_layers
+            buffers = InputBuffers(MAX_REQS, 64, torch.device("cpu"))
+            request = Request(len(kv_cache_config.kv_cache_groups))
+            gen = torch.Generator().manual_seed(5)  # the same tokens on every rank
+            result = "ok"
+            try:
+                assert state.decode.executor.tp == world and state.decode.executor.group is group
+                for first in range(0, 10 * Q, Q):
+                    tokens = torch.randint(0, spec.vocab_size, (Q,), generator=gen)
+                    batch, block_tables, slots = request.step(first, Q, buffers)
+                    with set_current_vllm_config(config):
+                        state.prepare_attn(batch, CUDAGraphMode.FULL, block_tables, slots, attn_groups, kv_cache_config)
+                    positions = buffers.positions[:Q]
+                    hidden, aux = model(tokens, positions)
+                    cache.begin_step(first, Q)
+                    rows = model.model.embed_tokens(tokens)
+                    hidden_ref, aux_ref = reference.forward(rows, positions, cache.kv(), aux_layers)
+                    assert torch.equal(hidden, hidden_ref), ("hidden", first)
+                    for i, (a, b) in enumerate(zip(aux, aux_ref, strict=True)):
+                        assert torch.equal(a, b), ("aux", i, first)
+            except AssertionError as e:
+                result = f"differs: {e}"
+            (out / f"rank{rank}-{mode}").write_text(result)
+
+
+def test_served_steps_at_tp2(checkpoint: Path, draft: Path, tmp_path: Path) -> None:
+    """The served path at TP 2 (two gloo ranks, EP and expert TP): each rank's steps
+    through vLLM's model equal the reference model of its cut, bit for bit."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(tp_rank_served_steps, args=(2, free_port(), checkpoint, draft, tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        for mode in ("ep", "expert-tp"):
+            assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)

@@ -393,3 +393,18 @@ def test_the_adapter_reads_marlins_experts_at_tp2(nvfp4_checkpoint: Path, draft:
     for rank in range(2):
         for mode in ("ep", "expert-tp"):
             assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)
+
+
+def test_served_steps_at_tp2(nvfp4_checkpoint: Path, draft: Path, tmp_path: Path) -> None:
+    """The NVFP4 checkpoint served at TP 2 (two gloo ranks, EP and expert TP; vLLM's
+    Marlin repack as on Hopper): each rank's steps through vLLM's model, the executor
+    reading its experts from Marlin's tensors in place, equal the reference model of
+    its cut under Marlin's global scales, bit for bit."""
+    import torch.multiprocessing as mp
+    from test_vllm_served import tp_rank_served_steps
+
+    args = (2, free_port(), nvfp4_checkpoint, draft, tmp_path, True)
+    mp.spawn(tp_rank_served_steps, args=args, nprocs=2, join=True)
+    for rank in range(2):
+        for mode in ("ep", "expert-tp"):
+            assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)

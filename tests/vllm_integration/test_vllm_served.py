@@ -397,15 +397,21 @@ def test_the_adapter_at_tp2(checkpoint: Path, draft: Path, tmp_path: Path) -> No
     )
 
 
-def tp_rank_served_steps(rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path) -> None:
+def tp_rank_served_steps(
+    rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path, nvfp4: bool = False
+) -> None:
     """One rank of a TP-2 deployment served with latency_specialized over gloo (the
     reference providers pinned), under EP, then expert TP: vLLM builds, loads and
     shards the model, the ModelState builds the executor on the TP group vLLM hands it
     and binds this rank's KV caches; steps through the model's ``forward`` (inside a
     pretended FULL capture, each after ``prepare_attn``) against the reference model
     of this rank's cut of the checkpoint over the same group, hidden states and aux
-    streams bit for bit. Writes ``ok`` or the first difference to ``out/rank{rank}-{mode}``."""
+    streams bit for bit. With ``nvfp4`` the checkpoint's experts are NVFP4, which vLLM
+    repacks for Marlin as on Hopper and the executor reads in place; the reference
+    then takes them with the global scales vLLM hands to Marlin. Writes ``ok`` or
+    the first difference to ``out/rank{rank}-{mode}``."""
     from vllm.distributed import parallel_state
+    from vllm_support import marlin_definition, patch_marlin_backend, patch_marlin_repack
 
     from sparkdecode.weights import Sharding, shard_weights
 
@@ -416,6 +422,9 @@ def tp_rank_served_steps(rank: int, world: int, port: int, checkpoint: Path, dra
         if ep:
             init_tp_rank(probe_config, rank, world, port)
         with pytest.MonkeyPatch.context() as mp:
+            if nvfp4:
+                patch_marlin_backend(mp)
+                patch_marlin_repack(mp)
             mp.setattr(gate, "platform_capability", lambda: (9, 0))  # this CPU stands in for an H200
             mp.setattr(served_model, "stream_capturing", lambda: True)
             mp.setattr(DefaultModelState, "prepare_attn", lambda self, *args, **kw: {"stock": True})
@@ -433,6 +442,13 @@ def tp_rank_served_steps(rank: int, world: int, port: int, checkpoint: Path, dra
                 state.initialize_kv_cache(kv_cache_config, tables)
             group = parallel_state.get_tp_group().device_group
             shard = shard_weights(load_checkpoint(checkpoint), Sharding(world, rank, "ep" if ep else "tp"))
+            if nvfp4:
+                layers = [
+                    dataclasses.replace(x, experts=marlin_definition(x.experts)) if x.experts.nvfp4 else x
+                    for x in shard.layers
+                ]
+                shard = dataclasses.replace(shard, layers=layers)
+            assert state.decode.weights.expert_format == ("nvfp4_marlin" if nvfp4 else "bf16")
             reference = ReferenceModel(shard, MAX_CONTEXT, group)
             spec = shard.spec
             cache = PagedKVCache(spec, 64, MAX_CONTEXT, Q, num_kv_heads=spec.num_key_value_heads // world)

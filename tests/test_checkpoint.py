@@ -598,6 +598,23 @@ def test_nvfp4_groups_without_input_activations_are_weight_only(w4a16_ckpt, tmp_
         load_checkpoint(directory)
 
 
+def test_legacy_config_groups_are_read_where_vllm_reads_them(w4a16_ckpt, tmp_path):
+    """hf_quant_config.json: vLLM reads ``config_groups`` at the file's top level (the
+    ``original_config``), not inside ``quantization``; so does the loader."""
+    directory = copy_checkpoint(w4a16_ckpt, tmp_path / "c")
+    config = json.loads((directory / "config.json").read_text())
+    ignore = config.pop("quantization_config")["ignore"]
+    (directory / "config.json").write_text(json.dumps(config))
+    groups = {"group_0": {"weights": {"num_bits": 4}, "input_activations": None}}
+    legacy = {"quantization": {"quant_algo": "NVFP4", "exclude_modules": ignore}, "config_groups": groups}
+    (directory / HF_QUANT_CONFIG_NAME).write_text(json.dumps(legacy))
+    assert load_checkpoint(directory).layers[1].experts.nvfp4.w13_input_scale is None
+    legacy = {"quantization": {"quant_algo": "NVFP4", "exclude_modules": ignore, "config_groups": groups}}
+    (directory / HF_QUANT_CONFIG_NAME).write_text(json.dumps(legacy))
+    with pytest.raises(CheckpointError, match="gate_up_proj_input_scale is missing"):
+        load_checkpoint(directory)
+
+
 def test_weight_only_checkpoint_with_one_input_scale_is_refused(w4a16_ckpt, tmp_path, q_weights):
     directory = copy_checkpoint(w4a16_ckpt, tmp_path / "c")
     name = f"{PREFIX}layers.1.mlp.experts.down_proj_input_scale"

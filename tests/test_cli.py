@@ -114,3 +114,18 @@ def test_a_pin_of_a_kind_this_layout_does_not_resolve_is_still_checked(capsys):
     argv = ["check", "--preset", "tiny", "--max-context", "1024", "--pin", "draft_mlp=nope.mlp"]
     assert main(argv) == 1
     assert "draft_mlp is pinned to 'nope.mlp', which no installed pack provides" in capsys.readouterr().out
+
+
+def test_a_named_cuda_device_is_made_current(monkeypatch):
+    """``--device cuda:N`` becomes torch's current device (graphs capture on its
+    streams); ``--device cuda`` names the current one and changes nothing."""
+    import torch
+
+    from sparkdecode.arguments import device_of
+
+    made: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    assert device_of("cuda") == torch.device("cuda") and made == []
+    assert device_of("cuda:1") == torch.device("cuda", 1) and made == [torch.device("cuda", 1)]

@@ -87,9 +87,9 @@ def test_quantize_follows_modelopt_and_round_trips():
 
 def test_block_scale_divides_once_as_modelopt_does():
     """ModelOpt's block scale is ``block_amax / (6 * global)``, one fp32 division.
-    Dividing by 6 and then by the global rounds twice; at an e4m3 tie (6.375 lies
-    between 6 and 6.75, and 1.0625 between 1 and 1.125) the extra ulp picks the other
-    neighbour. The tensor here is built so that the two orders disagree."""
+    Dividing by 6 and then by the global rounds twice; at an e4m3 tie (1.0625 lies
+    halfway between 1 and 1.125) the extra ulp picks the other neighbour. The tensor
+    here is built so that the two orders disagree."""
     g = torch.Generator().manual_seed(11)
     for _ in range(10_000):
         amax = float(torch.rand((), generator=g)) + 0.5
@@ -107,6 +107,19 @@ def test_block_scale_divides_once_as_modelopt_does():
     _, scale, global_scale = nvfp4.quantize(w)
     assert global_scale.item() == glob.item()
     assert scale[0, 1].float() == once.float()
+
+
+def test_a_block_whose_scale_underflows_codes_as_modelopt_does():
+    """A block far below the tensor's largest value gets an e4m3 scale of 0; ModelOpt
+    divides by it (x / 0: +-inf, 0 / 0: NaN) and its rounding takes both to 6 with
+    the value's sign (NaN: +6, code 7). The block dequantizes to zeros."""
+    w = torch.zeros(1, 32)
+    w[0, 0] = 1.0
+    w[0, 16:19] = torch.tensor([1e-7, -1e-7, 0.0])
+    codes, scale, glob = nvfp4.quantize(w)
+    assert scale[0, 1].float() == 0
+    assert nvfp4.unpack(codes)[0, 16:].tolist() == [6.0, -6.0] + [6.0] * 14
+    assert (nvfp4.dequantize(codes, scale, glob, torch.float32)[0, 16:] == 0).all()
 
 
 def test_expert_tp_and_ep_slices_of_packed_experts():

@@ -62,5 +62,6 @@ def device_of(text: str | None) -> torch.device:
             raise UsageError(f"--device {text}: this machine has no CUDA GPU (or this torch has no CUDA)")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UsageError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        torch.cuda.set_device(device)
+        if device.index is not None:  # "cuda" is the current device already
+            torch.cuda.set_device(device)
     return device

@@ -94,7 +94,8 @@ NVFP4_ALGO = "NVFP4"
 # ModelOpt's weight-only form: the same packed experts and scales, no activation
 # scales (vLLM runs both through Marlin's W4A16 kernels on SM90).
 W4A16_NVFP4_ALGO = "W4A16_NVFP4"
-# The NVFP4 expert tensors a weight-only checkpoint may leave out (vLLM drops them).
+# The NVFP4 expert tensors a weight-only checkpoint may leave out (vLLM never reads them
+# there).
 INPUT_SCALE_SUFFIXES = ("mlp.experts.gate_up_proj_input_scale", "mlp.experts.down_proj_input_scale")
 
 
@@ -151,7 +152,8 @@ class Nvfp4Config:
             raise CheckpointError(f"{where}: group_size is {group!r}; NVFP4 scales blocks of {nvfp4.BLOCK}")
         if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
             raise CheckpointError(f"{where}: the excluded modules must be a list of names, got {ignore!r}")
-        groups = body.get("config_groups")
+        # Read where vLLM reads it: the top level of either form.
+        groups = config.get("config_groups")
         weights_only = algo.upper() == W4A16_NVFP4_ALGO or (
             isinstance(groups, dict)
             and bool(groups)

@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 # measure(kind, candidate, layout) -> seconds a layer with ``candidate`` serving
 # ``kind`` and ``layout`` (kind -> class) serving the others, or None where that layer
 # cannot be timed here (a CUDA graph cannot capture its transport, or the candidate
-# could not be built or captured on some rank): not chosen by time.
+# could not be built or run on some rank): not chosen by time. A failed capture raises
+# (executor.CaptureFailedError): the process cannot go on from it.
 Measure = Callable[[str, type, Mapping[str, type]], float | None]
 
 MEASURE_ROUNDS = 3

@@ -87,7 +87,8 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ModelOpt NVFP4 of w [..., rows, K] with one global scale per leading index:
-    (uint8 codes [..., rows, K / 2], e4m3 scales [..., rows, K / 16], fp32 global [...])."""
+    (uint8 codes [..., rows, K / 2], e4m3 scales [..., rows, K / 16], fp32 global [...]).
+    One departure: an all-zero tensor gets global 1 (ModelOpt's 0 gives NaN scales)."""
     if w.shape[-1] % BLOCK:
         raise ValueError(f"NVFP4 needs the last dim to be a multiple of {BLOCK}, got {w.shape[-1]}")
     w32 = w.float()
@@ -101,5 +102,9 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     block_scale = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
     scale = block_scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     scaled = blocks / (scale.float() * global_scale[..., None, None])[..., None]
+    # A block whose scale rounds to zero in e4m3 (its largest value under about
+    # 2.2e-6 of the tensor's) divides by zero: ModelOpt's rounding takes the NaN of
+    # 0 / 0 to code 7 (+6), as here; the dequantized block is zero either way.
+    scaled = torch.where(scaled.isnan(), E2M1_MAX, scaled)
     codes = pack(round_e2m1(scaled.clamp(-E2M1_MAX, E2M1_MAX)).flatten(-2))
     return codes, scale, global_scale

@@ -235,6 +235,9 @@ def create_workspace(ctx: BuildContext) -> Any:
                 warm.run(torch.zeros(ctx.max_rows, width, dtype=torch.bfloat16, device=ctx.device))
             torch.cuda.synchronize(ctx.device)
         except BaseException:
-            finalizer()
+            try:
+                finalizer()
+            except Exception:  # a sticky CUDA error fails the synchronize too: keep the first error
+                pass
             raise
     return workspace

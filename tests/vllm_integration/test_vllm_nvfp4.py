@@ -354,9 +354,10 @@ def test_weight_only_nvfp4_serves_the_same_marlin_experts(
     marlin_repack_on_the_cpu: None,
 ) -> None:
     """A W4A16_NVFP4 checkpoint (no input scales): vLLM 0.33 takes it as its
-    weight-only NVFP4 config, the gate serves it, and the experts the executor views
-    are Marlin's tensors equal, byte for byte, to those of the NVFP4 checkpoint of
-    the same weights (the activation scales never enter Marlin's W4A16 kernels)."""
+    weight-only NVFP4 config, the gate serves it, and Marlin's tensors after vLLM's
+    repack (what the executor reads in place) equal, byte for byte, those of the
+    NVFP4 checkpoint of the same weights (the activation scales never enter Marlin's
+    W4A16 kernels)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gate, "platform_capability", lambda: (9, 0))
         probe = gate.check(build_config(weight_only_checkpoint, draft), capability=(9, 0))

@@ -311,6 +311,10 @@ def init_tp_rank(config: Any, rank: int, world: int, port: int) -> None:
         ensure_model_parallel_initialized(world, 1)
 
 
+# The layer tensors the TP-2 workers compare with the core's cut (besides the experts).
+LAYER_TENSORS = ("qkvg", "o_proj", "router", "expert_bias", "pooler", "unpooler", "attn_alpha", "ffn_beta")
+
+
 def rank_weights(config: Any, checkpoint: Path, rank: int, world: int, ep: bool) -> tuple[Any, Any]:
     """This rank's model built and loaded by vLLM, as the adapter reads it, and the
     core's own cut of the checkpoint for the rank (``shard_weights``)."""
@@ -350,7 +354,7 @@ def tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: P
             assert ours.sharding == theirs.sharding, (ours.sharding, theirs.sharding)
             assert torch.equal(ours.final_norm, theirs.final_norm), "final_norm"
             for mine, ref in zip(ours.layers, theirs.layers, strict=True):
-                for name in ("qkvg", "o_proj", "router", "expert_bias", "pooler", "unpooler", "attn_alpha", "ffn_beta"):
+                for name in LAYER_TENSORS:
                     assert torch.equal(getattr(mine, name), getattr(ref, name)), (mine.index, name)
                 a, b = mine.experts, ref.experts
                 assert (a.first_expert, a.intermediate_slice) == (b.first_expert, b.intermediate_slice), (a, b)
@@ -447,8 +451,10 @@ def nvfp4_tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, dr
                 ours, theirs = rank_weights(config, checkpoint, rank, world, ep)
                 result = "ok"
                 assert ours.expert_format == "nvfp4_marlin", ours.expert_format
+                assert ours.sharding == theirs.sharding, (ours.sharding, theirs.sharding)
+                assert torch.equal(ours.final_norm, theirs.final_norm), "final_norm"
                 for mine, ref in zip(ours.layers, theirs.layers, strict=True):
-                    for name in ("qkvg", "o_proj", "router", "pooler", "unpooler"):
+                    for name in LAYER_TENSORS:
                         assert torch.equal(getattr(mine, name), getattr(ref, name)), (mine.index, name)
                     a, b = mine.experts, ref.experts
                     assert (a.first_expert, a.intermediate_slice) == (b.first_expert, b.intermediate_slice), (a, b)

@@ -436,3 +436,15 @@ def test_driver_calls_go_to_the_device_built_for(monkeypatch, current, wanted, f
     else:
         launch._ensure_context(torch.device("cuda", wanted))
     launch._ensure_context(torch.device("cuda"))  # the current device: always its own
+
+
+def test_the_collectives_bench_context_keeps_shared_objects():
+    """The collectives bench's stand-in context keeps what the providers share
+    (the Lamport workspace) as a BuildContext does."""
+    import torch
+
+    from sparkdecode_cuda.bench_collectives import context
+
+    ctx = context(ModelSpec.preset("tiny"), 8, 2, 0, torch.device("cpu"))
+    made = ctx.shared("lamport_workspace", list)
+    assert ctx.shared("lamport_workspace", lambda: pytest.fail("made twice")) is made

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from sparkdecode.bench.report import write
 from sparkdecode.bench.runner import provenance
 from sparkdecode.comm import Collectives
+from sparkdecode.protocols import BuildContext
 from sparkdecode.reference import functional as fn
 from sparkdecode.spec import ModelSpec
 
@@ -57,7 +58,7 @@ def context(spec: ModelSpec, rows: int, tp: int, rank: int, device: torch.device
         attn_beta=beta.to(device),
         pre_ffn_norm=(torch.randn(spec.H, generator=g) * 0.1).to(torch.bfloat16).to(device),
     )
-    return SimpleNamespace(
+    ctx = SimpleNamespace(
         spec=spec,
         tp=tp,
         rank=rank,
@@ -67,6 +68,8 @@ def context(spec: ModelSpec, rows: int, tp: int, rank: int, device: torch.device
         max_rows=rows,
         layer=lambda index: layer,
     )
+    ctx.shared = lambda name, make: BuildContext.shared(ctx, name, make)  # the Lamport workspace's keeper
+    return ctx
 
 
 def _time_graph(call, replays: int, device: torch.device) -> float:

@@ -28,11 +28,11 @@ from vllm_support import (
     iter_checkpoint,
     load_model,
     marlin_definition,
-    nvfp4_tp_rank_weights,
     patch_marlin_backend,
     patch_marlin_repack,
     python_marlin_repack,
     tiny_spec,
+    tp_rank_weights,
     write_multimodal_config,
 )
 
@@ -390,7 +390,8 @@ def test_the_adapter_reads_marlins_experts_at_tp2(nvfp4_checkpoint: Path, draft:
     under EP, I-slices of codes and scales under expert TP), bit for bit."""
     import torch.multiprocessing as mp
 
-    mp.spawn(nvfp4_tp_rank_weights, args=(2, free_port(), nvfp4_checkpoint, draft, tmp_path), nprocs=2, join=True)
+    args = (2, free_port(), nvfp4_checkpoint, draft, tmp_path, True)
+    mp.spawn(tp_rank_weights, args=args, nprocs=2, join=True)
     for rank in range(2):
         for mode in ("ep", "expert-tp"):
             assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)

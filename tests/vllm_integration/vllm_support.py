@@ -331,38 +331,50 @@ def rank_weights(config: Any, checkpoint: Path, rank: int, world: int, ep: bool)
     return ours, theirs
 
 
-def tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path) -> None:
+def tp_rank_weights(
+    rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path, nvfp4: bool = False
+) -> None:
     """One rank of a TP-2 deployment built and loaded by vLLM (over gloo), under EP
     and under expert TP: the adapter's ``ModelWeights`` of this rank against the
-    core's own cut of the checkpoint (``shard_weights``), tensor by tensor.
-    Writes ``ok`` or the first difference to ``out/rank{rank}-{mode}``."""
+    core's own cut of the checkpoint (``shard_weights``), tensor by tensor. With
+    ``nvfp4`` the checkpoint's experts are NVFP4, which vLLM repacks for Marlin as on
+    Hopper: the experts the adapter holds (Marlin's tensors in place) then dequantize,
+    bit for bit, to the core's cut under the global scales vLLM's SM90 method hands to
+    Marlin. Writes ``ok`` or the first difference to ``out/rank{rank}-{mode}``."""
     from sparkdecode.vllm import adapter
 
-    for ep in (True, False):
-        mode = "ep" if ep else "expert-tp"
-        config = build_config(
-            checkpoint,
-            draft,
-            parallel={"tensor_parallel_size": world, "enable_expert_parallel": ep},
-            additional={"decode_backend": "auto"},
-        )
-        if ep:
-            init_tp_rank(config, rank, world, port)
-        try:
-            ours, theirs = rank_weights(config, checkpoint, rank, world, ep)
-            result = "ok"
-            assert ours.sharding == theirs.sharding, (ours.sharding, theirs.sharding)
-            assert torch.equal(ours.final_norm, theirs.final_norm), "final_norm"
-            for mine, ref in zip(ours.layers, theirs.layers, strict=True):
-                for name in LAYER_TENSORS:
-                    assert torch.equal(getattr(mine, name), getattr(ref, name)), (mine.index, name)
-                a, b = mine.experts, ref.experts
-                assert (a.first_expert, a.intermediate_slice) == (b.first_expert, b.intermediate_slice), (a, b)
-                assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2), (mine.index, "experts")
-                assert (mine.num_heads, mine.num_kv_heads) == (ref.num_heads, ref.num_kv_heads)
-        except AssertionError as e:
-            result = f"differs: {e}"
-        (out / f"rank{rank}-{mode}").write_text(result)
+    with pytest.MonkeyPatch.context() as patch:
+        if nvfp4:
+            patch_marlin_backend(patch)
+            patch_marlin_repack(patch)
+        for ep in (True, False):
+            mode = "ep" if ep else "expert-tp"
+            parallel = {"tensor_parallel_size": world, "enable_expert_parallel": ep}
+            config = build_config(checkpoint, draft, parallel=parallel, additional={"decode_backend": "auto"})
+            if ep:
+                init_tp_rank(config, rank, world, port)
+            try:
+                ours, theirs = rank_weights(config, checkpoint, rank, world, ep)
+                result = "ok"
+                assert ours.expert_format == ("nvfp4_marlin" if nvfp4 else "bf16"), ours.expert_format
+                assert ours.sharding == theirs.sharding, (ours.sharding, theirs.sharding)
+                assert torch.equal(ours.final_norm, theirs.final_norm), "final_norm"
+                for mine, ref in zip(ours.layers, theirs.layers, strict=True):
+                    for name in LAYER_TENSORS:
+                        assert torch.equal(getattr(mine, name), getattr(ref, name)), (mine.index, name)
+                    assert (mine.num_heads, mine.num_kv_heads) == (ref.num_heads, ref.num_kv_heads)
+                    a, b = mine.experts, ref.experts
+                    assert (a.first_expert, a.intermediate_slice) == (b.first_expert, b.intermediate_slice), (a, b)
+                    if b.format == "nvfp4":
+                        assert a.format == "nvfp4_marlin", (mine.index, a.format)
+                        b = marlin_definition(b)
+                    else:
+                        assert a.format == "bf16", (mine.index, a.format)
+                    for x, y, name in zip(a.dequantized(), b.dequantized(), ("w13", "w2"), strict=True):
+                        assert x.shape == y.shape and torch.equal(x, y), (mine.index, name)
+            except AssertionError as e:
+                result = f"differs: {e}"
+            (out / f"rank{rank}-{mode}").write_text(result)
     # An adapter problem on rank 1 alone stops both ranks: rank 1 with its own error,
     # rank 0 naming rank 1's.
     from vllm.distributed import parallel_state
@@ -427,44 +439,3 @@ def patch_marlin_repack(patch: pytest.MonkeyPatch) -> None:
     from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
 
     patch.setattr(marlin_utils_fp4, "_repack_marlin_experts", python_marlin_repack)
-
-
-def nvfp4_tp_rank_weights(rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path) -> None:
-    """One rank of a TP-2 deployment of an NVFP4 checkpoint, built, loaded and
-    repacked for Marlin by vLLM as on Hopper (over gloo), under EP and under expert
-    TP: this rank's experts as the adapter holds them (Marlin's tensors in place)
-    dequantize, bit for bit, to the core's cut of the checkpoint (``shard_weights``)
-    under the global scales vLLM's SM90 method hands to Marlin; every other weight
-    equals the core's cut. Writes ``ok`` or the first difference to
-    ``out/rank{rank}-{mode}``."""
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch_marlin_backend(patch)
-        patch_marlin_repack(patch)
-        for ep in (True, False):
-            mode = "ep" if ep else "expert-tp"
-            parallel = {"tensor_parallel_size": world, "enable_expert_parallel": ep}
-            config = build_config(checkpoint, draft, parallel=parallel, additional={"decode_backend": "auto"})
-            if ep:
-                init_tp_rank(config, rank, world, port)
-            try:
-                ours, theirs = rank_weights(config, checkpoint, rank, world, ep)
-                result = "ok"
-                assert ours.expert_format == "nvfp4_marlin", ours.expert_format
-                assert ours.sharding == theirs.sharding, (ours.sharding, theirs.sharding)
-                assert torch.equal(ours.final_norm, theirs.final_norm), "final_norm"
-                for mine, ref in zip(ours.layers, theirs.layers, strict=True):
-                    for name in LAYER_TENSORS:
-                        assert torch.equal(getattr(mine, name), getattr(ref, name)), (mine.index, name)
-                    a, b = mine.experts, ref.experts
-                    assert (a.first_expert, a.intermediate_slice) == (b.first_expert, b.intermediate_slice), (a, b)
-                    if b.format == "nvfp4":
-                        assert a.format == "nvfp4_marlin", (mine.index, a.format)
-                        b = marlin_definition(b)
-                    else:
-                        assert a.format == "bf16", (mine.index, a.format)
-                    for x, y, name in zip(a.dequantized(), b.dequantized(), ("w13", "w2"), strict=True):
-                        assert x.shape == y.shape and torch.equal(x, y), (mine.index, name)
-            except AssertionError as e:
-                result = f"differs: {e}"
-            (out / f"rank{rank}-{mode}").write_text(result)

@@ -16,10 +16,11 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
+from sparkdecode import protocols
 from sparkdecode.deployment import detect
 from sparkdecode.layout import resolve
 from sparkdecode.plugins import discover
-from sparkdecode.protocols import KVGroupMetadata, LayerKV
+from sparkdecode.protocols import BuildContext, KVGroupMetadata, LayerKV
 from sparkdecode.reference.kvcache import BLOCK_SIZE, NULL_PAGE, PagedKVCache
 from sparkdecode.spec import ModelSpec
 from sparkdecode_flashinfer import allreduce, jit_cache, pages, plugin, support
@@ -238,18 +239,26 @@ def kv_entry(table: torch.Tensor, window: int | None) -> LayerKV:
     return LayerKV(torch.empty(0), torch.empty(0), group, window)
 
 
+@dataclasses.dataclass
 class Context:
-    """Stands in for a BuildContext (the registry keys on its identity only)."""
+    """Stands in for a BuildContext: what ``BuildContext.shared`` reads."""
+
+    buffers: dict
+    device: torch.device = torch.device("cpu")
+    shared = BuildContext.shared
 
 
 def test_shared_groups_owner_and_lifetime():
     """The lowest built layer of each group owns it, whatever order prepare_kv comes
-    in; the registry lives as long as its BuildContext."""
+    in; the registry is shared by the builds from one set of buffers and lives as
+    long as they do."""
     full, sliding = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32)
     kv = tuple(kv_entry(full if i % 4 == 1 else sliding, None if i % 4 == 1 else 40) for i in range(8))
-    ctx = Context()
+    ctx = Context({})
     shared = pages.shared_groups(ctx, "flashinfer.test")
     assert pages.shared_groups(ctx, "flashinfer.test") is shared
+    assert pages.shared_groups(Context(ctx.buffers), "flashinfer.test") is shared
+    assert pages.shared_groups(Context({}), "flashinfer.test") is not shared
     assert pages.shared_groups(ctx, "flashinfer.other") is not shared
     shared.layers.update({2, 3, 5, 6})  # a build of some layers only
     assert [shared.owner(kv, i) for i in (6, 3, 2, 5)] == [2, 2, 2, 5]
@@ -257,11 +266,11 @@ def test_shared_groups_owner_and_lifetime():
     first = shared.group(kv[3], lambda: made.append(1) or object())
     assert shared.group(kv[6], lambda: made.append(1) or object()) is first and made == [1]
     assert shared.group(kv[5], object) is not first
-    keys = [k for k in support._PER_CONTEXT if k[0] == id(ctx)]
-    assert len(keys) == 2
+    keys = [id(marker) for marker in ctx.buffers.values()]
+    assert len(keys) == 2 and all(k in protocols._SHARED for k in keys)
     del ctx
     gc.collect()
-    assert not any(k in support._PER_CONTEXT for k in keys)
+    assert not any(k in protocols._SHARED for k in keys)
 
 
 def test_shared_groups_owner_keys_on_the_window_too():
@@ -269,7 +278,7 @@ def test_shared_groups_owner_keys_on_the_window_too():
     key of ``group``), each owned, and so planned, by its own lowest layer."""
     table = torch.zeros(1, 4, dtype=torch.int32)
     kv = tuple(kv_entry(table, None if i % 4 == 1 else 40) for i in range(4))
-    shared = pages.shared_groups(Context(), "flashinfer.test")
+    shared = pages.shared_groups(Context({}), "flashinfer.test")
     shared.layers.update(range(4))
     assert [shared.owner(kv, i) for i in range(4)] == [0, 1, 0, 0]
     assert shared.group(kv[1], object) is not shared.group(kv[0], object)

@@ -85,6 +85,7 @@ import torch.distributed as dist
 
 from sparkdecode.deployment import on_every_rank
 from sparkdecode.protocols import BuildContext, Deployment
+from sparkdecode.release import release_deferred, release_outside_capture
 
 from .launch import Kernel, _check, _ensure_context, i32, i64, ptr
 
@@ -112,18 +113,9 @@ def capacity(ctx: BuildContext) -> int:
     return -(-n // 8) * 8
 
 
-# Buffers released while a CUDA graph was being captured on this thread: freeing
-# then (a garbage collection can run anywhere) would invalidate the capture, so they
-# wait for the next build.
-_DEFERRED: list[tuple[list, object]] = []
-
-
 def _close(peers: list, local: object) -> None:
     from cuda.bindings import driver
 
-    if torch.cuda.is_current_stream_capturing():
-        _DEFERRED.append((peers, local))
-        return
     for p in peers:  # at interpreter exit the context may be gone: nothing left to release
         driver.cuIpcCloseMemHandle(p)
     driver.cuMemFree(local)
@@ -131,14 +123,9 @@ def _close(peers: list, local: object) -> None:
 
 def _release(opened: list, held: list) -> None:
     """The finalizer of a workspace, finished or not: the peers' mappings and this
-    rank's buffer, where it was allocated."""
+    rank's buffer, where it was allocated (after any capture this thread is in)."""
     if held:
-        _close(opened, held[0])
-
-
-def _close_deferred() -> None:
-    while _DEFERRED:
-        _close(*_DEFERRED.pop())
+        release_outside_capture(_close, opened, held[0])
 
 
 class LamportWorkspace:
@@ -168,7 +155,7 @@ class LamportWorkspace:
         from cuda.bindings import driver
 
         _ensure_context(device)
-        _close_deferred()
+        release_deferred()
         nbytes = GENERATIONS * self.tp * self.capacity * 2
         (local,) = _check(driver.cuMemAlloc(nbytes), "cuMemAlloc of the Lamport buffer")
         held.append(local)

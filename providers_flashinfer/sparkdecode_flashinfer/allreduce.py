@@ -45,6 +45,7 @@ import torch
 
 from sparkdecode.deployment import on_every_rank
 from sparkdecode.protocols import BuildContext, Deployment
+from sparkdecode.release import release_deferred, release_outside_capture
 
 from .support import flashinfer_gpu_unsupported
 
@@ -169,28 +170,18 @@ def capacity(ctx: BuildContext) -> int:
     return ctx.max_rows * max(spec.H, spec.top_k * spec.P)
 
 
-# Workspaces released while a CUDA graph was being captured on this thread: freeing
-# then (a garbage collection can run anywhere) would break the capture, so they
-# wait for the next workspace.
-_DEFERRED: list[tuple[list, torch.device]] = []
-
-
-def _release(ipc_handles: list, device: torch.device) -> None:
-    """A workspace's memory, once no provider holds it: FlashInfer keeps its buffers
-    in a module-level table until told to drop them (its workspace object's own
-    ``destroy`` does not)."""
-    if torch.cuda.is_current_stream_capturing():
-        _DEFERRED.append((ipc_handles, device))
-        return
+def _destroy(ipc_handles: list, device: torch.device) -> None:
     from flashinfer.comm import trtllm_destroy_ipc_workspace_for_all_reduce_fusion
 
     torch.cuda.synchronize(device)  # this rank's last all-reduce on it has finished
     trtllm_destroy_ipc_workspace_for_all_reduce_fusion(ipc_handles)
 
 
-def _release_deferred() -> None:
-    while _DEFERRED:
-        _release(*_DEFERRED.pop())
+def _release(ipc_handles: list, device: torch.device) -> None:
+    """A workspace's memory, once no provider holds it (after any capture this thread
+    is in): FlashInfer keeps its buffers in a module-level table until told to drop
+    them (its workspace object's own ``destroy`` does not)."""
+    release_outside_capture(_destroy, ipc_handles, device)
 
 
 def create_workspace(ctx: BuildContext) -> Any:
@@ -204,7 +195,7 @@ def create_workspace(ctx: BuildContext) -> Any:
         from flashinfer.comm import TRTLLMAllReduceFusionWorkspace
         from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
 
-        _release_deferred()
+        release_deferred()
         get_trtllm_comm_module()  # the kernel's JIT build (or load), on each rank alone
         return TRTLLMAllReduceFusionWorkspace
 

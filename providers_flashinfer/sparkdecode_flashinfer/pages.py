@@ -32,8 +32,6 @@ import torch
 
 from sparkdecode.protocols import BuildContext, KVGroupMetadata, LayerKV
 
-from .support import per_context
-
 
 def first_visible_page(context: int, rows: int, window: int, page_size: int) -> int:
     """The host form of ``VisiblePages``' cut: the first page any of the ``rows``
@@ -97,7 +95,7 @@ def _key(kv: LayerKV) -> tuple[int, int | None]:
 
 
 def shared_groups(ctx: BuildContext, name: str) -> SharedGroups:
-    """The ``SharedGroups`` of provider ``name`` among the builds from ``ctx`` (the
-    executor builds every layer from one context; a measurement builds its layers from
-    its own). Kept while ``ctx`` lives; the providers hold it after."""
-    return per_context(ctx, f"groups:{name}", SharedGroups)
+    """The ``SharedGroups`` of provider ``name`` among the builds from ``ctx``'s buffers
+    (``BuildContext.shared``: the executor builds every layer from its buffers, a
+    measurement its layers from its own). The providers hold it after."""
+    return ctx.shared(f"flashinfer_groups:{name}", SharedGroups)

@@ -5,10 +5,6 @@ without its own dependencies) before a build would."""
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 import torch
 
 from sparkdecode.deployment import import_problem
@@ -18,10 +14,6 @@ from sparkdecode.protocols import BuildContext, Deployment, LayerKV
 # the XQA mask and window semantics, the prefill plan, their JIT module names.
 FLASHINFER_VERSION = "0.7.2"
 FLASHINFER_PIN = "flashinfer-python==0.7.2.post1"
-
-
-T = TypeVar("T")
-_PER_CONTEXT: dict[tuple[int, str], Any] = {}
 
 
 def flashinfer_unsupported(d: Deployment) -> str | None:
@@ -46,17 +38,6 @@ def flashinfer_gpu_unsupported(d: Deployment, module: str = "flashinfer") -> str
     if version != FLASHINFER_VERSION and not version.startswith((f"{FLASHINFER_VERSION}.", f"{FLASHINFER_VERSION}+")):
         return f"FlashInfer {version} is installed; this pack is built against {FLASHINFER_PIN}"
     return import_problem(module)
-
-
-def per_context(ctx: BuildContext, name: str, make: Callable[[], T]) -> T:
-    """One object ``name`` shared by the builds from ``ctx`` (the executor builds every
-    layer from one context; a measurement builds from its own): made by ``make`` at
-    the first ask, forgotten when ``ctx`` goes (the providers hold it after)."""
-    key = (id(ctx), name)
-    if key not in _PER_CONTEXT:
-        _PER_CONTEXT[key] = make()
-        weakref.finalize(ctx, _PER_CONTEXT.pop, key, None)
-    return _PER_CONTEXT[key]
 
 
 def check_cache(

@@ -102,10 +102,6 @@ CASES = {
 }
 
 
-def spawn(tp: int, tmp_path) -> list[dict]:
-    return watched(tp_gpu_worker.main, tp, tmp_path, CASES[tp])
-
-
 def watched(target, tp: int, tmp_path, *args) -> list[dict]:
     """``target(rank, tp, init, out_dir, *args)`` in ``tp`` processes under the watchdog;
     each rank's saved result."""
@@ -119,13 +115,17 @@ def watched(target, tp: int, tmp_path, *args) -> list[dict]:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
-            pytest.fail(f"TP {tp} on one GPU: no result after {WATCHDOG_S} s (a rank hung)")
+            pytest.fail(f"TP {tp}: no result after {WATCHDOG_S} s (a rank hung)")
     return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(tp)]
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tensor_parallel_on_one_gpu(tp, tmp_path):
-    ranks = spawn(tp, tmp_path)
+    check_variants(tp, watched(tp_gpu_worker.main, tp, tmp_path, CASES[tp]))
+
+
+def check_variants(tp: int, ranks: list[dict]) -> None:
+    """The assertions of the module docstring on each rank's runs of ``CASES[tp]``."""
     for index, case in enumerate(CASES[tp]):
         runs = [r["variants"][index] for r in ranks]
         print(f"TP {tp} {case['pins']} {case['experts']}: {case['steps']} steps in {runs[0]['seconds']:.1f} s")
@@ -162,7 +162,10 @@ def test_all_reduce_op_is_the_reference_transport(tp, tmp_path):
     boundary within its kernel bounds, the MoE tail bit for bit, the o_proj publishing
     from its epilogue with the boundary only gathering bit for bit the same as the
     boundary pushing (tp_gpu_worker.published_partial), the same bits on every rank."""
-    ranks = watched(tp_gpu_worker.all_reduce_op, tp, tmp_path, OP_SHAPES, 10)
+    check_all_reduce_op(watched(tp_gpu_worker.all_reduce_op, tp, tmp_path, OP_SHAPES, 10))
+
+
+def check_all_reduce_op(ranks: list[dict]) -> None:
     for r in ranks:
         assert len(r["checks"]) == 12 * len(OP_SHAPES) and all(r["checks"]), r["checks"]
         assert r["boundary_ok"] == [True, True] and r["tail_ok"] == [True] * 4, (r["boundary_ok"], r["tail_ok"])

@@ -3,8 +3,8 @@ box: scripts/experts-bounds' source patches still find their places in the exper
 and the patched kernels build spill-free, scripts/read-pattern's synthetic kernels
 build in every configuration it runs (NVRTC for sm_90a; skipped without NVRTC), and
 scripts/step-compare runs the bench once a layout (the tiny config, on the CPU),
-scripts/gpu-check keeps its limits and deadline, and scripts/ncu-sass-mix reads an
-Nsight Compute source page."""
+scripts/gpu-check keeps its limits and deadline, scripts/ncu-sass-mix reads an
+Nsight Compute source page, and scripts/multi-gpu refuses what a machine cannot run."""
 
 from __future__ import annotations
 
@@ -311,3 +311,26 @@ def test_experts_trace_rows_are_the_kernels():
     ):
         defines = {**cls.kernel_defines(4096, 512, 8), "EXPERTS_TRACE": 1}
         assert nvrtc.compile_cubin(experts_mod.SOURCE, "sm_90a", defines, experts_mod.COMPILE_OPTIONS)
+
+
+def test_multi_gpu_refuses_what_this_machine_cannot_run():
+    """scripts/multi-gpu names what is missing before it runs anything: a TP size it does
+    not serve, or fewer GPUs than the part needs (this machine has none visible)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(SCRIPTS / "multi-gpu"), *args], capture_output=True, text=True, env=env)
+
+    for args, message in (
+        ((), "usage:"),
+        (("bench", "3"), "TP: 2, 4 or 8"),
+        (("bench", "8"), "TP 8 needs 8 GPUs, 0 here"),
+        (("check",), "needs 2 or more GPUs"),
+        (("nope",), "usage:"),
+    ):
+        done = run(*args)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)

@@ -1,7 +1,8 @@
-"""One rank of the one-GPU tensor-parallel tests (spawned by test_gpu_tp_one_device.py):
-every rank on cuda:0, the host side of the group over gloo (NCCL refuses two ranks
-on one GPU), the collectives on the GPU through the cuda pack's Lamport mailboxes
-(CUDA IPC between the processes of one device; their kernels time-slice the GPU).
+"""One rank of the GPU tensor-parallel tests (spawned by test_gpu_tp_one_device.py and
+test_gpu_tp_per_gpu.py): every rank on cuda:0 (the processes' kernels time-slice the
+GPU), or with ``per_gpu`` rank r on cuda:r; the host side of the group over gloo (NCCL
+refuses two ranks on one GPU), the collectives on the GPUs through the cuda pack's
+Lamport mailboxes (CUDA IPC between the processes, peer memory across GPUs).
 
 Each variant: this rank's shard of one seeded TP-1 model, the executor with the
 variant's pins beside the TP stock forward (the reference transport over gloo),
@@ -121,10 +122,16 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     return out
 
 
-def main(rank: int, tp: int, init: str, out_dir: str, variants: list[dict]) -> None:
-    torch.set_num_threads(1)
-    device = torch.device("cuda", 0)
+def rank_device(rank: int, per_gpu: bool) -> torch.device:
+    """This rank's GPU, made current: cuda:0 for every rank, or cuda:rank with ``per_gpu``."""
+    device = torch.device("cuda", rank if per_gpu else 0)
     torch.cuda.set_device(device)
+    return device
+
+
+def main(rank: int, tp: int, init: str, out_dir: str, variants: list[dict], per_gpu: bool = False) -> None:
+    torch.set_num_threads(1)
+    device = rank_device(rank, per_gpu)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
     try:
         results = {"variants": [run_variant(rank, tp, v, device) for v in variants]}
@@ -153,7 +160,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.view(torch.int16) == b.view(torch.int16)) | nan).all() and (a.isnan() == b.isnan()).all())
 
 
-def all_reduce_op(rank: int, tp: int, init: str, out_dir: str, shapes: list[tuple[int, ...]], replays: int) -> None:
+def all_reduce_op(
+    rank: int, tp: int, init: str, out_dir: str, shapes: list[tuple[int, ...]], replays: int, per_gpu: bool = False
+) -> None:
     """cuda.all_reduce's workspace against the reference transport (comm.Collectives
     over gloo) on random bf16 of every shape in turn, eagerly, then the same sequence
     captured in one graph and replayed on new inputs each time, the last rank late to
@@ -162,8 +171,7 @@ def all_reduce_op(rank: int, tp: int, init: str, out_dir: str, shapes: list[tupl
     from sparkdecode_cuda.lamport import LamportWorkspace
 
     torch.set_num_threads(1)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = rank_device(rank, per_gpu)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
     try:
         capacity = max(torch.Size(s).numel() for s in shapes)
@@ -340,7 +348,7 @@ def publishing_matches(
     return all(ok)
 
 
-def cute_published_partial(rank: int, tp: int, init: str, out_dir: str) -> None:
+def cute_published_partial(rank: int, tp: int, init: str, out_dir: str, per_gpu: bool = False) -> None:
     """cute.linear_tma's o_proj publishing its partial from the epilogue, then the cuda
     pack's fused boundary gathering only, against the same o_proj (the same plan) not
     publishing and the boundary pushing then gathering, as
@@ -369,8 +377,7 @@ def cute_published_partial(rank: int, tp: int, init: str, out_dir: str) -> None:
         return matched is not None, matched is True, (spec.H, k, plain.plan.splits)
 
     torch.set_num_threads(1)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = rank_device(rank, per_gpu)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
     try:
         sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,5 +1,5 @@
 """The pages a verify step can see on a sliding layer, and the state that the
-attention cores built from one ``BuildContext`` share per KV-cache group.
+attention cores built from one set of build buffers share per KV-cache group.
 
 Why a sliding layer needs its own page table: the cache releases the pages wholly
 below the window of the step's first query and points the block table at the
@@ -68,8 +68,9 @@ class VisiblePages:
 
 
 class SharedGroups:
-    """What the providers of one class built from one ``BuildContext`` share: the
-    layers built, and per KV-cache group (block table, window) one state object."""
+    """What the providers of one class built from one set of build buffers share
+    (``shared_groups``): the layers built, and per KV-cache group (block table,
+    window) one state object."""
 
     def __init__(self) -> None:
         self.layers: set[int] = set()

@@ -131,7 +131,6 @@ SWITCHES = (
     ("slot_masks", "EXPERTS_SLOT_MASKS"),
     ("up_scatter", "EXPERTS_UP_SCATTER"),
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
-    ("up_halves", "EXPERTS_UP_HALVES"),
 )
 
 
@@ -166,9 +165,6 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items after each block's first
     # claimed from a counter (``queue``, an argument after ``rows``)
     down_queue: ClassVar[int] = 0
-    # experts.cu's EXPERTS_UP_HALVES: the up kernel's work in half items (K cut in two), claimed
-    # from a counter, the halves added by the block that finishes second
-    up_halves: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -201,20 +197,9 @@ class CudaExperts(_Cuda):
         )
         sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         chunk = CHUNK[self.format]
-        wm1 = 8 // _warps_k(spec.P, chunk)  # experts.cu's WM1: the up kernel's warps along M
-        tiles_up = self.intermediate // (UP_COLS[self.format] * wm1)
+        tiles_up = self.intermediate // (UP_COLS[self.format] * (8 // _warps_k(spec.P, chunk)))
         tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // self.down_warps_k(spec.P, self.intermediate)))
-        units_up = (2 if self.up_halves else 1) * slots * tiles_up
-        self.grid_up = max(1, min(units_up, self.up_blocks * sms))
-        if self.up_halves:
-            # EXPERTS_UP_HALVES' counter, per-item counts (zero at every launch: reset by the
-            # kernel) and the halves' sums (UP_PIECE_FLOATS a half: both sides' tiles)
-            self.up_queue = torch.zeros(2, dtype=torch.int32, device=ctx.device)
-            self.up_counts = torch.zeros(max(slots, 1) * tiles_up, dtype=torch.int32, device=ctx.device)
-            piece = 2 * wm1 * UP_COLS[self.format] // 16 * 4 * 32
-            self.up_ws = ctx.scratch(
-                f"cuda_experts_up_halves_{self.intermediate}", (max(slots, 1) * tiles_up * 2, piece), torch.float32
-            )
+        self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
         self.scales = self._scale_views()
         # EXPERTS_DOWN_QUEUE's counter and finished blocks, zero at every launch (its last block resets them)
@@ -287,7 +272,6 @@ class CudaExperts(_Cuda):
             ptr(w13_scale),
             ptr(w13_global),
             ptr(self.act),
-            *([ptr(self.up_queue), ptr(self.up_ws), ptr(self.up_counts)] if self.up_halves else []),
         ]
 
     def _down_args(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> list[Arg]:
@@ -746,41 +730,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue(CudaExpertsNvfp4MarlinV3Half4S
     # Above _half4_scatter_up (25): the fastest NVFP4 kernel in the H200's step.
     priority = 30
     down_queue = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalves(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue`` with experts.cu's
-    EXPERTS_UP_HALVES: the up kernel's work in units of half an item (K cut in two), a
-    block's first unit its own, the rest claimed from a counter; each half's sums go to a
-    workspace and the block that finishes an item's second half adds them and runs the
-    item's SwiGLU. At 55 experts 880 half items over the 528 blocks instead of 440 items,
-    88 blocks idle and the SMs with 4 items setting the kernel's span (bench/NOTES.md v25's
-    trace). The same products summed in other K-slices: not ``_half4_scatter_up``'s bits, as
-    close to the exact weights. Not registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_halves"
-    up_halves = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueK2(_SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue`` whose down kernel takes 2 warps
-    along K at expert TP's slice (``_half4_scatter_up_k2``'s): 880 down items at 55 experts
-    instead of 1760, a warp's item twice the MMAs, claimed from the queue (``_k2`` alone
-    left blocks 0..351 with 2 items and the rest 1). Not ``_queue``'s bits (other K-slices).
-    Not registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_k2"
-    slice_wk = 2
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalvesK2(
-    _SliceDown, CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalves
-):
-    """``_half4_scatter_up_queue_halves`` with ``_queue_k2``'s down kernel. Not registered: not
-    yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_halves_k2"
-    slice_wk = 2
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -144,17 +144,6 @@
 // can get four blocks of the most items (bench/NOTES.md v25's trace: 16 items on an SM
 // against a median of 12 at 55 experts); claimed, the items go to the blocks that are
 // free first. An item's sums do not depend on the block that runs it: the same bits.
-// EXPERTS_UP_HALVES (a define, 0 when absent; EXPERTS_UP_SCATTER only): the up kernel's
-// work in units of half an item, the item's K cut in two (each warp along K of a side takes
-// an eighth of K instead of a quarter), a block's first unit blockIdx.x, the rest claimed
-// from `up_queue` (as EXPERTS_DOWN_QUEUE's: the last block resets it), so that at 55
-// experts 880 units share the 528 blocks instead of 440 items leaving 88 idle and one SM
-// with four. After its K reduction a unit's owner warps store their tiles' sums to `ws`
-// ([item][half], UP_PIECE_FLOATS each), and thread 0 counts the half in `counts[item]`
-// after a fence: the block that counts second adds the two halves (one fp32 add, the same
-// bits whichever block is second), zeroes the count and runs the item's tail as
-// EXPERTS_UP_SCATTER's. The same products summed in other K-slices: not
-// `_half4_scatter_up`'s bits, as close to the exact weights.
 // EXPERTS_SLOT_MASKS (a define, 0 when absent; with EXPERTS_ROUTE_MASK): the down
 // kernel's route masks made once a block, after find_experts: per slot and row, the
 // routes of the row to the slot; per row, its routes to experts not held. An item's
@@ -210,18 +199,6 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #define QUEUE_PARAM
 #endif
 
-#if EXPERTS_DOWN_QUEUE || EXPERTS_UP_HALVES
-// The end of a block of a kernel with a queue q (int [2]: the claim counter, the finished
-// blocks): thread 0 counts the block, and the last block, every claim made, zeroes both
-// for the next launch.
-__device__ __forceinline__ void queue_finish(int* q) {
-  if (threadIdx.x == 0 && atomicAdd(q + 1, 1) == (int)gridDim.x - 1) {
-    atomicExch(q, 0);
-    atomicExch(q + 1, 0);
-  }
-}
-#endif
-
 #ifndef EXPERTS_DOWN_SCATTER
 #define EXPERTS_DOWN_SCATTER 0
 #endif
@@ -230,17 +207,6 @@ __device__ __forceinline__ void queue_finish(int* q) {
 #endif
 #if EXPERTS_UP_SCATTER && !EXPERTS_HALF
 #error "EXPERTS_UP_SCATTER is for the EXPERTS_HALF up kernel"
-#endif
-#ifndef EXPERTS_UP_HALVES
-#define EXPERTS_UP_HALVES 0
-#endif
-#if EXPERTS_UP_HALVES && !EXPERTS_UP_SCATTER
-#error "EXPERTS_UP_HALVES is for the EXPERTS_UP_SCATTER up kernel"
-#endif
-#if EXPERTS_UP_HALVES
-#define UP_HALVES_PARAM , int* __restrict__ up_queue, float* __restrict__ ws, int* __restrict__ counts
-#else
-#define UP_HALVES_PARAM
 #endif
 #ifndef EXPERTS_SLOT_MASKS
 #define EXPERTS_SLOT_MASKS 0
@@ -963,19 +929,12 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
                                                     const unsigned char* w13_scale, const float* w13_global) {
   constexpr int WKH = WK1 / 2;
   const int warp = threadIdx.x >> 5, side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
-#if EXPERTS_UP_HALVES
-  // the first unit's half of K, an eighth of it a warp
-  constexpr int WKU = 2 * WKH;
-  const int item = blockIdx.x >> 1, k0 = ((blockIdx.x & 1) * WKH + hk) * (P_DIM / WKU);
-#else
-  constexpr int WKU = WKH;
-  const int item = blockIdx.x, k0 = hk * (P_DIM / WKH);
-#endif
+  const int item = blockIdx.x;
   if (item >= routes.n_slots * TILES1) return;
   const int n0 = (item % TILES1 * WM1 + hm) * UP_COLS;
   const int row0[1] = {side ? I_LOCAL + n0 : n0};
-  prefetch_gemm<P_DIM, 2 * I_LOCAL, WKU, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
-                                             row0, k0);
+  prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
+                                             row0, hk * (P_DIM / WKH));
 }
 #endif
 
@@ -986,10 +945,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const unsigned char* __restrict__ w13_scale,                   // NVFP4: [E_local, 2I, P/16]
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
 #if EXPERTS_EARLY
-    bf16_t* __restrict__ act UP_HALVES_PARAM,                      // [slots, 8, I_LOCAL]; EXPERTS_UP_HALVES' state
+    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
     int ids_final TRACE_PARAM) {                                   // the ids complete at launch (see the top)
 #else
-    bf16_t* __restrict__ act UP_HALVES_PARAM TRACE_PARAM) {        // [slots, 8, I_LOCAL]; EXPERTS_UP_HALVES' state
+    bf16_t* __restrict__ act TRACE_PARAM) {                        // [slots, 8, I_LOCAL]
 #endif
   __shared__ Routes routes;
 #if EXPERTS_RING
@@ -1027,34 +986,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
   __shared__ float xch[WM1 * HALF_FLOATS];  // the up side's sums, for the gate side
   const int items = routes.n_slots * TILES1;
-#if EXPERTS_UP_HALVES
-  // Units of half an item (see the top): the block's next one claimed as EXPERTS_DOWN_QUEUE's
-  // down items are, double-buffered by the block's count of units; whether this block's half
-  // is the item's second, broadcast the same way.
-  constexpr int UP_PIECE_FLOATS = 2 * WM1 * HALF_FLOATS;
-  __shared__ int claimed[2], second;
-  int nth = 0;
-  for (int unit = blockIdx.x; unit < 2 * items; unit = claimed[nth & 1], ++nth) {
-    TRACE_NTH(nth)
-    if (threadIdx.x == 0) claimed[nth & 1] = (int)gridDim.x + atomicAdd(up_queue, 1);
-    __syncthreads();
-    const int item = unit >> 1, kh = unit & 1;
-    const int slot = item / TILES1, tile = item % TILES1;
-    const int e = routes.slot_expert[slot];
-    const int i0 = (tile * WM1 + hm) * UP_COLS;
-    const Weights W = up_weights(w13, w13_scale, w13_global, e);
-    const int row0[1] = {side ? I_LOCAL + i0 : i0};
-    const int next = claimed[nth & 1];
-    if (next < 2 * items) {  // the next unit's first batch
-      const int n0 = ((next >> 1) % TILES1 * WM1 + hm) * UP_COLS;
-      const int nrow0[1] = {side ? I_LOCAL + n0 : n0};
-      prefetch_gemm<P_DIM, 2 * I_LOCAL, 2 * WKH, TPB>(
-          up_weights(w13, w13_scale, w13_global, routes.slot_expert[(next >> 1) / TILES1]), nrow0,
-          ((next & 1) * WKH + hk) * (P_DIM / (2 * WKH)));
-    }
-    float h[TPB][4];  // this side's tiles over the unit's half of K
-    expert_gemm<P_DIM, 2 * I_LOCAL, 2 * WKH, TPB>(W, row0, (kh * WKH + hk) * (P_DIM / (2 * WKH)), x, x_stride, b, h);
-#else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     TRACE_ITEM(item)
     const int slot = item / TILES1, tile = item % TILES1;
@@ -1070,7 +1001,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     }
     float h[TPB][4];  // this side's tiles
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
-#endif
 #if EXPERTS_UP_SCATTER
     // Each warp of a side adds the tiles it owns (a % WKH == hk: OWN of them, or where
     // there are more warps than tiles, tile hk alone), the up side passes them over, and
@@ -1088,35 +1018,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
         for (int r = 1; r < OWNERS; ++r)
           if (hk == r) mine[j][e4] = h[j * WKH + r][e4];
       }
-#if EXPERTS_UP_HALVES
-    // This half's sums to ws, counted in the item's count after a fence; the second half
-    // to count adds the first's and finishes the item.
-    float* const piece = ws + (long)unit * UP_PIECE_FLOATS + (side * WM1 + hm) * HALF_FLOATS;
-    if (hk < OWNERS) {
-#pragma unroll
-      for (int j = 0; j < OWN; ++j)
-#pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) piece[((j * WKH + hk) * 4 + e4) * 32 + lane] = mine[j][e4];
-      __threadfence();
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      second = atomicAdd(&counts[item], 1);
-      if (second) {
-        __threadfence();  // the other half's stores, seen through its count, before this block reads them
-        counts[item] = 0;
-      }
-    }
-    __syncthreads();
-    if (!second) continue;
-    if (hk < OWNERS) {
-      const float* const other = ws + (long)(unit ^ 1) * UP_PIECE_FLOATS + (side * WM1 + hm) * HALF_FLOATS;
-#pragma unroll
-      for (int j = 0; j < OWN; ++j)
-#pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) mine[j][e4] += __ldcg(other + ((j * WKH + hk) * 4 + e4) * 32 + lane);
-    }
-#endif
     __syncthreads();  // xch read for the item before
     if (side == 1 && hk < OWNERS) {
 #pragma unroll
@@ -1190,12 +1091,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     }
   }
 #endif
-#if EXPERTS_UP_HALVES
-  queue_finish(up_queue);
-  TRACE_END_N(nth)
-#else
   TRACE_END(items)
-#endif
 }
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
@@ -1358,7 +1254,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       }
   }
 #if EXPERTS_DOWN_QUEUE
-  queue_finish(queue);
+  if (threadIdx.x == 0 && atomicAdd(queue + 1, 1) == (int)gridDim.x - 1) {  // every claim made: reset
+    atomicExch(queue, 0);
+    atomicExch(queue + 1, 0);
+  }
   TRACE_END_N(nth)
 #else
   TRACE_END(items)

@@ -307,7 +307,6 @@ def test_experts_trace_rows_are_the_kernels():
     for cls in (
         experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUp,
         experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
-        experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueHalves,
     ):
         defines = {**cls.kernel_defines(4096, 512, 8), "EXPERTS_TRACE": 1}
         assert nvrtc.compile_cubin(experts_mod.SOURCE, "sm_90a", defines, experts_mod.COMPILE_OPTIONS)

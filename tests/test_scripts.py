@@ -97,7 +97,7 @@ def test_read_pattern_kernels_build():
     failures = []
     builds = [
         (script.PATTERN, script.pattern_defines(c))
-        for c in script.CONFIGS + script.PACKED_CONFIGS + script.ROTATED_CONFIGS
+        for c in script.CONFIGS + script.PACKED_CONFIGS + script.ROTATED_CONFIGS + script.KROWS_CONFIGS
     ]
     builds += [(script.SPECIALIZED, script.specialized_defines(c)) for c in script.SPECIALIZED_CONFIGS]
     builds += [(script.BOXES, script.boxes_defines(c)) for c in script.BOXES_CONFIGS]

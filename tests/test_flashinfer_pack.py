@@ -90,7 +90,9 @@ def test_host_planned_cores_refuse_inexact_host_lengths():
     d = hopper(host_lengths_exact=False)
     assert FlashInferXqa.unsupported(d) is None
     for cls in (FlashInferPrefill, FlashInferFa3):
-        assert "--no-async-scheduling" in cls.unsupported(d)
+        reason = cls.unsupported(d)
+        assert "--no-async-scheduling" in reason and '"decode_lengths": "sync"' in reason
+        assert cls.unsupported(hopper(host_lengths_exact=True)) is None
 
 
 def test_unsupported_shapes():

@@ -161,8 +161,9 @@ class Deployment:
     libraries: dict[str, str | None] = field(default_factory=dict)
     # Whether the host knows each step's lengths exactly before the step (False under
     # vLLM's asynchronous scheduling, whose host count of computed tokens assumes every
-    # draft accepted): a provider that plans a step on the host (``prepare_step``)
-    # from them needs True.
+    # draft accepted, unless the integration reads them off the device before each
+    # step: ``decode_lengths: sync``): a provider that plans a step on the host
+    # (``prepare_step``) from them needs True.
     host_lengths_exact: bool = True
 
 

@@ -130,7 +130,8 @@ class FlashInferPrefill:
         if reason is None and not deployment.host_lengths_exact:
             reason = (
                 "plans each step on the host from its context length, which the host knows only as an upper "
-                "bound here (vLLM's asynchronous scheduling); serve with --no-async-scheduling to use it"
+                "bound here (vLLM's asynchronous scheduling); to use it, serve with --no-async-scheduling or "
+                'have the lengths read off the device before each step (additional_config "decode_lengths": "sync")'
             )
         return reason
 

@@ -246,9 +246,33 @@ def test_pins(make_config: MakeConfig) -> None:
     (found,) = reasons(make_config(additional={"decode_providers": {"moe": "nopack.moe"}}))
     assert "nopack.moe" in found
     (found,) = reasons(make_config(additional={"decode_providers": {"lm_head": "reference.lm_head"}}))
-    assert found.startswith("The pins:") and "lm_head" in found and "not blocks or sub-ops" in found
+    assert found.startswith("The additional config:") and "lm_head" in found and "not blocks or sub-ops" in found
     (found,) = reasons(make_config(additional={"decode_providers": ["reference.moe"]}))
     assert "must map a block to a provider name" in found
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync-scheduling"])
+@pytest.mark.parametrize("setting", [None, "device", "sync"])
+def test_decode_lengths(make_config: MakeConfig, asynchronous: bool, setting: str | None) -> None:
+    """Under asynchronous scheduling the host's lengths are an upper bound unless
+    ``decode_lengths`` is ``sync`` (then the ModelState reads them off the device before
+    a host-planned step, and the deployment says they are exact); under synchronous
+    scheduling they are exact and nothing is read."""
+    config = make_config(additional={} if setting is None else {"decode_lengths": setting})
+    config.scheduler_config.async_scheduling = asynchronous
+    assert reasons(config) == []
+    settings = gate.check(config, capability=HOPPER)
+    synced = asynchronous and setting == "sync"
+    assert settings.sync_lengths is synced
+    assert settings.deployment.host_lengths_exact is (not asynchronous or synced)
+
+
+@pytest.mark.parametrize("value", ["exact", True, None])
+def test_decode_lengths_refuses_other_values(make_config: MakeConfig, value) -> None:
+    (found,) = reasons(make_config(additional={"decode_lengths": value}))
+    assert found.startswith("The additional config:") and "decode_lengths" in found and "device, sync" in found
+    with pytest.raises(DeploymentError, match="decode_lengths"):
+        gate.check(make_config(additional={"decode_lengths": value}), capability=HOPPER)
 
 
 def test_draft_pins_are_left_to_the_draft(make_config: MakeConfig) -> None:

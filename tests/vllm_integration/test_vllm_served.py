@@ -308,23 +308,30 @@ def test_the_plan(served: Served, caplog) -> None:
 
 
 @pytest.mark.parametrize("host_planned", [True, False], ids=["host-planned-core", "device-read-core"])
-@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize(
+    "scheduling", ["async", "async-sync-lengths", "sync"], ids=["async", "async-sync-lengths", "sync"]
+)
 def test_a_host_planned_step_gets_the_exact_context(
-    served: Served, monkeypatch, host_planned: bool, asynchronous: bool
+    served: Served, monkeypatch, host_planned: bool, scheduling: str
 ) -> None:
     """Under asynchronous scheduling (the served config's, vLLM's default) the
     runner's host mirror of the computed tokens counts every draft as accepted: after
     5 rejected drafts it is 5 ahead of the device's sequence lengths. A provider that
-    plans on the host (the packs' own refuse such a deployment; another pack's may
-    not) then gets the device's exact length; without one, or with exact host lengths
-    (synchronous scheduling), nothing waits on the device."""
+    plans on the host (served with ``decode_lengths: sync``, whose deployment then
+    says the lengths are exact; or another pack's that does not refuse the inexact
+    deployment) then gets the device's exact length; without one, or with exact host
+    lengths (synchronous scheduling), nothing waits on the device."""
     kv_cache_config, _, _ = bind(served, "LBNHC")
     decode = served.state.decode
     assert served.config.scheduler_config.async_scheduling
-    assert decode.settings.deployment.host_lengths_exact is False
-    if not asynchronous:
+    assert decode.settings.deployment.host_lengths_exact is False and decode.settings.sync_lengths is False
+    if scheduling != "async":
         exact = dataclasses.replace(decode.settings.deployment, host_lengths_exact=True)
-        monkeypatch.setattr(decode, "settings", dataclasses.replace(decode.settings, deployment=exact))
+        settings = dataclasses.replace(
+            decode.settings, deployment=exact, sync_lengths=scheduling == "async-sync-lengths"
+        )
+        monkeypatch.setattr(decode, "settings", settings)
+    asynchronous = scheduling != "sync"
     buffers = InputBuffers(MAX_REQS, 64, torch.device("cpu"))
     request = Request(len(kv_cache_config.kv_cache_groups))
     first = 3 * Q

@@ -27,6 +27,14 @@ sentence per unmet requirement, after the TP ranks agree
   there, make the format ``nvfp4_marlin``: served where an ``experts_nvfp4``
   provider reads that layout in place.
 
+``additional_config["decode_lengths"]`` (``device``, the default, or ``sync``) says
+what asynchronous scheduling (vLLM's default with DSpark), whose host count of
+computed tokens assumes every draft accepted, does to the providers that plan a step
+on the host from its lengths: left out (``device``; the cores that read the lengths
+from device buffers serve), or served with the exact lengths read off the device
+before each such step (``sync``: a wait on the step before, as vLLM's own FlashInfer
+backend makes with drafts).
+
 The KV cache's physical layout is resolved by vLLM's engine core after the model
 is built (``resolve_kv_cache_layout``), so it cannot be read here: the adapter
 checks each bound cache, and every provider's ``prepare_kv`` the views, in the
@@ -69,9 +77,17 @@ class Settings:
     pins: Mapping[str, str] = field(default_factory=dict)
     q: int = 1 + DRAFT_TOKENS
     max_context: int = 4096
+    # ``decode_lengths: sync`` under asynchronous scheduling: before a step that a
+    # provider plans on the host, the ModelState reads the exact lengths off the device
+    sync_lengths: bool = False
 
 
-OUR_KEYS = ("decode_backend", "decode_providers")
+OUR_KEYS = ("decode_backend", "decode_providers", "decode_lengths")
+# ``additional_config["decode_lengths"]``: under asynchronous scheduling the host knows
+# a step's lengths only as an upper bound; ``device`` leaves out the providers that plan
+# on the host from them, ``sync`` makes them exact by a read off the device before such
+# a step (a wait on the step before, as vLLM's own FlashInfer backend makes with drafts).
+LENGTHS = ("device", "sync")
 
 
 def requested(vllm_config: Any) -> bool:
@@ -115,6 +131,22 @@ def pins(vllm_config: Any) -> dict[str, str]:
             f"(those are {', '.join(ALL_KINDS)})"
         )
     return dict(value)
+
+
+def lengths(vllm_config: Any) -> str:
+    """``additional_config["decode_lengths"]`` (``device`` when unset; see LENGTHS)."""
+    extra = vllm_config.additional_config
+    value = extra.get("decode_lengths", "device") if isinstance(extra, Mapping) else "device"
+    if value not in LENGTHS:
+        raise DeploymentError(f'additional_config["decode_lengths"] must be one of {", ".join(LENGTHS)}, got {value!r}')
+    return value
+
+
+def syncs_lengths(vllm_config: Any) -> bool:
+    """Whether the host reads the exact lengths off the device before a host-planned
+    step: ``decode_lengths`` is ``sync`` and the scheduling asynchronous (vLLM
+    resolved ``async_scheduling`` when it built the config; None: off)."""
+    return bool(vllm_config.scheduler_config.async_scheduling) and lengths(vllm_config) == "sync"
 
 
 def target_pins(chosen: Mapping[str, str]) -> dict[str, str]:
@@ -415,8 +447,8 @@ def make_deployment(
         shard_pooler=shard_pooler,
         shard_unpooler=shard_unpooler,
         libraries=core.installed_libraries(),
-        # vLLM resolved async_scheduling when it built the config (None: off).
-        host_lengths_exact=not vllm_config.scheduler_config.async_scheduling,
+        # Exact under synchronous scheduling, or made exact by a read off the device.
+        host_lengths_exact=not vllm_config.scheduler_config.async_scheduling or syncs_lengths(vllm_config),
     )
 
 
@@ -433,9 +465,11 @@ def unsupported(
     try:
         spec = model_spec(vllm_config)
         chosen = pins(vllm_config)
-    except (SpecError, DeploymentError) as e:
-        what = "The text config is not one the executor takes" if isinstance(e, SpecError) else "The pins"
-        return [*reasons, f"{what}: {e}."]
+        lengths(vllm_config)
+    except SpecError as e:
+        return [*reasons, f"The text config is not one the executor takes: {e}."]
+    except DeploymentError as e:
+        return [*reasons, f"The additional config: {e}."]
     if reasons:  # the core gate repeats some serving lines (TP size, KV dtype and block size)
         return reasons
     deployment = make_deployment(vllm_config, spec, capability, gpu_name)
@@ -471,13 +505,19 @@ def check(
         deployment=make_deployment(vllm_config, spec, capability, gpu_name),
         pins=target_pins(pins(vllm_config)),
         max_context=vllm_config.model_config.max_model_len,
+        sync_lengths=syncs_lengths(vllm_config),
     )
     logger.info(
         "sparkdecode: decode_backend=latency_specialized: the specialized decode is on "
-        "(TP%d, %s experts, DSpark verify steps of %d tokens, pins %s)",
+        "(TP%d, %s experts, DSpark verify steps of %d tokens, pins %s, %s)",
         settings.deployment.tp,
         "EP" if settings.deployment.expert_parallel == "ep" else "expert-TP",
         settings.q,
         dict(settings.pins) or "none",
+        "the host's lengths exact"
+        if not vllm_config.scheduler_config.async_scheduling
+        else "the lengths read off the device before a host-planned step"
+        if settings.sync_lengths
+        else "the host's lengths an upper bound: the providers that plan on the host left out",
     )
     return settings

@@ -117,12 +117,14 @@ class VllmDecode:
         first = int(input_batch.num_computed_tokens_np[0]) if input_batch.num_computed_tokens_np.size else 0
         self.host = HostBatch(num_reqs, num_tokens, first, for_capture)
         one = self.one_request(self.host)
-        if one and not for_capture and not self.settings.deployment.host_lengths_exact and self.executor.plans_on_host:
+        inexact = self.settings.sync_lengths or not self.settings.deployment.host_lengths_exact
+        if one and not for_capture and inexact and self.executor.plans_on_host:
             # A provider plans the step on the host from its lengths, though the host
-            # knows them only as an upper bound (the packs' own ones refuse such a
-            # deployment; another pack's may not): it gets the exact
-            # length, read off the device, as vLLM's own FlashInfer backend does with
-            # drafts. Cores that read the device buffers need no such wait.
+            # knows them only as an upper bound (asynchronous scheduling): with
+            # ``decode_lengths: sync`` (or a pack's provider that does not refuse such a
+            # deployment) it gets the exact length, read off the device, as vLLM's own
+            # FlashInfer backend does with drafts. Cores that read the device buffers
+            # need no such wait.
             first = exact_context_len(input_batch) - num_tokens
             self.host = self.host._replace(first_position=first)
         if (

@@ -262,9 +262,8 @@ def test_decode_lengths(make_config: MakeConfig, asynchronous: bool, setting: st
     config.scheduler_config.async_scheduling = asynchronous
     assert reasons(config) == []
     settings = gate.check(config, capability=HOPPER)
-    synced = asynchronous and setting == "sync"
-    assert settings.sync_lengths is synced
-    assert settings.deployment.host_lengths_exact is (not asynchronous or synced)
+    assert settings.host_lengths_upper_bound is asynchronous
+    assert settings.deployment.host_lengths_exact is (not asynchronous or setting == "sync")
 
 
 @pytest.mark.parametrize("value", ["exact", True, None])

@@ -324,11 +324,11 @@ def test_a_host_planned_step_gets_the_exact_context(
     kv_cache_config, _, _ = bind(served, "LBNHC")
     decode = served.state.decode
     assert served.config.scheduler_config.async_scheduling
-    assert decode.settings.deployment.host_lengths_exact is False and decode.settings.sync_lengths is False
+    assert decode.settings.deployment.host_lengths_exact is False and decode.settings.host_lengths_upper_bound
     if scheduling != "async":
         exact = dataclasses.replace(decode.settings.deployment, host_lengths_exact=True)
         settings = dataclasses.replace(
-            decode.settings, deployment=exact, sync_lengths=scheduling == "async-sync-lengths"
+            decode.settings, deployment=exact, host_lengths_upper_bound=scheduling == "async-sync-lengths"
         )
         monkeypatch.setattr(decode, "settings", settings)
     asynchronous = scheduling != "sync"

@@ -77,9 +77,11 @@ class Settings:
     pins: Mapping[str, str] = field(default_factory=dict)
     q: int = 1 + DRAFT_TOKENS
     max_context: int = 4096
-    # ``decode_lengths: sync`` under asynchronous scheduling: before a step that a
-    # provider plans on the host, the ModelState reads the exact lengths off the device
-    sync_lengths: bool = False
+    # Asynchronous scheduling: the runner's host lengths are an upper bound, so before a
+    # step that a provider plans on the host the ModelState reads the exact ones off the
+    # device (such providers serve only with ``decode_lengths: sync``, or from a pack
+    # whose provider does not refuse the inexact deployment)
+    host_lengths_upper_bound: bool = False
 
 
 OUR_KEYS = ("decode_backend", "decode_providers", "decode_lengths")
@@ -142,11 +144,10 @@ def lengths(vllm_config: Any) -> str:
     return value
 
 
-def syncs_lengths(vllm_config: Any) -> bool:
-    """Whether the host reads the exact lengths off the device before a host-planned
-    step: ``decode_lengths`` is ``sync`` and the scheduling asynchronous (vLLM
-    resolved ``async_scheduling`` when it built the config; None: off)."""
-    return bool(vllm_config.scheduler_config.async_scheduling) and lengths(vllm_config) == "sync"
+def host_lengths_upper_bound(vllm_config: Any) -> bool:
+    """Whether the runner's host lengths are only an upper bound: asynchronous
+    scheduling (vLLM resolved ``async_scheduling`` when it built the config; None: off)."""
+    return bool(vllm_config.scheduler_config.async_scheduling)
 
 
 def target_pins(chosen: Mapping[str, str]) -> dict[str, str]:
@@ -448,7 +449,7 @@ def make_deployment(
         shard_unpooler=shard_unpooler,
         libraries=core.installed_libraries(),
         # Exact under synchronous scheduling, or made exact by a read off the device.
-        host_lengths_exact=not vllm_config.scheduler_config.async_scheduling or syncs_lengths(vllm_config),
+        host_lengths_exact=not host_lengths_upper_bound(vllm_config) or lengths(vllm_config) == "sync",
     )
 
 
@@ -505,7 +506,7 @@ def check(
         deployment=make_deployment(vllm_config, spec, capability, gpu_name),
         pins=target_pins(pins(vllm_config)),
         max_context=vllm_config.model_config.max_model_len,
-        sync_lengths=syncs_lengths(vllm_config),
+        host_lengths_upper_bound=host_lengths_upper_bound(vllm_config),
     )
     logger.info(
         "sparkdecode: decode_backend=latency_specialized: the specialized decode is on "
@@ -515,9 +516,9 @@ def check(
         settings.q,
         dict(settings.pins) or "none",
         "the host's lengths exact"
-        if not vllm_config.scheduler_config.async_scheduling
+        if not settings.host_lengths_upper_bound
         else "the lengths read off the device before a host-planned step"
-        if settings.sync_lengths
+        if settings.deployment.host_lengths_exact
         else "the host's lengths an upper bound: the providers that plan on the host left out",
     )
     return settings

@@ -117,8 +117,7 @@ class VllmDecode:
         first = int(input_batch.num_computed_tokens_np[0]) if input_batch.num_computed_tokens_np.size else 0
         self.host = HostBatch(num_reqs, num_tokens, first, for_capture)
         one = self.one_request(self.host)
-        upper_bound = self.settings.sync_lengths or not self.settings.deployment.host_lengths_exact
-        if one and not for_capture and upper_bound and self.executor.plans_on_host:
+        if one and not for_capture and self.settings.host_lengths_upper_bound and self.executor.plans_on_host:
             # A provider plans the step on the host from its lengths, though the host
             # knows them only as an upper bound (asynchronous scheduling): with
             # ``decode_lengths: sync`` (or a pack's provider that does not refuse such a

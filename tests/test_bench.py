@@ -170,6 +170,45 @@ def test_bench_cli_errors(capsys):
     assert "--provider is for configs of one rank, not tiny-tp2-nvfp4-marlin" in capsys.readouterr().err
 
 
+def test_max_context_builds_the_executor_as_served(tmp_path, monkeypatch):
+    """--max-context: the executor is built for vLLM's max_model_len while the step times
+    a shorter context; the record names it. Below a context or above the model's
+    positions, or for a streams config: a clear error."""
+    from sparkdecode.bench import runner
+
+    built = []
+
+    class Recording(runner.SpecializedDecode):
+        def __init__(self, weights, config, **kw):
+            built.append(config.max_context)
+            super().__init__(weights, config, **kw)
+
+    monkeypatch.setattr(runner, "SpecializedDecode", Recording)
+    args = ["bench", "tiny", "--device", "cpu", "--context", "40", "--replays", "1", "--no-blocks"]
+    args += ["--routing", "random", "--out", str(tmp_path), "--quiet"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*args, "--max-context", "600"]) == 0
+    (path,) = tmp_path.glob("tiny_*.json")
+    assert built == [600] and json.loads(path.read_text())["max_context"] == 600
+    path.unlink()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(args) == 0
+    (path,) = tmp_path.glob("tiny_*.json")
+    assert built == [600, 40] and json.loads(path.read_text())["max_context"] is None
+
+
+def test_max_context_errors(capsys):
+    assert main(["bench", "tiny", "--device", "cpu", "--context", "300", "--max-context", "200"]) == 2
+    assert "--max-context 200 is below the context 300" in capsys.readouterr().err
+    positions = ModelSpec.preset("tiny").max_position_embeddings
+    assert main(["bench", "tiny", "--device", "cpu", "--max-context", str(positions + 1)]) == 2
+    assert f"is above the model's {positions} positions" in capsys.readouterr().err
+    assert main(["bench", "tiny-tp2", "--device", "cpu", "--context", "300", "--max-context", "200"]) == 2
+    assert "--max-context 200 is below the context 300" in capsys.readouterr().err
+    assert main(["bench", "streams-tp8-rank", "--max-context", "4096"]) == 2
+    assert "--max-context is for the step configs" in capsys.readouterr().err
+
+
 def test_an_unregistered_provider_is_offered_and_recorded(tmp_path, monkeypatch):
     """``--provider module:Class``: a class no pack registers, pinned like a registered
     one, and named in the record."""

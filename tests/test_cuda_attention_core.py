@@ -23,7 +23,8 @@ TILE, MROWS = core_mod.TILE, core_mod.MROWS
 
 
 def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group):
-    """attention_split_kernel then attention_combine_kernel, in torch (fp32)."""
+    """attention_split_kernel then attention_combine_kernel, in torch (fp32), built with
+    a grid of ``splits`` blocks a KV head (the step uses active_splits of them)."""
     hkv, d = k.shape[2], k.shape[3]
     page_size = k.shape[1]
     scale_log2 = scale * math.log2(math.e)
@@ -31,6 +32,7 @@ def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group):
     lo = max(first - window + 1, 0) if window else 0
     base0 = lo & ~(TILE - 1)
     tiles = (hi - base0) // TILE + 1
+    active = core_mod.active_splits(tiles, splits)
     r = torch.arange(MROWS)
     tok, head = r // group, r % group
     ok = tok < rows
@@ -42,9 +44,9 @@ def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group):
         qh = torch.zeros(MROWS, d)
         qh[ok] = q[tok[ok], h * group + head[ok]].float()
         parts = []
-        for s in range(splits):
+        for s in range(active):
             m, l, o = torch.full((MROWS,), float("-inf")), torch.zeros(MROWS), torch.zeros(MROWS, d)
-            for tile in range(s * tiles // splits, (s + 1) * tiles // splits):
+            for tile in range(s * tiles // active, (s + 1) * tiles // active):
                 kp = base0 + tile * TILE + torch.arange(TILE)
                 seen = (kp >= lo) & (kp <= hi)
                 kt, vt = torch.zeros(TILE, d), torch.zeros(TILE, d)
@@ -81,8 +83,9 @@ def paged_cache(pages: int, page_size: int, hkv: int, d: int, g: torch.Generator
 @pytest.mark.parametrize("window", [None, 64, 200])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_split_kv_algorithm_equals_the_reference(window, rows):
-    """Contexts at tile and window edges, fewer tiles than splits and more; every split
-    count the provider picks (16 .. 128) and one that leaves most splits empty."""
+    """Contexts at tile and window edges, fewer tiles than splits and more; grids of 16
+    blocks a KV head, the provider's at this max context, and 3 (fewer than most lengths
+    ask for, so more tiles a split)."""
     g = torch.Generator().manual_seed(rows * 7 + (window or 0))
     hkv, group, d, page_size, max_context = 2, 8, 64, 16, 1024
     k, v, table = paged_cache(max_context // page_size, page_size, hkv, d, g)
@@ -102,12 +105,47 @@ def test_split_kv_algorithm_equals_the_reference(window, rows):
     print(f"\nlargest row error {worst:.2e}")
 
 
+def test_active_splits_follow_the_length():
+    """The splits a step uses: about two tiles each, at least 16 where there are as many
+    tiles, never a split without a tile, at most the grid; the same at a grid of 128 (a
+    long max_model_len) as at the grid a build for the context itself has."""
+    act = core_mod.active_splits
+    assert [act(t, 128) for t in (1, 2, 15, 16, 17, 32, 33, 64, 65, 255, 256, 300)] == [
+        1, 2, 15, 16, 16, 16, 17, 32, 33, 128, 128, 128,
+    ]  # fmt: skip
+    assert act(65, 33) == 33 and act(300, 16) == 16
+    for context in range(9, 20000, 37):
+        tiles = (context - 1) // TILE + 1  # a full layer's tiles at this length
+        active = act(tiles, 128)
+        assert active == act(tiles, core_mod.splits_for(context)) and 1 <= active <= tiles
+        assert all((s + 1) * tiles // active > s * tiles // active for s in range(active))
+
+
+def test_a_long_build_runs_a_short_context_alike():
+    """The emulated kernels at a grid of 128 (the served max_model_len) and at the grid of
+    a build for the context: the same bits."""
+    g = torch.Generator().manual_seed(5)
+    hkv, group, d, page_size, pages = 2, 8, 64, 16, 200
+    k, v, table = paged_cache(pages, page_size, hkv, d, g)
+    for seq_len, window in ((700, None), (3000, None), (3000, 512)):
+        q = torch.randn(8, hkv * group, d, generator=g).to(torch.bfloat16)
+        short = emulate(q, k, v, table, seq_len, 8, window, 0.125, core_mod.splits_for(seq_len), group)
+        assert torch.equal(emulate(q, k, v, table, seq_len, 8, window, 0.125, core_mod.MAX_SPLITS, group), short)
+
+
 def test_kernel_constants_match():
     """The provider's launch shapes are the kernel's defines."""
     from sparkdecode_cuda import nvrtc
 
     text = nvrtc.source(core_mod.SOURCE)
-    for name, value in (("MROWS", MROWS), ("TILE", TILE), ("COMBINE_ROWS", core_mod.COMBINE_ROWS), ("WARPS", 4)):
+    constants = (
+        ("MROWS", MROWS),
+        ("TILE", TILE),
+        ("COMBINE_ROWS", core_mod.COMBINE_ROWS),
+        ("WARPS", 4),
+        ("MIN_SPLITS", core_mod.MIN_SPLITS),
+    )
+    for name, value in constants:
         assert f"#define {name} {value}\n" in text, name
     assert [core_mod.splits_for(c) for c in (64, 1024, 4096, 32768, 131072)] == [16, 16, 33, 128, 128]
     # a sliding layer's splits cover its window and the step's rows, a full layer's the context

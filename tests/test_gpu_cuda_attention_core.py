@@ -1,8 +1,9 @@
 """cuda.attention_core on a Hopper GPU against the reference core (marker gpu):
 tests/attention_check.py's checks (one graph over contexts, a sliding and a full
 layer at a TP8 rank's and TP1's KV heads; the whole step with the core pinned, and
-with cuda.attention pinned beside it, which runs the core's gated combine); and the
-gated combine against the core's output with the o-norm and gate applied after it.
+with cuda.attention pinned beside it, which runs the core's gated combine); the gated
+combine against the core's output with the o-norm and gate applied after it; and a core
+built for a long max context against one built for the context (the same bits).
 
 The bound is attention_check's 1e-2; this core keeps the probabilities to about
 2^-17 through the PV product, so its rows should differ from the reference's by the
@@ -34,7 +35,7 @@ pytestmark = [
     ),
 ]
 
-from sparkdecode_cuda.attention_core import CudaAttentionCore, CudaAttentionCoreBatched  # noqa: E402
+from sparkdecode_cuda.attention_core import CudaAttentionCore, CudaAttentionCoreBatched, splits_for  # noqa: E402
 
 
 @pytest.mark.parametrize("kv_heads", [2, 16])  # a TP8 rank's and TP1's heads (GQA 8)
@@ -47,19 +48,9 @@ def test_batched_core_in_one_graph_over_contexts():
     check_core_over_contexts(CudaAttentionCoreBatched, 2)
 
 
-@pytest.mark.parametrize("context", [9, 700, 2100, 4096, 20000])
-@pytest.mark.parametrize("rows", [1, 5, 8])
-@pytest.mark.parametrize("max_context", [4096, MAX_CONTEXT])  # a full layer's 33 and 128 splits
-def test_batched_combine_is_the_core_bit_for_bit(max_context, rows, context):
-    """The batched combine's loads in another order, its sums in the same: run's and
-    run_gated's outputs equal the core's to the bit, on a sliding (17 splits) and a full
-    layer, at contexts from inside the first tile to past the sliding window."""
-    if context > max_context:
-        pytest.skip("past the cores' context")
-    spec = ModelSpec.preset("muse-spark-open", 2)
-    kv_heads, heads = 2, 16
-    ctx = core_context(spec, heads, kv_heads, max_context)
-    pairs = [(CudaAttentionCore.build(ctx, layer), CudaAttentionCoreBatched.build(ctx, layer)) for layer in (0, 1)]
+def _outputs_alike(pairs, spec, heads: int, kv_heads: int, rows: int, context: int) -> None:
+    """Each pair of cores (one pair a layer) on the same cache, q and gate: run's and
+    run_gated's outputs equal to the bit."""
     cache = PagedKVCache(spec, MAX_CONTEXT // BLOCK_SIZE + 2, MAX_CONTEXT, ROWS, "cuda", num_kv_heads=kv_heads)
     for pair in pairs:
         for c in pair:
@@ -69,11 +60,11 @@ def test_batched_combine_is_the_core_bit_for_bit(max_context, rows, context):
     write_positions(cache, 0, context, g)
     positions = torch.arange(context - rows, context, device="cuda")
     step = Step(rows, rows, positions, cache.kv(), False)
-    for core, batched in pairs:
+    for first, second in pairs:
         q = torch.randn(rows, heads, 64, generator=g, device="cuda").to(torch.bfloat16)
         gate = torch.randn(rows, heads * 64, generator=g, device="cuda").to(torch.bfloat16)
         outs = []
-        for c in (core, batched):
+        for c in (first, second):
             o = torch.full_like(q, float("nan"))
             gated = torch.full((rows, heads * 64), float("nan"), dtype=torch.bfloat16, device="cuda")
             c.run(step, q, o)
@@ -82,6 +73,35 @@ def test_batched_combine_is_the_core_bit_for_bit(max_context, rows, context):
         torch.cuda.synchronize()
         assert torch.isfinite(outs[0][0]).all() and torch.isfinite(outs[0][1]).all()
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("context", [9, 700, 2100, 4096, 20000])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("max_context", [4096, MAX_CONTEXT])  # a full layer's grids of 33 and 128 splits
+def test_batched_combine_is_the_core_bit_for_bit(max_context, rows, context):
+    """The batched combine's loads in another order, its sums in the same: run's and
+    run_gated's outputs equal the core's to the bit, on a sliding (17 splits) and a full
+    layer, at contexts from inside the first tile to past the sliding window."""
+    if context > max_context:
+        pytest.skip("past the cores' context")
+    spec = ModelSpec.preset("muse-spark-open", 2)
+    ctx = core_context(spec, 16, 2, max_context)
+    pairs = [(CudaAttentionCore.build(ctx, layer), CudaAttentionCoreBatched.build(ctx, layer)) for layer in (0, 1)]
+    _outputs_alike(pairs, spec, 16, 2, rows, context)
+
+
+@pytest.mark.parametrize("context", [9, 700, 2100, 4096, 9000])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("cls", [CudaAttentionCore, CudaAttentionCoreBatched], ids=lambda c: c.name)
+def test_a_long_build_runs_a_short_context_as_its_own_build(cls, rows, context):
+    """Built for a served max_model_len (a full layer's grid of 128 splits) and built for
+    the context itself (the bench's build): the step's length sets the splits that take
+    part, so the same bits from both, on a sliding and a full layer."""
+    spec = ModelSpec.preset("muse-spark-open", 2)
+    served, own = core_context(spec, 16, 2, MAX_CONTEXT), core_context(spec, 16, 2, context)
+    pairs = [(cls.build(served, layer), cls.build(own, layer)) for layer in (0, 1)]
+    assert pairs[1][0].splits == 128 and pairs[1][1].splits == splits_for(context)
+    _outputs_alike(pairs, spec, 16, 2, rows, context)
 
 
 def test_executor_with_cuda_core():

@@ -1,6 +1,7 @@
 """``cuda.attention_core``: the verify step's attention core on this pack's split-KV
-kernels (kernels/attention_core.cu): attention_split_kernel over SPLITS blocks a KV head,
-then attention_combine_kernel; nothing on the host per step, so it replays in a FULL
+kernels (kernels/attention_core.cu): attention_split_kernel over the splits of a KV head that
+the step's length asks for (``active_splits``, read from the device), then
+attention_combine_kernel; nothing on the host per step, so it replays in a FULL
 graph. ``run_gated``: the same with the attention block's o-norm and gate in the
 combine (attention_gated_combine_kernel), which cuda.attention calls in place of its
 own gate kernel.
@@ -31,10 +32,23 @@ COMBINE_ROWS = 8
 MAX_SPLITS = 128
 
 
+MIN_SPLITS = 16
+
+
 def splits_for(max_context: int) -> int:
-    """Blocks a KV head: about two tiles each at the longest context, 16 to MAX_SPLITS."""
+    """The grid's blocks a KV head: about two tiles each at the longest context,
+    MIN_SPLITS to MAX_SPLITS. A step uses ``active_splits`` of them."""
     tiles = max_context // TILE + 1
-    return max(16, min(MAX_SPLITS, -(-tiles // 2)))
+    return max(MIN_SPLITS, min(MAX_SPLITS, -(-tiles // 2)))
+
+
+def active_splits(tiles: int, splits: int) -> int:
+    """The blocks of a grid of ``splits`` that take part in a step over ``tiles`` key
+    tiles (kernels/attention_core.cu's active_splits, which both kernels compute from the
+    device's length): about two tiles each, at least MIN_SPLITS where there are as many
+    tiles, at most the grid. A build for a long max_model_len thus runs a short context
+    as a build for that context does, with the same bits."""
+    return min(splits, tiles, max(MIN_SPLITS, (tiles + 1) // 2))
 
 
 def keys_seen(max_context: int, window: int | None, max_rows: int) -> int:
@@ -142,7 +156,16 @@ class CudaAttentionCore(_Cuda):
         self.combine.launch(
             (MROWS // COMBINE_ROWS, self.kv_heads, 1),
             (COMBINE_ROWS * HEAD_DIM // 4, 1, 1),
-            [ptr(self.part_o), ptr(self.part_ml), i32(q.shape[0]), ptr(out), i64(out.stride(0)), i64(out.stride(1))],
+            [
+                ptr(self.part_o),
+                ptr(self.part_ml),
+                ptr(step.kv[self.index].group.seq_lens),
+                i32(q.shape[0]),
+                i32(self.window or 0),
+                ptr(out),
+                i64(out.stride(0)),
+                i64(out.stride(1)),
+            ],
         )
 
     def run_gated(self, step: Step, q: torch.Tensor, gate: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -163,7 +186,9 @@ class CudaAttentionCore(_Cuda):
             [
                 ptr(self.part_o),
                 ptr(self.part_ml),
+                ptr(step.kv[self.index].group.seq_lens),
                 i32(b),
+                i32(self.window or 0),
                 ptr(gate),
                 i64(gate.stride(0)),
                 f32(eps),

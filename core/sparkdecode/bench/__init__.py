@@ -41,7 +41,7 @@ import torch
 from ..arguments import at_least, device_of, parse_pins
 from ..plugins import discover, provider_class
 from ..spec import read_json
-from .configs import ROUTINGS, ROWS, BenchConfigError, named
+from .configs import ROUTINGS, ROWS, BenchConfigError, check_max_context, named
 from .report import PlotUnavailableError, plot, stem, table, write
 from .runner import Progress, run
 from .steer import CANDIDATE_KINDS
@@ -65,6 +65,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         type=at_least(ROWS + 1),
         action="append",
         help="a context length (repeatable; default: the config's)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=at_least(ROWS + 1),
+        default=None,
+        help="the executor's max context, as vLLM's max_model_len sets it when served (at least every context; "
+        "default: each context itself). Providers that size themselves at build (split counts, plans) then "
+        "run the shorter contexts as served",
     )
     p.add_argument("--routing", choices=ROUTINGS, action="append", help="random or correlated (default: both)")
     p.add_argument(
@@ -187,6 +195,7 @@ def main(args: argparse.Namespace) -> int:
                 raise BenchConfigError(
                     f"context {context} is above {cfg.name}'s {spec.max_position_embeddings} positions"
                 )
+        check_max_context(args.max_context, tuple(args.context or cfg.contexts), spec.max_position_embeddings)
         if cfg.layers == 0:
             if device.type != "cuda":
                 raise BenchConfigError(f"{cfg.name} sizes itself to a GPU's memory")
@@ -205,6 +214,7 @@ def main(args: argparse.Namespace) -> int:
         block_replays=args.block_replays,
         blocks=not args.no_blocks,
         seed=args.seed,
+        max_context=args.max_context,
         pins=pins,
         candidates=tuple(dict.fromkeys(args.candidates)),
         registry=registry,

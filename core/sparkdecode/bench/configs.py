@@ -172,3 +172,13 @@ def named(name: str) -> BenchConfig:
         "tp8-rank-L<N>-nvfp4-marlin, tp{2,4,8}-L<N>-bf16, tp{2,4,8}-L<N>-nvfp4, tp{2,4,8}-L<N>-nvfp4-marlin, "
         "tiny-tp{2,4,8}, tiny-tp{2,4,8}-nvfp4-marlin"
     )
+
+
+def check_max_context(max_context: int | None, contexts: tuple[int, ...], positions: int) -> None:
+    """``--max-context``: at least every context timed, at most the model's positions."""
+    if max_context is None:
+        return
+    if max_context > positions:
+        raise BenchConfigError(f"--max-context {max_context} is above the model's {positions} positions")
+    if max_context < max(contexts):
+        raise BenchConfigError(f"--max-context {max_context} is below the context {max(contexts)}")

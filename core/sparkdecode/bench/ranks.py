@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 from ..arguments import parse_pins
 from ..executor import DecodeConfig, SpecializedDecode
 from ..protocols import HostStep
-from .configs import ROUTINGS, ROWS, BenchConfig, BenchConfigError
+from .configs import ROUTINGS, ROWS, BenchConfig, BenchConfigError, check_max_context
 from .floor import block_bytes, copy_bandwidth
 from .report import table, write
 from .runner import RECORD_VERSION, Progress, _collectives, _layer_tensors, model_record, provenance
@@ -187,7 +187,8 @@ def measure(
         here: dict[str, dict[str, Any]] = {}
         for side, group in (("executor", dist.group.WORLD), ("detached", None)):
             progress(f"context {context}: building the executor ({side})")
-            config = DecodeConfig(q=ROWS, max_rows=ROWS, max_context=context, pins=dict(job["pins"]))
+            max_context = job["max_context"] or context
+            config = DecodeConfig(q=ROWS, max_rows=ROWS, max_context=max_context, pins=dict(job["pins"]))
             executor = SpecializedDecode(weights, config, group=group, measure=placement.times_layouts)
             layouts[side] = {kind: f"{c.chosen.name} ({c.how})" for kind, c in executor.layout.choices.items()}
             reduce = executor.layout.choices.get("all_reduce")
@@ -315,6 +316,7 @@ def assemble(
             "weights_bytes_by_rank": [m["weights_bytes"] for m in every],
         },
         "rows": ROWS,
+        "max_context": job["max_context"],
         "replays": job["replays"] or (100 if graphs else 3),
         "l2_flush_bytes": FLUSH_BYTES if graphs else 0,
         "seed": job["seed"],
@@ -371,12 +373,18 @@ def main(cfg: BenchConfig, args: Any, command: str) -> int:
         if not ROWS < context <= spec.max_position_embeddings:
             print(f"sparkdecode bench: context {context} is outside {ROWS + 1}..{spec.max_position_embeddings}")
             return 2
+    try:
+        check_max_context(args.max_context, contexts, spec.max_position_embeddings)
+    except BenchConfigError as e:
+        print(f"sparkdecode bench: {e}", file=sys.stderr)
+        return 2
     job = {
         "command": command,
         "contexts": contexts,
         "routings": tuple(dict.fromkeys(args.routing)) if args.routing else ROUTINGS,
         "replays": args.replays,
         "seed": args.seed,
+        "max_context": args.max_context,
         "pins": parse_pins(args.pin),
         "out": args.out,
     }

@@ -148,6 +148,7 @@ def run(
     block_replays: int | None = None,
     blocks: bool = True,
     seed: int = 0,
+    max_context: int | None = None,
     pins: dict[str, str] | None = None,
     candidates: tuple[str, ...] = (),
     registry: Registry | None = None,
@@ -157,7 +158,8 @@ def run(
     """The record of one config (see ``report.py`` for its form). ``candidates``: kinds
     (``attention``, ``attention_core``) whose every supported provider is timed per
     layer, each alone in a graph (steer.candidate_blocks). ``registry``: the providers
-    offered to the resolver (default: the discovered ones; ``--provider`` adds to them)."""
+    offered to the resolver (default: the discovered ones; ``--provider`` adds to them).
+    ``max_context``: the executor's (a served max_model_len); default each context's own."""
     progress = progress or Progress(cfg.name, quiet=True)
     registry = registry if registry is not None else discover()
     graphs = device.type == "cuda"
@@ -197,7 +199,7 @@ def run(
         progress(f"context {context}: building the executor")
         executor = SpecializedDecode(
             weights,
-            DecodeConfig(q=ROWS, max_rows=ROWS, max_context=context, pins=dict(pins or {})),
+            DecodeConfig(q=ROWS, max_rows=ROWS, max_context=max_context or context, pins=dict(pins or {})),
             registry=registry,
         )
         layout = {kind: f"{c.chosen.name} ({c.how})" for kind, c in executor.layout.choices.items()}
@@ -341,6 +343,8 @@ def run(
             ),
         },
         "rows": ROWS,
+        # the executor's max context: null where each context's own (built for that length)
+        "max_context": max_context,
         "replays": replays,
         "block_replays": block_replays,
         "l2_flush_bytes": FLUSH_BYTES if graphs else 0,

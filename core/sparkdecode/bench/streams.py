@@ -624,6 +624,9 @@ def main(args: argparse.Namespace) -> int:
     if args.part == "experts" and args.config != "streams-tp8-rank":
         print("sparkdecode bench: the routed experts are measured by streams-tp8-rank only", file=sys.stderr)
         return 2
+    if getattr(args, "max_context", None) is not None:
+        print("sparkdecode bench: --max-context is for the step configs (streams read no KV cache)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("sparkdecode bench: the weight streams are measured on a GPU only", file=sys.stderr)
         return 2

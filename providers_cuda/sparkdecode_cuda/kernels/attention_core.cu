@@ -7,8 +7,12 @@
 // A KV head's queries are one tile of MROWS = 64 rows, row r = i * GROUP + j for token
 // i and the head's query head j (rows of tokens past b are zeros, never stored). The
 // keys that some row sees, lo .. seq_len - 1, are cut into tiles of TILE = 64 positions
-// aligned to 64; the SPLITS blocks of a KV head (grid: SPLITS x KV heads) take equal runs
-// of tiles (attention_split_kernel). A block stages each tile's K and V in shared memory
+// aligned to 64. SPLITS (the grid: SPLITS x KV heads) is set at build for the longest
+// context; the step's own length sets how many of them take part (active_splits: about
+// two tiles each, at least 16 where there are as many tiles, at most SPLITS), and those
+// take equal runs of tiles (attention_split_kernel); the others leave at once and the
+// combine reads none of their partials. So a build for a long max_model_len costs a short
+// context what a build for that context does, with the same bits. A block stages each tile's K and V in shared memory
 // (16-byte loads through the block table; keys outside lo .. seq_len - 1 are zeros, so a
 // released page is never read) and its 4 warps each take 16 query rows:
 //   S = Q K^T (A = Q, B = K rows; fp32 sums), times the softmax scale in log2 units,
@@ -18,8 +22,8 @@
 //   multiplied into V (A = P straight from S's accumulator layout, B = V read from shared
 //   memory a key pair at a time), the output accumulated in fp32.
 // Each block writes its rows' m, l and unnormalized output (fp32) to a workspace;
-// attention_combine_kernel (grid: 8 x KV heads, 8 rows a block) adds the SPLITS partials
-// of each row in split order, scaled by exp2(m_s - max m), divides by the summed l and
+// attention_combine_kernel (grid: 8 x KV heads, 8 rows a block) adds the active splits'
+// partials of each row in split order, scaled by exp2(m_s - max m), divides by the summed l and
 // rounds to bf16 once: the same bits every run.
 //
 // PDL: both kernels let their dependents launch at their start and wait (griddepcontrol)
@@ -51,6 +55,25 @@ static_assert(MROWS == WARPS * 16 && MROWS % GROUP == 0, "16 query rows a warp, 
 static_assert(TILE * HEAD_DIM / 8 == 4 * THREADS, "4 16-byte chunks of K and of V a thread a tile");
 
 __device__ __forceinline__ u32 pack2(bf16_t lo, bf16_t hi) { return (u32)lo | ((u32)hi << 16); }
+
+// The step's key tiles: the first tile's position base0 (lo rounded down to TILE), and
+// how many tiles reach seq - 1. lo: the first key some row sees (0 on a full layer).
+struct Tiles {
+  int lo, base0, count;
+};
+__device__ __forceinline__ Tiles step_tiles(int seq, int rows, int window) {
+  const int first = seq - rows, lo = window > 0 ? max(first - window + 1, 0) : 0;
+  const int base0 = lo & ~(TILE - 1);
+  return {lo, base0, (seq - 1 - base0) / TILE + 1};
+}
+
+// The splits that take part at this many tiles: about two tiles each, at least
+// MIN_SPLITS (but never more splits than tiles), at most the grid's SPLITS. The split
+// kernel and the combine both compute it from seq_lens, so they agree.
+#define MIN_SPLITS 16
+__device__ __forceinline__ int active_splits(int tiles) {
+  return min(SPLITS, min(tiles, max(MIN_SPLITS, (tiles + 1) / 2)));
+}
 
 // The 4 chunks of a tile this thread loads (chunk c: key (tid + c * THREADS) / 8, dims
 // 8 * ((tid + c * THREADS) % 8) ..), zeros outside the visible keys lo .. hi.
@@ -89,10 +112,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_split_kernel(
   pdl_wait();
 
   const int seq = seq_lens[0], first = seq - rows, hi = seq - 1;
-  const int lo = window > 0 ? max(first - window + 1, 0) : 0;
-  const int base0 = lo & ~(TILE - 1);
-  const int tiles = (hi - base0) / TILE + 1;
-  const int t0 = split * tiles / SPLITS, t1 = (split + 1) * tiles / SPLITS;
+  const Tiles span = step_tiles(seq, rows, window);
+  const int lo = span.lo, base0 = span.base0, tiles = span.count, active = active_splits(tiles);
+  if (split >= active) return;  // no tiles at this length; the combine reads none of this split
+  const int t0 = split * tiles / active, t1 = (split + 1) * tiles / active;
 
   // This lane's two query rows (g and g + 8 of the warp's 16), their tokens and ranges.
   const int r0 = warp * 16 + g, r1 = r0 + 8;
@@ -234,33 +257,37 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_split_kernel(
   }
 }
 
-// Row r of KV head h's tile, dims d .. d + 3: the SPLITS partials added in split order,
+// Row r of KV head h's tile, dims d .. d + 3: the first `active` splits' partials (those
+// that took part in the step) added in split order,
 // divided by the summed l, each rounded to bf16 (returned as floats). With COMBINE_BATCH
 // > 1 the partials of COMBINE_BATCH splits are loaded before any is added (those of
 // splits with no key the row sees too, then left out), so their loads are in flight at
 // once instead of one split's m, then its l and output, at a time; the same operations in
 // the same order, so the same bits.
 __device__ __forceinline__ void combine_row(const float* __restrict__ part_o, const float* __restrict__ part_ml, int h,
-                                            int r, int d, float o[4]) {
+                                            int active, int r, int d, float o[4]) {
   const float* ml = part_ml + (long long)h * SPLITS * 2 * MROWS;
   float mmax = NEG_INF;
-  for (int s = 0; s < SPLITS; ++s) mmax = fmaxf(mmax, ml[s * 2 * MROWS + r]);
+#pragma unroll
+  for (int s = 0; s < SPLITS; ++s) {  // unrolled over the grid's splits: every load in flight at once
+    if (s < active) mmax = fmaxf(mmax, ml[s * 2 * MROWS + r]);
+  }
   float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
 #if COMBINE_BATCH > 1
   const float* po = part_o + ((long long)h * SPLITS * MROWS + r) * HEAD_DIM + d;
-  for (int s0 = 0; s0 < SPLITS; s0 += COMBINE_BATCH) {
+  for (int s0 = 0; s0 < active; s0 += COMBINE_BATCH) {
     float m[COMBINE_BATCH], ls[COMBINE_BATCH];
     float4 p[COMBINE_BATCH];
 #pragma unroll
     for (int u = 0; u < COMBINE_BATCH; ++u) {
-      const int s = s0 + u < SPLITS ? s0 + u : SPLITS - 1;
+      const int s = s0 + u < active ? s0 + u : active - 1;
       m[u] = ml[s * 2 * MROWS + r];
       ls[u] = ml[s * 2 * MROWS + MROWS + r];
       p[u] = *(const float4*)(po + (long long)s * MROWS * HEAD_DIM);
     }
 #pragma unroll
     for (int u = 0; u < COMBINE_BATCH; ++u) {
-      if (s0 + u >= SPLITS || m[u] == NEG_INF) continue;  // past the splits, or a split with no key this row sees
+      if (s0 + u >= active || m[u] == NEG_INF) continue;  // past the active splits, or a split with no key this row sees
       const float w = exp2f(m[u] - mmax);
       l += w * ls[u];
       acc[0] += w * p[u].x;
@@ -270,7 +297,7 @@ __device__ __forceinline__ void combine_row(const float* __restrict__ part_o, co
     }
   }
 #else
-  for (int s = 0; s < SPLITS; ++s) {
+  for (int s = 0; s < active; ++s) {
     const float m = ml[s * 2 * MROWS + r];
     if (m == NEG_INF) continue;  // a split with no key this row sees
     const float w = exp2f(m - mmax);
@@ -296,8 +323,8 @@ __device__ __forceinline__ void store_bf16x4(bf16_t* dst, const float v[4]) {
 
 // out[i, h * GROUP + j, :] for the rows of tokens i < b: a thread takes 4 dims of a row.
 extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attention_combine_kernel(
-    const float* __restrict__ part_o, const float* __restrict__ part_ml, int rows,
-    bf16_t* __restrict__ out, long long o_row, long long o_head) {
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ seq_lens, int rows,
+    int window, bf16_t* __restrict__ out, long long o_row, long long o_head) {
   const int h = blockIdx.y;
   const int r = blockIdx.x * COMBINE_ROWS + threadIdx.x / (HEAD_DIM / 4);
   const int d = (threadIdx.x % (HEAD_DIM / 4)) * 4;
@@ -305,8 +332,9 @@ extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attent
   pdl_launch_dependents();
   pdl_wait();
   if (i >= rows) return;
+  const int active = active_splits(step_tiles(seq_lens[0], rows, window).count);
   float o[4];
-  combine_row(part_o, part_ml, h, r, d, o);
+  combine_row(part_o, part_ml, h, active, r, d, o);
   store_bf16x4(out + (long long)i * o_row + (long long)(h * GROUP + j) * o_head + d, o);
 }
 
@@ -316,8 +344,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attent
 // sigmoid of the row's gate columns (gate[i * gate_row + (h * GROUP + j) * HEAD_DIM + d]),
 // rounded to bf16 into out[i, (h * GROUP + j) * HEAD_DIM + d] (the o_proj's input rows).
 extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attention_gated_combine_kernel(
-    const float* __restrict__ part_o, const float* __restrict__ part_ml, int rows,
-    const bf16_t* __restrict__ gate, long long gate_row, float eps, bf16_t* __restrict__ out, long long out_row) {
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ seq_lens, int rows,
+    int window, const bf16_t* __restrict__ gate, long long gate_row, float eps, bf16_t* __restrict__ out, long long out_row) {
   static_assert(HEAD_DIM / 4 == 16, "a row's threads: one half of a warp");
   const int h = blockIdx.y;
   const int r = blockIdx.x * COMBINE_ROWS + threadIdx.x / (HEAD_DIM / 4);
@@ -328,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attent
   // every thread of a row's half warp takes part in its butterfly: rows past b add zeros
   // and store nothing (a half warp is all one row)
   float o[4] = {0.f, 0.f, 0.f, 0.f};
-  if (i < rows) combine_row(part_o, part_ml, h, r, d, o);
+  if (i < rows) combine_row(part_o, part_ml, h, active_splits(step_tiles(seq_lens[0], rows, window).count), r, d, o);
   float sq = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
 #pragma unroll
   for (int offset = 8; offset > 0; offset >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);

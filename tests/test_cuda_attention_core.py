@@ -22,9 +22,10 @@ core_mod = pytest.importorskip("sparkdecode_cuda.attention_core")
 TILE, MROWS = core_mod.TILE, core_mod.MROWS
 
 
-def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group):
+def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=2):
     """attention_split_kernel then attention_combine_kernel, in torch (fp32), built with
-    a grid of ``splits`` blocks a KV head (the step uses active_splits of them)."""
+    a grid of ``splits`` blocks a KV head (the step uses active_splits of them, about
+    ``per`` tiles each)."""
     hkv, d = k.shape[2], k.shape[3]
     page_size = k.shape[1]
     scale_log2 = scale * math.log2(math.e)
@@ -32,7 +33,7 @@ def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group):
     lo = max(first - window + 1, 0) if window else 0
     base0 = lo & ~(TILE - 1)
     tiles = (hi - base0) // TILE + 1
-    active = core_mod.active_splits(tiles, splits)
+    active = core_mod.active_splits(tiles, splits, per)
     r = torch.arange(MROWS)
     tok, head = r // group, r % group
     ok = tok < rows
@@ -80,9 +81,10 @@ def paged_cache(pages: int, page_size: int, hkv: int, d: int, g: torch.Generator
     return k, v, table
 
 
+@pytest.mark.parametrize("per", [2, 1])  # key tiles a split: the core's, cuda.attention_core_tile's
 @pytest.mark.parametrize("window", [None, 64, 200])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_split_kv_algorithm_equals_the_reference(window, rows):
+def test_split_kv_algorithm_equals_the_reference(window, rows, per):
     """Contexts at tile and window edges, fewer tiles than splits and more; grids of 16
     blocks a KV head, the provider's at this max context, and 3 (fewer than most lengths
     ask for, so more tiles a split)."""
@@ -97,8 +99,8 @@ def test_split_kv_algorithm_equals_the_reference(window, rows):
         q = torch.randn(rows, hkv * group, d, generator=g).to(torch.bfloat16)
         positions = torch.arange(seq_len - rows, seq_len)
         ref = fn.paged_attention(q, positions, k, v, table, window, scale, max_context)
-        for splits in (16, core_mod.splits_for(max_context), 3):
-            got = emulate(q, k, v, table, seq_len, rows, window, scale, splits, group)
+        for splits in (16, core_mod.splits_for(max_context, per), 3):
+            got = emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per)
             err = ((got.float() - ref.float()).flatten(1).norm(dim=1) / ref.float().flatten(1).norm(dim=1)).max()
             worst = max(worst, err.item())
             assert err < 4e-3, (seq_len, splits, err)  # the output's bf16 rounding, a few ulps at most
@@ -114,11 +116,13 @@ def test_active_splits_follow_the_length():
         1, 2, 15, 16, 16, 16, 17, 32, 33, 128, 128, 128,
     ]  # fmt: skip
     assert act(65, 33) == 33 and act(300, 16) == 16
-    for context in range(9, 20000, 37):
-        tiles = (context - 1) // TILE + 1  # a full layer's tiles at this length
-        active = act(tiles, 128)
-        assert active == act(tiles, core_mod.splits_for(context)) and 1 <= active <= tiles
-        assert all((s + 1) * tiles // active > s * tiles // active for s in range(active))
+    assert [act(t, 128, 1) for t in (1, 15, 16, 17, 64, 65, 128, 129)] == [1, 15, 16, 17, 64, 65, 128, 128]
+    for per in (1, 2):
+        for context in range(9, 20000, 37):
+            tiles = (context - 1) // TILE + 1  # a full layer's tiles at this length
+            active = act(tiles, 128, per)
+            assert active == act(tiles, core_mod.splits_for(context, per), per) and 1 <= active <= tiles
+            assert all((s + 1) * tiles // active > s * tiles // active for s in range(active))
 
 
 def test_a_long_build_runs_a_short_context_alike():
@@ -155,7 +159,7 @@ def test_kernel_constants_match():
 
 @pytest.mark.parametrize(
     "variant",
-    [core_mod.CudaAttentionCore, core_mod.CudaAttentionCoreBatched],
+    [core_mod.CudaAttentionCore, core_mod.CudaAttentionCoreBatched, core_mod.CudaAttentionCoreTile],
     ids=lambda c: c.name,
 )
 @pytest.mark.parametrize("max_context", [2056, 4096, 32768])  # 17, 33 and 128 splits
@@ -165,7 +169,7 @@ def test_kernels_compile_spill_free(max_context, variant):
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     from ptxas_check import assert_spill_free
 
-    defines = core_mod.kernel_defines(8, max_context)
+    defines = core_mod.kernel_defines(8, max_context, variant.tiles_a_split)
     batch = variant.combine_batch_for(defines["SPLITS"])
     if batch > 1:
         defines["COMBINE_BATCH"] = batch
@@ -180,6 +184,7 @@ def test_registered():
 
     assert core_mod.CudaAttentionCore in plugin.PROVIDERS
     assert core_mod.CudaAttentionCoreBatched not in plugin.PROVIDERS  # no faster than fa2 in the layer
+    assert core_mod.CudaAttentionCoreTile not in plugin.PROVIDERS
 
 
 def test_batched_combine_batches():

@@ -35,7 +35,12 @@ pytestmark = [
     ),
 ]
 
-from sparkdecode_cuda.attention_core import CudaAttentionCore, CudaAttentionCoreBatched, splits_for  # noqa: E402
+from sparkdecode_cuda.attention_core import (  # noqa: E402
+    CudaAttentionCore,
+    CudaAttentionCoreBatched,
+    CudaAttentionCoreTile,
+    splits_for,
+)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 16])  # a TP8 rank's and TP1's heads (GQA 8)
@@ -43,9 +48,10 @@ def test_core_in_one_graph_over_contexts(kv_heads):
     check_core_over_contexts(CudaAttentionCore, kv_heads)
 
 
-def test_batched_core_in_one_graph_over_contexts():
-    """cuda.attention_core_batched (unregistered) against the reference as the core."""
-    check_core_over_contexts(CudaAttentionCoreBatched, 2)
+@pytest.mark.parametrize("cls", [CudaAttentionCoreBatched, CudaAttentionCoreTile], ids=lambda c: c.name)
+def test_unregistered_cores_in_one_graph_over_contexts(cls):
+    """cuda.attention_core_batched and _tile (unregistered) against the reference as the core."""
+    check_core_over_contexts(cls, 2)
 
 
 def _outputs_alike(pairs, spec, heads: int, kv_heads: int, rows: int, context: int) -> None:
@@ -92,7 +98,9 @@ def test_batched_combine_is_the_core_bit_for_bit(max_context, rows, context):
 
 @pytest.mark.parametrize("context", [9, 700, 2100, 4096, 9000])
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("cls", [CudaAttentionCore, CudaAttentionCoreBatched], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "cls", [CudaAttentionCore, CudaAttentionCoreBatched, CudaAttentionCoreTile], ids=lambda c: c.name
+)
 def test_a_long_build_runs_a_short_context_as_its_own_build(cls, rows, context):
     """Built for a served max_model_len (a full layer's grid of 128 splits) and built for
     the context itself (the bench's build): the step's length sets the splits that take
@@ -100,7 +108,7 @@ def test_a_long_build_runs_a_short_context_as_its_own_build(cls, rows, context):
     spec = ModelSpec.preset("muse-spark-open", 2)
     served, own = core_context(spec, 16, 2, MAX_CONTEXT), core_context(spec, 16, 2, context)
     pairs = [(cls.build(served, layer), cls.build(own, layer)) for layer in (0, 1)]
-    assert pairs[1][0].splits == 128 and pairs[1][1].splits == splits_for(context)
+    assert pairs[1][0].splits == 128 and pairs[1][1].splits == splits_for(context, cls.tiles_a_split)
     _outputs_alike(pairs, spec, 16, 2, rows, context)
 
 

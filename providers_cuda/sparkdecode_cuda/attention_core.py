@@ -35,20 +35,20 @@ MAX_SPLITS = 128
 MIN_SPLITS = 16
 
 
-def splits_for(max_context: int) -> int:
-    """The grid's blocks a KV head: about two tiles each at the longest context,
+def splits_for(max_context: int, per: int = 2) -> int:
+    """The grid's blocks a KV head: about ``per`` tiles each at the longest context,
     MIN_SPLITS to MAX_SPLITS. A step uses ``active_splits`` of them."""
     tiles = max_context // TILE + 1
-    return max(MIN_SPLITS, min(MAX_SPLITS, -(-tiles // 2)))
+    return max(MIN_SPLITS, min(MAX_SPLITS, -(-tiles // per)))
 
 
-def active_splits(tiles: int, splits: int) -> int:
+def active_splits(tiles: int, splits: int, per: int = 2) -> int:
     """The blocks of a grid of ``splits`` that take part in a step over ``tiles`` key
     tiles (kernels/attention_core.cu's active_splits, which both kernels compute from the
-    device's length): about two tiles each, at least MIN_SPLITS where there are as many
-    tiles, at most the grid. A build for a long max_model_len thus runs a short context
-    as a build for that context does, with the same bits."""
-    return min(splits, tiles, max(MIN_SPLITS, (tiles + 1) // 2))
+    device's length): about ``per`` tiles each (TILES_A_SPLIT), at least MIN_SPLITS where
+    there are as many tiles, at most the grid. A build for a long max_model_len thus runs
+    a short context as a build for that context does, with the same bits."""
+    return min(splits, tiles, max(MIN_SPLITS, -(-tiles // per)))
 
 
 def keys_seen(max_context: int, window: int | None, max_rows: int) -> int:
@@ -57,9 +57,13 @@ def keys_seen(max_context: int, window: int | None, max_rows: int) -> int:
     return min(max_context, window + max_rows) if window else max_context
 
 
-def kernel_defines(group: int, keys: int) -> dict[str, int]:
-    """attention_core.cu's defines for a GQA group and the most keys a step reads."""
-    return {"HEAD_DIM": HEAD_DIM, "GROUP": group, "SPLITS": splits_for(keys)}
+def kernel_defines(group: int, keys: int, per: int = 2) -> dict[str, int]:
+    """attention_core.cu's defines for a GQA group, the most keys a step reads and about
+    ``per`` key tiles a split."""
+    defines = {"HEAD_DIM": HEAD_DIM, "GROUP": group, "SPLITS": splits_for(keys, per)}
+    if per != 2:
+        defines["TILES_A_SPLIT"] = per
+    return defines
 
 
 def _group_unsupported(heads: int, kv_heads: int, rows: int) -> str | None:
@@ -85,6 +89,7 @@ class CudaAttentionCore(_Cuda):
 
     block = "attention_core"
     name = "cuda.attention_core"
+    tiles_a_split = 2  # TILES_A_SPLIT
 
     @classmethod
     def combine_batch_for(cls, splits: int) -> int:
@@ -112,7 +117,7 @@ class CudaAttentionCore(_Cuda):
         self.group, self.max_rows = self.heads // self.kv_heads, ctx.max_rows
         # A sliding layer's splits cover its window, not the whole context (at 32768 a
         # window of 2048 would leave most of the context's 128 splits without a key).
-        defines = kernel_defines(self.group, keys_seen(ctx.max_context, lw.window, ctx.max_rows))
+        defines = kernel_defines(self.group, keys_seen(ctx.max_context, lw.window, ctx.max_rows), self.tiles_a_split)
         batch = self.combine_batch_for(defines["SPLITS"])
         if batch > 1:
             defines["COMBINE_BATCH"] = batch
@@ -253,3 +258,14 @@ class CudaAttentionCoreBatched(CudaAttentionCore):
     def combine_batch_for(cls, splits: int) -> int:
         rounds = -(-splits // cls.MAX_BATCH)
         return -(-splits // rounds)
+
+
+class CudaAttentionCoreTile(CudaAttentionCoreBatched):
+    """``cuda.attention_core_batched`` with a key tile a split where the grid has splits
+    enough (TILES_A_SPLIT 1: 64 splits at 4096, each block one tile's loads and math
+    before it writes its partial, against two), so twice the blocks, each with half the
+    serial work; its combine adds twice the partials, in batches of up to 32. Not
+    registered: not yet measured in the step."""
+
+    name = "cuda.attention_core_tile"
+    tiles_a_split = 1

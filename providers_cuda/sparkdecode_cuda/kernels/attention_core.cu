@@ -9,7 +9,7 @@
 // keys that some row sees, lo .. seq_len - 1, are cut into tiles of TILE = 64 positions
 // aligned to 64. SPLITS (the grid: SPLITS x KV heads) is set at build for the longest
 // context; the step's own length sets how many of them take part (active_splits: about
-// two tiles each, at least 16 where there are as many tiles, at most SPLITS), and those
+// TILES_A_SPLIT tiles each, at least 16 where there are as many tiles, at most SPLITS), and those
 // take equal runs of tiles (attention_split_kernel); the others leave at once and the
 // combine reads none of their partials. So a build for a long max_model_len costs a short
 // context what a build for that context does, with the same bits. A block stages each tile's K and V in shared memory
@@ -46,6 +46,9 @@
 #define THREADS (WARPS * 32)
 #define KPAD 8  // bf16 of padding a shared-memory row: a 144-byte stride, conflict-free reads
 #define COMBINE_ROWS 8
+#ifndef TILES_A_SPLIT
+#define TILES_A_SPLIT 2  // key tiles a split takes, about, where the grid has splits enough
+#endif
 #ifndef COMBINE_BATCH
 #define COMBINE_BATCH 1  // splits whose partials the combine loads at once (1: one at a time)
 #endif
@@ -67,12 +70,12 @@ __device__ __forceinline__ Tiles step_tiles(int seq, int rows, int window) {
   return {lo, base0, (seq - 1 - base0) / TILE + 1};
 }
 
-// The splits that take part at this many tiles: about two tiles each, at least
+// The splits that take part at this many tiles: about TILES_A_SPLIT tiles each, at least
 // MIN_SPLITS (but never more splits than tiles), at most the grid's SPLITS. The split
 // kernel and the combine both compute it from seq_lens, so they agree.
 #define MIN_SPLITS 16
 __device__ __forceinline__ int active_splits(int tiles) {
-  return min(SPLITS, min(tiles, max(MIN_SPLITS, (tiles + 1) / 2)));
+  return min(SPLITS, min(tiles, max(MIN_SPLITS, (tiles + TILES_A_SPLIT - 1) / TILES_A_SPLIT)));
 }
 
 // The 4 chunks of a tile this thread loads (chunk c: key (tid + c * THREADS) / 8, dims

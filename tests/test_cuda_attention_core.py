@@ -22,7 +22,7 @@ core_mod = pytest.importorskip("sparkdecode_cuda.attention_core")
 TILE, MROWS = core_mod.TILE, core_mod.MROWS
 
 
-def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=2):
+def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=1):
     """attention_split_kernel then attention_combine_kernel, in torch (fp32), built with
     a grid of ``splits`` blocks a KV head (the step uses active_splits of them, about
     ``per`` tiles each)."""
@@ -81,7 +81,7 @@ def paged_cache(pages: int, page_size: int, hkv: int, d: int, g: torch.Generator
     return k, v, table
 
 
-@pytest.mark.parametrize("per", [2, 1])  # key tiles a split: the core's, cuda.attention_core_tile's
+@pytest.mark.parametrize("per", [1, 2])  # key tiles a split: the core's, cuda.attention_core_two_tiles'
 @pytest.mark.parametrize("window", [None, 64, 200])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_split_kv_algorithm_equals_the_reference(window, rows, per):
@@ -112,11 +112,11 @@ def test_active_splits_follow_the_length():
     tiles, never a split without a tile, at most the grid; the same at a grid of 128 (a
     long max_model_len) as at the grid a build for the context itself has."""
     act = core_mod.active_splits
-    assert [act(t, 128) for t in (1, 2, 15, 16, 17, 32, 33, 64, 65, 255, 256, 300)] == [
+    assert [act(t, 128, 2) for t in (1, 2, 15, 16, 17, 32, 33, 64, 65, 255, 256, 300)] == [
         1, 2, 15, 16, 16, 16, 17, 32, 33, 128, 128, 128,
     ]  # fmt: skip
-    assert act(65, 33) == 33 and act(300, 16) == 16
-    assert [act(t, 128, 1) for t in (1, 15, 16, 17, 64, 65, 128, 129)] == [1, 15, 16, 17, 64, 65, 128, 128]
+    assert act(65, 33, 2) == 33 and act(300, 16) == 16
+    assert [act(t, 128) for t in (1, 15, 16, 17, 64, 65, 128, 129)] == [1, 15, 16, 17, 64, 65, 128, 128]
     for per in (1, 2):
         for context in range(9, 20000, 37):
             tiles = (context - 1) // TILE + 1  # a full layer's tiles at this length
@@ -151,18 +151,19 @@ def test_kernel_constants_match():
     )
     for name, value in constants:
         assert f"#define {name} {value}\n" in text, name
-    assert [core_mod.splits_for(c) for c in (64, 1024, 4096, 32768, 131072)] == [16, 16, 33, 128, 128]
+    assert [core_mod.splits_for(c) for c in (64, 1024, 4096, 8192, 32768)] == [16, 17, 65, 128, 128]
+    assert [core_mod.splits_for(c, 2) for c in (64, 1024, 4096, 32768, 131072)] == [16, 16, 33, 128, 128]
     # a sliding layer's splits cover its window and the step's rows, a full layer's the context
-    assert core_mod.keys_seen(32768, 2048, 8) == 2056 and core_mod.splits_for(2056) == 17
+    assert core_mod.keys_seen(32768, 2048, 8) == 2056 and core_mod.splits_for(2056) == 33
     assert core_mod.keys_seen(32768, None, 8) == 32768 and core_mod.keys_seen(1024, 2048, 8) == 1024
 
 
 @pytest.mark.parametrize(
     "variant",
-    [core_mod.CudaAttentionCore, core_mod.CudaAttentionCoreBatched, core_mod.CudaAttentionCoreTile],
+    [core_mod.CudaAttentionCore, core_mod.CudaAttentionCoreTwoTiles],
     ids=lambda c: c.name,
 )
-@pytest.mark.parametrize("max_context", [2056, 4096, 32768])  # 17, 33 and 128 splits
+@pytest.mark.parametrize("max_context", [1000, 2056, 4096, 32768])  # 16 to 128 splits
 def test_kernels_compile_spill_free(max_context, variant):
     nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
     if nvrtc.nvrtc_unavailable() is not None:
@@ -170,28 +171,24 @@ def test_kernels_compile_spill_free(max_context, variant):
     from ptxas_check import assert_spill_free
 
     defines = core_mod.kernel_defines(8, max_context, variant.tiles_a_split)
-    batch = variant.combine_batch_for(defines["SPLITS"])
-    if batch > 1:
-        defines["COMBINE_BATCH"] = batch
     usage = assert_spill_free(core_mod.SOURCE, defines, core_mod.COMPILE_OPTIONS)
     assert set(usage) == {"attention_split_kernel", "attention_combine_kernel", "attention_gated_combine_kernel"}
     assert usage["attention_split_kernel"].registers <= 255 and usage["attention_split_kernel"].smem <= 48 * 1024
-    assert usage["attention_combine_kernel"].registers <= (32 if batch == 1 else 128 if batch <= 8 else 255)
+    assert usage["attention_combine_kernel"].registers <= 255
 
 
 def test_registered():
     from sparkdecode_cuda import plugin
 
     assert core_mod.CudaAttentionCore in plugin.PROVIDERS
-    assert core_mod.CudaAttentionCoreBatched not in plugin.PROVIDERS  # no faster than fa2 in the layer
-    assert core_mod.CudaAttentionCoreTile not in plugin.PROVIDERS
+    assert core_mod.CudaAttentionCoreTwoTiles not in plugin.PROVIDERS  # slower than the core on an H100
 
 
-def test_batched_combine_batches():
-    """The batched combine: all the splits in as few even batches of at most 32."""
-    batches = {s: core_mod.CudaAttentionCoreBatched.combine_batch_for(s) for s in (16, 17, 32, 33, 128)}
-    assert batches == {16: 16, 17: 17, 32: 32, 33: 17, 128: 32}
-    assert core_mod.CudaAttentionCore.combine_batch_for(33) == 1
+def test_combine_batches():
+    """The combine: all the splits in as few even batches of at most 32."""
+    batches = {s: core_mod.combine_batch_for(s) for s in (16, 17, 32, 33, 65, 128)}
+    assert batches == {16: 16, 17: 17, 32: 32, 33: 17, 65: 22, 128: 32}
+    assert core_mod.kernel_defines(8, 4096)["COMBINE_BATCH"] == 22
 
 
 def test_unsupported_names_the_shape():

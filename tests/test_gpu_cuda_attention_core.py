@@ -35,12 +35,7 @@ pytestmark = [
     ),
 ]
 
-from sparkdecode_cuda.attention_core import (  # noqa: E402
-    CudaAttentionCore,
-    CudaAttentionCoreBatched,
-    CudaAttentionCoreTile,
-    splits_for,
-)
+from sparkdecode_cuda.attention_core import CudaAttentionCore, CudaAttentionCoreTwoTiles, splits_for  # noqa: E402
 
 
 @pytest.mark.parametrize("kv_heads", [2, 16])  # a TP8 rank's and TP1's heads (GQA 8)
@@ -48,10 +43,9 @@ def test_core_in_one_graph_over_contexts(kv_heads):
     check_core_over_contexts(CudaAttentionCore, kv_heads)
 
 
-@pytest.mark.parametrize("cls", [CudaAttentionCoreBatched, CudaAttentionCoreTile], ids=lambda c: c.name)
-def test_unregistered_cores_in_one_graph_over_contexts(cls):
-    """cuda.attention_core_batched and _tile (unregistered) against the reference as the core."""
-    check_core_over_contexts(cls, 2)
+def test_two_tiles_core_in_one_graph_over_contexts():
+    """cuda.attention_core_two_tiles (unregistered) against the reference as the core."""
+    check_core_over_contexts(CudaAttentionCoreTwoTiles, 2)
 
 
 def _outputs_alike(pairs, spec, heads: int, kv_heads: int, rows: int, context: int) -> None:
@@ -81,26 +75,9 @@ def _outputs_alike(pairs, spec, heads: int, kv_heads: int, rows: int, context: i
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("context", [9, 700, 2100, 4096, 20000])
-@pytest.mark.parametrize("rows", [1, 5, 8])
-@pytest.mark.parametrize("max_context", [4096, MAX_CONTEXT])  # a full layer's grids of 33 and 128 splits
-def test_batched_combine_is_the_core_bit_for_bit(max_context, rows, context):
-    """The batched combine's loads in another order, its sums in the same: run's and
-    run_gated's outputs equal the core's to the bit, on a sliding (17 splits) and a full
-    layer, at contexts from inside the first tile to past the sliding window."""
-    if context > max_context:
-        pytest.skip("past the cores' context")
-    spec = ModelSpec.preset("muse-spark-open", 2)
-    ctx = core_context(spec, 16, 2, max_context)
-    pairs = [(CudaAttentionCore.build(ctx, layer), CudaAttentionCoreBatched.build(ctx, layer)) for layer in (0, 1)]
-    _outputs_alike(pairs, spec, 16, 2, rows, context)
-
-
 @pytest.mark.parametrize("context", [9, 700, 2100, 4096, 9000])
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize(
-    "cls", [CudaAttentionCore, CudaAttentionCoreBatched, CudaAttentionCoreTile], ids=lambda c: c.name
-)
+@pytest.mark.parametrize("cls", [CudaAttentionCore, CudaAttentionCoreTwoTiles], ids=lambda c: c.name)
 def test_a_long_build_runs_a_short_context_as_its_own_build(cls, rows, context):
     """Built for a served max_model_len (a full layer's grid of 128 splits) and built for
     the context itself (the bench's build): the step's length sets the splits that take

@@ -1,7 +1,7 @@
 """``cuda.attention_core``: the verify step's attention core on this pack's split-KV
 kernels (kernels/attention_core.cu): attention_split_kernel over the splits of a KV head that
 the step's length asks for (``active_splits``, read from the device), then
-attention_combine_kernel; nothing on the host per step, so it replays in a FULL
+attention_combine_kernel over those splits; nothing on the host per step, so it replays in a FULL
 graph. ``run_gated``: the same with the attention block's o-norm and gate in the
 combine (attention_gated_combine_kernel), which cuda.attention calls in place of its
 own gate kernel.
@@ -30,19 +30,20 @@ MROWS = 64  # query rows a KV head: rows x query heads a KV head, at most
 TILE = 64  # keys a tile
 COMBINE_ROWS = 8
 MAX_SPLITS = 128
+MAX_BATCH = 32  # float4 partials a combine thread holds at once (128 registers)
 
 
 MIN_SPLITS = 16
 
 
-def splits_for(max_context: int, per: int = 2) -> int:
+def splits_for(max_context: int, per: int = 1) -> int:
     """The grid's blocks a KV head: about ``per`` tiles each at the longest context,
     MIN_SPLITS to MAX_SPLITS. A step uses ``active_splits`` of them."""
     tiles = max_context // TILE + 1
     return max(MIN_SPLITS, min(MAX_SPLITS, -(-tiles // per)))
 
 
-def active_splits(tiles: int, splits: int, per: int = 2) -> int:
+def active_splits(tiles: int, splits: int, per: int = 1) -> int:
     """The blocks of a grid of ``splits`` that take part in a step over ``tiles`` key
     tiles (kernels/attention_core.cu's active_splits, which both kernels compute from the
     device's length): about ``per`` tiles each (TILES_A_SPLIT), at least MIN_SPLITS where
@@ -57,13 +58,24 @@ def keys_seen(max_context: int, window: int | None, max_rows: int) -> int:
     return min(max_context, window + max_rows) if window else max_context
 
 
-def kernel_defines(group: int, keys: int, per: int = 2) -> dict[str, int]:
+def combine_batch_for(splits: int) -> int:
+    """attention_core.cu's COMBINE_BATCH at a grid of ``splits``: the splits whose partials
+    the combine loads at once, as few even batches of at most MAX_BATCH as there are."""
+    rounds = -(-splits // MAX_BATCH)
+    return -(-splits // rounds)
+
+
+def kernel_defines(group: int, keys: int, per: int = 1) -> dict[str, int]:
     """attention_core.cu's defines for a GQA group, the most keys a step reads and about
     ``per`` key tiles a split."""
-    defines = {"HEAD_DIM": HEAD_DIM, "GROUP": group, "SPLITS": splits_for(keys, per)}
-    if per != 2:
-        defines["TILES_A_SPLIT"] = per
-    return defines
+    splits = splits_for(keys, per)
+    return {
+        "HEAD_DIM": HEAD_DIM,
+        "GROUP": group,
+        "SPLITS": splits,
+        "TILES_A_SPLIT": per,
+        "COMBINE_BATCH": combine_batch_for(splits),
+    }
 
 
 def _group_unsupported(heads: int, kv_heads: int, rows: int) -> str | None:
@@ -82,20 +94,17 @@ def _group_unsupported(heads: int, kv_heads: int, rows: int) -> str | None:
 
 class CudaAttentionCore(_Cuda):
     """Sub-op ``attention_core``: split-KV flash decoding on mma.sync for up to
-    ``MROWS`` query rows a KV head (rows x GQA group), head_dim 64, any page size.
-    Registered: correct on the H200 against the reference core, compute-sanitizer clean;
-    in the 62-layer step it is slower than FlashInfer's fa2 core (11.02 against 10.40 ms,
-    bench/NOTES.md v10), which the resolver times beside it."""
+    ``MROWS`` query rows a KV head (rows x GQA group), head_dim 64, any page size; about
+    one key tile a split, the combine loading the splits' partials in even batches of at
+    most MAX_BATCH. It reads the step's length from the device, so it serves vLLM's
+    asynchronous scheduling, where FlashInfer's host-planned fa2 cannot. Correct on the
+    H200 and the H100 against the reference core, compute-sanitizer clean. In the 6-layer
+    TP-8 rank step on an H100 it is level with XQA and about 12% behind fa2 (bench/NOTES.md
+    v30); the resolver times it beside them."""
 
     block = "attention_core"
     name = "cuda.attention_core"
-    tiles_a_split = 2  # TILES_A_SPLIT
-
-    @classmethod
-    def combine_batch_for(cls, splits: int) -> int:
-        """attention_core.cu's COMBINE_BATCH at ``splits`` splits: the splits whose partials
-        the combine loads at once (1: one at a time)."""
-        return 1
+    tiles_a_split = 1  # TILES_A_SPLIT
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -118,9 +127,6 @@ class CudaAttentionCore(_Cuda):
         # A sliding layer's splits cover its window, not the whole context (at 32768 a
         # window of 2048 would leave most of the context's 128 splits without a key).
         defines = kernel_defines(self.group, keys_seen(ctx.max_context, lw.window, ctx.max_rows), self.tiles_a_split)
-        batch = self.combine_batch_for(defines["SPLITS"])
-        if batch > 1:
-            defines["COMBINE_BATCH"] = batch
         self.splits = defines["SPLITS"]
         self.scale_log2 = ctx.spec.softmax_scale * math.log2(math.e)
         self.split = Kernel(SOURCE, "attention_split_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -239,33 +245,12 @@ class CudaAttentionCore(_Cuda):
         )
 
 
-class CudaAttentionCoreBatched(CudaAttentionCore):
-    """``cuda.attention_core`` whose combine loads the partials of all the splits at once,
-    in as few even batches of at most ``MAX_BATCH`` as there are (COMBINE_BATCH: 17 at a
-    full layer's 33 splits at 4096 and at a sliding layer's 17), instead of one split's m,
-    then its l and output, a split at a time (66 dependent round trips to L2 a row at 33
-    splits). The same operations in the same order: the same bits as the core. On the
-    H200, in the 6-layer step beside cuda.attention, this combine (its kernels' SASS, as a
-    since-removed variant of the core built them) ends 2.6-2.8 us after the split kernel,
-    against 4.1-4.3 with batches of 8 and the core's 5.8-9.9; the layer is level with
-    fa2's (bench/NOTES.md v12). Not registered: the core it speeds up is no faster than fa2
-    in the layer."""
+class CudaAttentionCoreTwoTiles(CudaAttentionCore):
+    """``cuda.attention_core`` with about two key tiles a split (TILES_A_SPLIT 2: 32
+    splits at 4096 where the core has 64), as the core ran before 6343b31 (then with its
+    combine a split at a time). Not registered: in the 6-layer TP-8 rank step on an H100
+    the core's one tile a split was 17-25 us faster (bench/NOTES.md v30); kept to measure
+    the two on the H200."""
 
-    name = "cuda.attention_core_batched"
-    MAX_BATCH = 32  # float4 partials held at once: 128 registers of a combine thread
-
-    @classmethod
-    def combine_batch_for(cls, splits: int) -> int:
-        rounds = -(-splits // cls.MAX_BATCH)
-        return -(-splits // rounds)
-
-
-class CudaAttentionCoreTile(CudaAttentionCoreBatched):
-    """``cuda.attention_core_batched`` with a key tile a split where the grid has splits
-    enough (TILES_A_SPLIT 1: 64 splits at 4096, each block one tile's loads and math
-    before it writes its partial, against two), so twice the blocks, each with half the
-    serial work; its combine adds twice the partials, in batches of up to 32. Not
-    registered: not yet measured in the step."""
-
-    name = "cuda.attention_core_tile"
-    tiles_a_split = 1
+    name = "cuda.attention_core_two_tiles"
+    tiles_a_split = 2

@@ -9,10 +9,11 @@
 // keys that some row sees, lo .. seq_len - 1, are cut into tiles of TILE = 64 positions
 // aligned to 64. SPLITS (the grid: SPLITS x KV heads) is set at build for the longest
 // context; the step's own length sets how many of them take part (active_splits: about
-// TILES_A_SPLIT tiles each, at least 16 where there are as many tiles, at most SPLITS), and those
-// take equal runs of tiles (attention_split_kernel); the others leave at once and the
-// combine reads none of their partials. So a build for a long max_model_len costs a short
-// context what a build for that context does, with the same bits. A block stages each tile's K and V in shared memory
+// TILES_A_SPLIT tiles each, at least 16 where there are as many tiles, at most SPLITS),
+// and those take equal runs of tiles (attention_split_kernel); the others leave at once
+// and the combine reads none of their partials. So a build for a long max_model_len runs
+// a short context as a build for that context does, with the same bits. A block stages
+// each tile's K and V in shared memory
 // (16-byte loads through the block table; keys outside lo .. seq_len - 1 are zeros, so a
 // released page is never read) and its 4 warps each take 16 query rows:
 //   S = Q K^T (A = Q, B = K rows; fp32 sums), times the softmax scale in log2 units,
@@ -23,8 +24,8 @@
 //   memory a key pair at a time), the output accumulated in fp32.
 // Each block writes its rows' m, l and unnormalized output (fp32) to a workspace;
 // attention_combine_kernel (grid: 8 x KV heads, 8 rows a block) adds the active splits'
-// partials of each row in split order, scaled by exp2(m_s - max m), divides by the summed l and
-// rounds to bf16 once: the same bits every run.
+// partials of each row in split order, scaled by exp2(m_s - max m), divides by the summed
+// l and rounds to bf16 once: the same bits every run.
 //
 // PDL: both kernels let their dependents launch at their start and wait (griddepcontrol)
 // before any read of what the kernels before wrote (q, the cache and its metadata, the
@@ -47,10 +48,10 @@
 #define KPAD 8  // bf16 of padding a shared-memory row: a 144-byte stride, conflict-free reads
 #define COMBINE_ROWS 8
 #ifndef TILES_A_SPLIT
-#define TILES_A_SPLIT 2  // key tiles a split takes, about, where the grid has splits enough
+#define TILES_A_SPLIT 1  // key tiles a split takes, about, where the grid has splits enough
 #endif
 #ifndef COMBINE_BATCH
-#define COMBINE_BATCH 1  // splits whose partials the combine loads at once (1: one at a time)
+#define COMBINE_BATCH 32  // splits whose partials the combine loads at once
 #endif
 #define NEG_INF __int_as_float(0xff800000u)
 static_assert(HEAD_DIM == 64, "one tile of 64 dims: 4 MMA steps of 16 (QK) and 8 of 8 (PV)");
@@ -262,11 +263,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_split_kernel(
 
 // Row r of KV head h's tile, dims d .. d + 3: the first `active` splits' partials (those
 // that took part in the step) added in split order,
-// divided by the summed l, each rounded to bf16 (returned as floats). With COMBINE_BATCH
-// > 1 the partials of COMBINE_BATCH splits are loaded before any is added (those of
-// splits with no key the row sees too, then left out), so their loads are in flight at
-// once instead of one split's m, then its l and output, at a time; the same operations in
-// the same order, so the same bits.
+// divided by the summed l, each rounded to bf16 (returned as floats). The partials of
+// COMBINE_BATCH splits are loaded before any is added (those of splits with no key the row
+// sees too, then left out), so their loads are in flight at once instead of one split's
+// m, then its l and output, at a time (a dependent round trip to L2 each).
 __device__ __forceinline__ void combine_row(const float* __restrict__ part_o, const float* __restrict__ part_ml, int h,
                                             int active, int r, int d, float o[4]) {
   const float* ml = part_ml + (long long)h * SPLITS * 2 * MROWS;
@@ -276,7 +276,6 @@ __device__ __forceinline__ void combine_row(const float* __restrict__ part_o, co
     if (s < active) mmax = fmaxf(mmax, ml[s * 2 * MROWS + r]);
   }
   float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-#if COMBINE_BATCH > 1
   const float* po = part_o + ((long long)h * SPLITS * MROWS + r) * HEAD_DIM + d;
   for (int s0 = 0; s0 < active; s0 += COMBINE_BATCH) {
     float m[COMBINE_BATCH], ls[COMBINE_BATCH];
@@ -299,19 +298,6 @@ __device__ __forceinline__ void combine_row(const float* __restrict__ part_o, co
       acc[3] += w * p[u].w;
     }
   }
-#else
-  for (int s = 0; s < active; ++s) {
-    const float m = ml[s * 2 * MROWS + r];
-    if (m == NEG_INF) continue;  // a split with no key this row sees
-    const float w = exp2f(m - mmax);
-    l += w * ml[s * 2 * MROWS + MROWS + r];
-    const float4 p = *(const float4*)(part_o + (((long long)h * SPLITS + s) * MROWS + r) * HEAD_DIM + d);
-    acc[0] += w * p.x;
-    acc[1] += w * p.y;
-    acc[2] += w * p.z;
-    acc[3] += w * p.w;
-  }
-#endif
   const float inv = 1.f / l;
 #pragma unroll
   for (int e = 0; e < 4; ++e) o[e] = bf16_to_float(float_to_bf16(acc[e] * inv));

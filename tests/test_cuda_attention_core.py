@@ -22,10 +22,10 @@ core_mod = pytest.importorskip("sparkdecode_cuda.attention_core")
 TILE, MROWS = core_mod.TILE, core_mod.MROWS
 
 
-def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=1):
+def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=1, parts=0):
     """attention_split_kernel then attention_combine_kernel, in torch (fp32), built with
     a grid of ``splits`` blocks a KV head (the step uses active_splits of them, about
-    ``per`` tiles each)."""
+    ``per`` tiles each); ``parts``: the combine's (COMBINE_PARTS; 0: in split order)."""
     hkv, d = k.shape[2], k.shape[3]
     page_size = k.shape[1]
     scale_log2 = scale * math.log2(math.e)
@@ -44,7 +44,7 @@ def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=1):
     for h in range(hkv):
         qh = torch.zeros(MROWS, d)
         qh[ok] = q[tok[ok], h * group + head[ok]].float()
-        parts = []
+        splits_out = []
         for s in range(active):
             m, l, o = torch.full((MROWS,), float("-inf")), torch.zeros(MROWS), torch.zeros(MROWS, d)
             for tile in range(s * tiles // active, (s + 1) * tiles // active):
@@ -63,15 +63,49 @@ def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=1):
                 p_hi = p.to(torch.bfloat16).float()
                 p_lo = (p - p_hi).to(torch.bfloat16).float()
                 o = o + p_hi @ vt + p_lo @ vt
-            parts.append((m, l, o))
-        mmax = torch.stack([m for m, _, _ in parts]).max(dim=0).values
-        acc, total = torch.zeros(MROWS, d), torch.zeros(MROWS)
-        for m, l, o in parts:
-            w = torch.where(m == float("-inf"), 0.0, torch.exp2(m - mmax))
-            total, acc = total + w * l, acc + w[:, None] * o
-        res = acc / total[:, None]
+            splits_out.append((m, l, o))
+        res = combine_parts(splits_out, parts) if parts else combine_in_order(splits_out)
         out[tok[ok], h * group + head[ok]] = res[ok]
     return out.to(torch.bfloat16)
+
+
+def combine_in_order(splits):
+    """attention_combine_kernel (COMBINE_PARTS 0): the splits added in split order, each
+    scaled to the largest max."""
+    mmax = torch.stack([m for m, _, _ in splits]).max(dim=0).values
+    acc, total = torch.zeros_like(splits[0][2]), torch.zeros_like(splits[0][1])
+    for m, l, o in splits:
+        w = torch.where(m == float("-inf"), 0.0, torch.exp2(m - mmax))
+        total, acc = total + w * l, acc + w[:, None] * o
+    return acc / total[:, None]
+
+
+def combine_parts(splits, parts):
+    """attention_combine_kernel with COMBINE_PARTS: each part's contiguous run of splits
+    summed scaled to the run's max, then the parts met by the butterfly over lanes (xor 1,
+    2, 4), each side rescaled to the larger max; part 0's result."""
+    active, neg = len(splits), float("-inf")
+    state = []
+    for p in range(parts):
+        run = splits[p * active // parts : (p + 1) * active // parts]
+        m_loc = torch.stack([m for m, _, _ in run]).max(dim=0).values if run else torch.full_like(splits[0][1], neg)
+        l, acc = torch.zeros_like(splits[0][1]), torch.zeros_like(splits[0][2])
+        for m, ls, o in run:
+            w = torch.where(m == neg, 0.0, torch.exp2(m - m_loc))
+            l, acc = l + w * ls, acc + w[:, None] * o
+        state.append((m_loc, l, acc))
+    off = 1
+    while off < parts:
+        new = []
+        for p in range(parts):
+            (m, l, acc), (mo, lo, ao) = state[p], state[p ^ off]
+            mn = torch.maximum(m, mo)
+            a = torch.where(m == neg, 0.0, torch.exp2(m - mn))
+            b = torch.where(mo == neg, 0.0, torch.exp2(mo - mn))
+            new.append((mn, a * l + b * lo, a[:, None] * acc + b[:, None] * ao))
+        state, off = new, off * 2
+    _, l, acc = state[0]
+    return acc / l[:, None]
 
 
 def paged_cache(pages: int, page_size: int, hkv: int, d: int, g: torch.Generator):
@@ -81,10 +115,12 @@ def paged_cache(pages: int, page_size: int, hkv: int, d: int, g: torch.Generator
     return k, v, table
 
 
-@pytest.mark.parametrize("per", [1, 2])  # key tiles a split: the core's, cuda.attention_core_two_tiles'
+@pytest.mark.parametrize(
+    "per, parts", [(1, 0), (2, 0), (1, 8)], ids=["core", "two_tiles", "parts"]
+)  # key tiles a split and the combine's parts: the core's, cuda.attention_core_two_tiles', _parts'
 @pytest.mark.parametrize("window", [None, 64, 200])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_split_kv_algorithm_equals_the_reference(window, rows, per):
+def test_split_kv_algorithm_equals_the_reference(window, rows, per, parts):
     """Contexts at tile and window edges, fewer tiles than splits and more; grids of 16
     blocks a KV head, the provider's at this max context, and 3 (fewer than most lengths
     ask for, so more tiles a split)."""
@@ -100,7 +136,7 @@ def test_split_kv_algorithm_equals_the_reference(window, rows, per):
         positions = torch.arange(seq_len - rows, seq_len)
         ref = fn.paged_attention(q, positions, k, v, table, window, scale, max_context)
         for splits in (16, core_mod.splits_for(max_context, per), 3):
-            got = emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per)
+            got = emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per, parts)
             err = ((got.float() - ref.float()).flatten(1).norm(dim=1) / ref.float().flatten(1).norm(dim=1)).max()
             worst = max(worst, err.item())
             assert err < 4e-3, (seq_len, splits, err)  # the output's bf16 rounding, a few ulps at most
@@ -160,7 +196,7 @@ def test_kernel_constants_match():
 
 @pytest.mark.parametrize(
     "variant",
-    [core_mod.CudaAttentionCore, core_mod.CudaAttentionCoreTwoTiles],
+    [core_mod.CudaAttentionCore, core_mod.CudaAttentionCoreTwoTiles, core_mod.CudaAttentionCoreParts],
     ids=lambda c: c.name,
 )
 @pytest.mark.parametrize("max_context", [1000, 2056, 4096, 32768])  # 16 to 128 splits
@@ -170,7 +206,7 @@ def test_kernels_compile_spill_free(max_context, variant):
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     from ptxas_check import assert_spill_free
 
-    defines = core_mod.kernel_defines(8, max_context, variant.tiles_a_split)
+    defines = core_mod.kernel_defines(8, max_context, variant.tiles_a_split, variant.combine_parts)
     usage = assert_spill_free(core_mod.SOURCE, defines, core_mod.COMPILE_OPTIONS)
     assert set(usage) == {"attention_split_kernel", "attention_combine_kernel", "attention_gated_combine_kernel"}
     assert usage["attention_split_kernel"].registers <= 255 and usage["attention_split_kernel"].smem <= 48 * 1024
@@ -182,6 +218,7 @@ def test_registered():
 
     assert core_mod.CudaAttentionCore in plugin.PROVIDERS
     assert core_mod.CudaAttentionCoreTwoTiles not in plugin.PROVIDERS  # slower than the core on an H100
+    assert core_mod.CudaAttentionCoreParts not in plugin.PROVIDERS
 
 
 def test_combine_batches():

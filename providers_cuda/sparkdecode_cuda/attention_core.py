@@ -65,17 +65,21 @@ def combine_batch_for(splits: int) -> int:
     return -(-splits // rounds)
 
 
-def kernel_defines(group: int, keys: int, per: int = 1) -> dict[str, int]:
-    """attention_core.cu's defines for a GQA group, the most keys a step reads and about
-    ``per`` key tiles a split."""
+def kernel_defines(group: int, keys: int, per: int = 1, parts: int = 0) -> dict[str, int]:
+    """attention_core.cu's defines for a GQA group, the most keys a step reads, about
+    ``per`` key tiles a split, and the combine's parts (0: a thread a row's 4 dims over
+    every split; 8: COMBINE_PARTS)."""
     splits = splits_for(keys, per)
-    return {
+    defines = {
         "HEAD_DIM": HEAD_DIM,
         "GROUP": group,
         "SPLITS": splits,
         "TILES_A_SPLIT": per,
         "COMBINE_BATCH": combine_batch_for(splits),
     }
+    if parts:
+        defines["COMBINE_PARTS"] = parts
+    return defines
 
 
 def _group_unsupported(heads: int, kv_heads: int, rows: int) -> str | None:
@@ -105,6 +109,7 @@ class CudaAttentionCore(_Cuda):
     block = "attention_core"
     name = "cuda.attention_core"
     tiles_a_split = 1  # TILES_A_SPLIT
+    combine_parts = 0  # COMBINE_PARTS
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -126,7 +131,13 @@ class CudaAttentionCore(_Cuda):
         self.group, self.max_rows = self.heads // self.kv_heads, ctx.max_rows
         # A sliding layer's splits cover its window, not the whole context (at 32768 a
         # window of 2048 would leave most of the context's 128 splits without a key).
-        defines = kernel_defines(self.group, keys_seen(ctx.max_context, lw.window, ctx.max_rows), self.tiles_a_split)
+        keys = keys_seen(ctx.max_context, lw.window, ctx.max_rows)
+        defines = kernel_defines(self.group, keys, self.tiles_a_split, self.combine_parts)
+        # the combine's grid and block: a block a row (parts), or COMBINE_ROWS rows a block
+        if self.combine_parts:
+            self.combine_shape = ((MROWS, self.kv_heads, 1), (HEAD_DIM // 4 * self.combine_parts, 1, 1))
+        else:
+            self.combine_shape = ((MROWS // COMBINE_ROWS, self.kv_heads, 1), (COMBINE_ROWS * HEAD_DIM // 4, 1, 1))
         self.splits = defines["SPLITS"]
         self.scale_log2 = ctx.spec.softmax_scale * math.log2(math.e)
         self.split = Kernel(SOURCE, "attention_split_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -165,8 +176,7 @@ class CudaAttentionCore(_Cuda):
             raise ValueError(f"{self.name}: out takes rows of 8-byte groups, strides {out.stride()}")
         self._split(step, q)
         self.combine.launch(
-            (MROWS // COMBINE_ROWS, self.kv_heads, 1),
-            (COMBINE_ROWS * HEAD_DIM // 4, 1, 1),
+            *self.combine_shape,
             [
                 ptr(self.part_o),
                 ptr(self.part_ml),
@@ -192,8 +202,7 @@ class CudaAttentionCore(_Cuda):
                 raise ValueError(f"{self.name}: {name} takes rows of 8-byte groups, strides {t.stride()}")
         self._split(step, q)
         self.gated_combine.launch(
-            (MROWS // COMBINE_ROWS, self.kv_heads, 1),
-            (COMBINE_ROWS * HEAD_DIM // 4, 1, 1),
+            *self.combine_shape,
             [
                 ptr(self.part_o),
                 ptr(self.part_ml),
@@ -254,3 +263,16 @@ class CudaAttentionCoreTwoTiles(CudaAttentionCore):
 
     name = "cuda.attention_core_two_tiles"
     tiles_a_split = 2
+
+
+class CudaAttentionCoreParts(CudaAttentionCore):
+    """``cuda.attention_core`` whose combine takes a block a row, each dim group's splits
+    cut into 8 parts that load their partials at once and meet by a butterfly over lanes
+    (COMBINE_PARTS 8: 128 blocks of 128 threads at a TP-8 rank, against 16; one round trip
+    for the partials after the length, against one for the maxima and one a batch), and
+    the gate's columns loaded before the partials. Other sums than the core's (a tree over
+    the parts): other bits, the same bound against the reference. Not registered: not yet
+    measured in the step."""
+
+    name = "cuda.attention_core_parts"
+    combine_parts = 8

@@ -53,6 +53,9 @@
 #ifndef COMBINE_BATCH
 #define COMBINE_BATCH 32  // splits whose partials the combine loads at once
 #endif
+#ifndef COMBINE_PARTS
+#define COMBINE_PARTS 0  // 8: the combine a block a row, its splits cut into 8 parts (below)
+#endif
 #define NEG_INF __int_as_float(0xff800000u)
 static_assert(HEAD_DIM == 64, "one tile of 64 dims: 4 MMA steps of 16 (QK) and 8 of 8 (PV)");
 static_assert(MROWS == WARPS * 16 && MROWS % GROUP == 0, "16 query rows a warp, whole tokens");
@@ -310,6 +313,117 @@ __device__ __forceinline__ void store_bf16x4(bf16_t* dst, const float v[4]) {
   *(uint2*)dst = w;
 }
 
+#if COMBINE_PARTS
+// COMBINE_PARTS 8: a block a row (grid: MROWS x KV heads, 128 threads), each thread 4 dims
+// of it (16 dim groups) over one eighth of the active splits, a contiguous run. Lane = part
+// p (bits 0-2) + dim group within the warp (bits 3-4); warp w takes dim groups 4w .. 4w + 3.
+// A thread loads its run's m, l and output at once (one round trip after seq_lens), keeps
+// the run's max, sums its splits scaled to it, then the 8 parts of a dim group meet by a
+// butterfly over lanes (xor 1, 2, 4): each step rescales both sides to the larger max and
+// adds them, the same operations on both lanes of a pair (IEEE sums and products commute),
+// so every part ends with the same value, and the same bits every run.
+#define PARTS COMBINE_PARTS
+#define PART_BATCH ((SPLITS + PARTS - 1) / PARTS)
+static_assert(PARTS == 8 && HEAD_DIM / 4 * PARTS == 128, "a row's 16 dim groups x 8 parts: 128 threads");
+
+__device__ __forceinline__ void combine_row_parts(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                  int h, int active, int r, int d, int p, float o[4]) {
+  const float* ml = part_ml + (long long)h * SPLITS * 2 * MROWS;
+  const float* po = part_o + ((long long)h * SPLITS * MROWS + r) * HEAD_DIM + d;
+  const int s0 = p * active / PARTS, s1 = (p + 1) * active / PARTS;
+  float m[PART_BATCH], ls[PART_BATCH];
+  float4 v[PART_BATCH];
+#pragma unroll
+  for (int u = 0; u < PART_BATCH; ++u) {
+    const int s = s0 + u < s1 ? s0 + u : 0;  // past the run: split 0's (always there), left out below
+    m[u] = ml[s * 2 * MROWS + r];
+    ls[u] = ml[s * 2 * MROWS + MROWS + r];
+    v[u] = *(const float4*)(po + (long long)s * MROWS * HEAD_DIM);
+  }
+  float mloc = NEG_INF;
+#pragma unroll
+  for (int u = 0; u < PART_BATCH; ++u) {
+    if (s0 + u < s1) mloc = fmaxf(mloc, m[u]);
+  }
+  float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int u = 0; u < PART_BATCH; ++u) {
+    if (s0 + u >= s1 || m[u] == NEG_INF) continue;  // past the run, or a split with no key this row sees
+    const float w = exp2f(m[u] - mloc);
+    l += w * ls[u];
+    acc[0] += w * v[u].x;
+    acc[1] += w * v[u].y;
+    acc[2] += w * v[u].z;
+    acc[3] += w * v[u].w;
+  }
+#pragma unroll
+  for (int off = 1; off < PARTS; off <<= 1) {
+    const float mo = __shfl_xor_sync(0xffffffffu, mloc, off), lo = __shfl_xor_sync(0xffffffffu, l, off);
+    float ao[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ao[e] = __shfl_xor_sync(0xffffffffu, acc[e], off);
+    const float mn = fmaxf(mloc, mo);
+    // a part with no key the row sees (m = -inf) weighs 0; a row always sees its own key
+    const float a = mloc == NEG_INF ? 0.f : exp2f(mloc - mn), b = mo == NEG_INF ? 0.f : exp2f(mo - mn);
+    l = a * l + b * lo;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = a * acc[e] + b * ao[e];
+    mloc = mn;
+  }
+  const float inv = 1.f / l;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) o[e] = bf16_to_float(float_to_bf16(acc[e] * inv));
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_combine_kernel(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ seq_lens, int rows,
+    int window, bf16_t* __restrict__ out, long long o_row, long long o_head) {
+  const int h = blockIdx.y, r = blockIdx.x, lane = threadIdx.x & 31, p = lane & (PARTS - 1);
+  const int d = ((threadIdx.x >> 5) * 4 + (lane >> 3)) * 4;
+  const int i = r / GROUP, j = r % GROUP;
+  pdl_launch_dependents();
+  pdl_wait();
+  if (i >= rows) return;  // the whole block: one row
+  const int active = active_splits(step_tiles(seq_lens[0], rows, window).count);
+  float o[4];
+  combine_row_parts(part_o, part_ml, h, active, r, d, p, o);
+  if (p == 0) store_bf16x4(out + (long long)i * o_row + (long long)(h * GROUP + j) * o_head + d, o);
+}
+
+// The gated form: the row's 64 squares summed over its dim groups (lanes xor 8, 16, then
+// the 4 warps through shared memory, in warp order), the gate columns loaded as the kernel
+// starts (they do not wait on the split kernel's partials, only on the PDL wait).
+extern "C" __global__ void __launch_bounds__(128) attention_gated_combine_kernel(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ seq_lens, int rows,
+    int window, const bf16_t* __restrict__ gate, long long gate_row, float eps, bf16_t* __restrict__ out,
+    long long out_row) {
+  __shared__ float warp_sq[4];
+  const int h = blockIdx.y, r = blockIdx.x, lane = threadIdx.x & 31, p = lane & (PARTS - 1);
+  const int d = ((threadIdx.x >> 5) * 4 + (lane >> 3)) * 4;
+  const int i = r / GROUP, j = r % GROUP;
+  pdl_launch_dependents();
+  pdl_wait();
+  if (i >= rows) return;  // the whole block: one row
+  const long long col = (long long)(h * GROUP + j) * HEAD_DIM + d;
+  const uint2 gw = *(const uint2*)(gate + (long long)i * gate_row + col);
+  const int active = active_splits(step_tiles(seq_lens[0], rows, window).count);
+  float o[4];
+  combine_row_parts(part_o, part_ml, h, active, r, d, p, o);
+  float sq = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+  sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+  if (lane == 0) warp_sq[threadIdx.x >> 5] = sq;
+  __syncthreads();
+  sq = warp_sq[0] + warp_sq[1] + warp_sq[2] + warp_sq[3];
+  if (p != 0) return;
+  const float inv = rsqrtf(sq / (float)HEAD_DIM + eps);
+  const float g[4] = {bf16_to_float((bf16_t)(gw.x & 0xffffu)), bf16_to_float((bf16_t)(gw.x >> 16)),
+                      bf16_to_float((bf16_t)(gw.y & 0xffffu)), bf16_to_float((bf16_t)(gw.y >> 16))};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) o[e] = o[e] * inv * (1.0f / (1.0f + expf(-g[e])));
+  store_bf16x4(out + (long long)i * out_row + col, o);
+}
+#else
 // out[i, h * GROUP + j, :] for the rows of tokens i < b: a thread takes 4 dims of a row.
 extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attention_combine_kernel(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ seq_lens, int rows,
@@ -359,3 +473,4 @@ extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attent
   for (int e = 0; e < 4; ++e) o[e] = o[e] * inv * (1.0f / (1.0f + expf(-g[e])));
   store_bf16x4(out + (long long)i * out_row + col, o);
 }
+#endif

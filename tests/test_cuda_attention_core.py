@@ -22,10 +22,10 @@ core_mod = pytest.importorskip("sparkdecode_cuda.attention_core")
 TILE, MROWS = core_mod.TILE, core_mod.MROWS
 
 
-def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=1, parts=0):
+def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=1):
     """attention_split_kernel then attention_combine_kernel, in torch (fp32), built with
     a grid of ``splits`` blocks a KV head (the step uses active_splits of them, about
-    ``per`` tiles each); ``parts``: the combine's (COMBINE_PARTS; 0: in split order)."""
+    ``per`` tiles each)."""
     hkv, d = k.shape[2], k.shape[3]
     page_size = k.shape[1]
     scale_log2 = scale * math.log2(math.e)
@@ -64,24 +64,13 @@ def emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per=1, 
                 p_lo = (p - p_hi).to(torch.bfloat16).float()
                 o = o + p_hi @ vt + p_lo @ vt
             splits_out.append((m, l, o))
-        res = combine_parts(splits_out, parts) if parts else combine_in_order(splits_out)
+        res = combine_parts(splits_out, core_mod.PARTS)
         out[tok[ok], h * group + head[ok]] = res[ok]
     return out.to(torch.bfloat16)
 
 
-def combine_in_order(splits):
-    """attention_combine_kernel (COMBINE_PARTS 0): the splits added in split order, each
-    scaled to the largest max."""
-    mmax = torch.stack([m for m, _, _ in splits]).max(dim=0).values
-    acc, total = torch.zeros_like(splits[0][2]), torch.zeros_like(splits[0][1])
-    for m, l, o in splits:
-        w = torch.where(m == float("-inf"), 0.0, torch.exp2(m - mmax))
-        total, acc = total + w * l, acc + w[:, None] * o
-    return acc / total[:, None]
-
-
 def combine_parts(splits, parts):
-    """attention_combine_kernel with COMBINE_PARTS: each part's contiguous run of splits
+    """attention_combine_kernel: each part's contiguous run of splits
     summed scaled to the run's max, then the parts met by the butterfly over lanes (xor 1,
     2, 4), each side rescaled to the larger max; part 0's result."""
     active, neg = len(splits), float("-inf")
@@ -115,12 +104,10 @@ def paged_cache(pages: int, page_size: int, hkv: int, d: int, g: torch.Generator
     return k, v, table
 
 
-@pytest.mark.parametrize(
-    "per, parts", [(1, 0), (2, 0), (1, 8)], ids=["core", "two_tiles", "parts"]
-)  # key tiles a split and the combine's parts: the core's, cuda.attention_core_two_tiles', _parts'
+@pytest.mark.parametrize("per", [1, 2])  # key tiles a split: the core's (TILES_A_SPLIT), and two
 @pytest.mark.parametrize("window", [None, 64, 200])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_split_kv_algorithm_equals_the_reference(window, rows, per, parts):
+def test_split_kv_algorithm_equals_the_reference(window, rows, per):
     """Contexts at tile and window edges, fewer tiles than splits and more; grids of 16
     blocks a KV head, the provider's at this max context, and 3 (fewer than most lengths
     ask for, so more tiles a split)."""
@@ -136,7 +123,7 @@ def test_split_kv_algorithm_equals_the_reference(window, rows, per, parts):
         positions = torch.arange(seq_len - rows, seq_len)
         ref = fn.paged_attention(q, positions, k, v, table, window, scale, max_context)
         for splits in (16, core_mod.splits_for(max_context, per), 3):
-            got = emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per, parts)
+            got = emulate(q, k, v, table, seq_len, rows, window, scale, splits, group, per)
             err = ((got.float() - ref.float()).flatten(1).norm(dim=1) / ref.float().flatten(1).norm(dim=1)).max()
             worst = max(worst, err.item())
             assert err < 4e-3, (seq_len, splits, err)  # the output's bf16 rounding, a few ulps at most
@@ -181,7 +168,7 @@ def test_kernel_constants_match():
     constants = (
         ("MROWS", MROWS),
         ("TILE", TILE),
-        ("COMBINE_ROWS", core_mod.COMBINE_ROWS),
+        ("PARTS", core_mod.PARTS),
         ("WARPS", 4),
         ("MIN_SPLITS", core_mod.MIN_SPLITS),
     )
@@ -194,19 +181,14 @@ def test_kernel_constants_match():
     assert core_mod.keys_seen(32768, None, 8) == 32768 and core_mod.keys_seen(1024, 2048, 8) == 1024
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [core_mod.CudaAttentionCore, core_mod.CudaAttentionCoreTwoTiles, core_mod.CudaAttentionCoreParts],
-    ids=lambda c: c.name,
-)
 @pytest.mark.parametrize("max_context", [1000, 2056, 4096, 32768])  # 16 to 128 splits
-def test_kernels_compile_spill_free(max_context, variant):
+def test_kernels_compile_spill_free(max_context):
     nvrtc = pytest.importorskip("sparkdecode_cuda.nvrtc")
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     from ptxas_check import assert_spill_free
 
-    defines = core_mod.kernel_defines(8, max_context, variant.tiles_a_split, variant.combine_parts)
+    defines = core_mod.kernel_defines(8, max_context, core_mod.CudaAttentionCore.tiles_a_split)
     usage = assert_spill_free(core_mod.SOURCE, defines, core_mod.COMPILE_OPTIONS)
     assert set(usage) == {"attention_split_kernel", "attention_combine_kernel", "attention_gated_combine_kernel"}
     assert usage["attention_split_kernel"].registers <= 255 and usage["attention_split_kernel"].smem <= 48 * 1024
@@ -217,15 +199,6 @@ def test_registered():
     from sparkdecode_cuda import plugin
 
     assert core_mod.CudaAttentionCore in plugin.PROVIDERS
-    assert core_mod.CudaAttentionCoreTwoTiles not in plugin.PROVIDERS  # slower than the core on an H100
-    assert core_mod.CudaAttentionCoreParts not in plugin.PROVIDERS
-
-
-def test_combine_batches():
-    """The combine: all the splits in as few even batches of at most 32."""
-    batches = {s: core_mod.combine_batch_for(s) for s in (16, 17, 32, 33, 65, 128)}
-    assert batches == {16: 16, 17: 17, 32: 32, 33: 17, 65: 22, 128: 32}
-    assert core_mod.kernel_defines(8, 4096)["COMBINE_BATCH"] == 22
 
 
 def test_unsupported_names_the_shape():

@@ -35,23 +35,12 @@ pytestmark = [
     ),
 ]
 
-from sparkdecode_cuda.attention_core import (  # noqa: E402
-    CudaAttentionCore,
-    CudaAttentionCoreParts,
-    CudaAttentionCoreTwoTiles,
-    splits_for,
-)
+from sparkdecode_cuda.attention_core import CudaAttentionCore, splits_for  # noqa: E402
 
 
 @pytest.mark.parametrize("kv_heads", [2, 16])  # a TP8 rank's and TP1's heads (GQA 8)
 def test_core_in_one_graph_over_contexts(kv_heads):
     check_core_over_contexts(CudaAttentionCore, kv_heads)
-
-
-@pytest.mark.parametrize("cls", [CudaAttentionCoreTwoTiles, CudaAttentionCoreParts], ids=lambda c: c.name)
-def test_unregistered_cores_in_one_graph_over_contexts(cls):
-    """cuda.attention_core_two_tiles and _parts (unregistered) against the reference as the core."""
-    check_core_over_contexts(cls, 2)
 
 
 def _outputs_alike(pairs, spec, heads: int, kv_heads: int, rows: int, context: int) -> None:
@@ -83,17 +72,14 @@ def _outputs_alike(pairs, spec, heads: int, kv_heads: int, rows: int, context: i
 
 @pytest.mark.parametrize("context", [9, 700, 2100, 4096, 9000])
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize(
-    "cls", [CudaAttentionCore, CudaAttentionCoreTwoTiles, CudaAttentionCoreParts], ids=lambda c: c.name
-)
-def test_a_long_build_runs_a_short_context_as_its_own_build(cls, rows, context):
+def test_a_long_build_runs_a_short_context_as_its_own_build(rows, context):
     """Built for a served max_model_len (a full layer's grid of 128 splits) and built for
     the context itself (the bench's build): the step's length sets the splits that take
     part, so the same bits from both, on a sliding and a full layer."""
     spec = ModelSpec.preset("muse-spark-open", 2)
     served, own = core_context(spec, 16, 2, MAX_CONTEXT), core_context(spec, 16, 2, context)
-    pairs = [(cls.build(served, layer), cls.build(own, layer)) for layer in (0, 1)]
-    assert pairs[1][0].splits == 128 and pairs[1][1].splits == splits_for(context, cls.tiles_a_split)
+    pairs = [(CudaAttentionCore.build(served, layer), CudaAttentionCore.build(own, layer)) for layer in (0, 1)]
+    assert pairs[1][0].splits == 128 and pairs[1][1].splits == splits_for(context)
     _outputs_alike(pairs, spec, 16, 2, rows, context)
 
 
@@ -106,21 +92,15 @@ def test_executor_with_cuda_attention_and_core():
     check_executor_with_core(CudaAttentionCore, pins={"attention": "cuda.attention"})
 
 
-def test_executor_with_cuda_attention_and_parts_core():
-    """cuda.attention with the parts combine (unregistered): its gated combine in the step."""
-    check_executor_with_core(CudaAttentionCoreParts, pins={"attention": "cuda.attention"})
-
-
-@pytest.mark.parametrize("cls", [CudaAttentionCore, CudaAttentionCoreParts], ids=lambda c: c.name)
 @pytest.mark.parametrize("rows", [1, 5, 8])
-def test_gated_combine_is_the_core_then_the_gate(rows, cls):
+def test_gated_combine_is_the_core_then_the_gate(rows):
     """run_gated against run's bf16 output with the o-norm and gate applied in fp32 as the
     gate kernel applies them: a head's 64 squares summed in another order, so a value may
     move by one bf16 rounding; the gate read through a view of wider rows (as qkvg's)."""
     spec = ModelSpec.preset("muse-spark-open", 2)
     kv_heads, heads, context = 2, 16, 3000
     ctx = core_context(spec, heads, kv_heads, MAX_CONTEXT)
-    cores = [cls.build(ctx, layer) for layer in (0, 1)]
+    cores = [CudaAttentionCore.build(ctx, layer) for layer in (0, 1)]
     cache = PagedKVCache(spec, MAX_CONTEXT // BLOCK_SIZE + 2, MAX_CONTEXT, ROWS, "cuda", num_kv_heads=kv_heads)
     for c in cores:
         c.prepare_kv(cache.kv())

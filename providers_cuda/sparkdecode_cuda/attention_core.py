@@ -1,15 +1,15 @@
 """``cuda.attention_core``: the verify step's attention core on this pack's split-KV
-kernels (kernels/attention_core.cu): attention_split_kernel over the splits of a KV head that
-the step's length asks for (``active_splits``, read from the device), then
-attention_combine_kernel over those splits; nothing on the host per step, so it replays in a FULL
-graph. ``run_gated``: the same with the attention block's o-norm and gate in the
+kernels (kernels/attention_core.cu): attention_split_kernel over the splits of a KV head
+that the step's length asks for (``active_splits``, read from the device), then
+attention_combine_kernel over those splits; nothing on the host per step, so it replays in
+a FULL graph. ``run_gated``: the same with the attention block's o-norm and gate in the
 combine (attention_gated_combine_kernel), which cuda.attention calls in place of its
 own gate kernel.
 
 Against the reference (``reference.functional.paged_attention``): the same bf16 q, K and
 V, scores and the softmax in fp32 (exp2 of the scores in log2 units), the probabilities
 kept to about 2^-17 (two bf16 terms) through the PV product, the output rounded to bf16
-once; the partial sums of the splits are added in split order (the same bits every run).
+once; the splits' partial sums are added in a fixed order (the same bits every run).
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ COMPILE_OPTIONS = ("--fmad=false",)
 HEAD_DIM = 64
 MROWS = 64  # query rows a KV head: rows x query heads a KV head, at most
 TILE = 64  # keys a tile
-COMBINE_ROWS = 8
 MAX_SPLITS = 128
-MAX_BATCH = 32  # float4 partials a combine thread holds at once (128 registers)
+PARTS = 8  # runs of splits a row's combine takes at once (kernels/attention_core.cu)
 
 
 MIN_SPLITS = 16
@@ -58,28 +57,10 @@ def keys_seen(max_context: int, window: int | None, max_rows: int) -> int:
     return min(max_context, window + max_rows) if window else max_context
 
 
-def combine_batch_for(splits: int) -> int:
-    """attention_core.cu's COMBINE_BATCH at a grid of ``splits``: the splits whose partials
-    the combine loads at once, as few even batches of at most MAX_BATCH as there are."""
-    rounds = -(-splits // MAX_BATCH)
-    return -(-splits // rounds)
-
-
-def kernel_defines(group: int, keys: int, per: int = 1, parts: int = 0) -> dict[str, int]:
-    """attention_core.cu's defines for a GQA group, the most keys a step reads, about
-    ``per`` key tiles a split, and the combine's parts (0: a thread a row's 4 dims over
-    every split; 8: COMBINE_PARTS)."""
-    splits = splits_for(keys, per)
-    defines = {
-        "HEAD_DIM": HEAD_DIM,
-        "GROUP": group,
-        "SPLITS": splits,
-        "TILES_A_SPLIT": per,
-        "COMBINE_BATCH": combine_batch_for(splits),
-    }
-    if parts:
-        defines["COMBINE_PARTS"] = parts
-    return defines
+def kernel_defines(group: int, keys: int, per: int = 1) -> dict[str, int]:
+    """attention_core.cu's defines for a GQA group, the most keys a step reads and about
+    ``per`` key tiles a split."""
+    return {"HEAD_DIM": HEAD_DIM, "GROUP": group, "SPLITS": splits_for(keys, per), "TILES_A_SPLIT": per}
 
 
 def _group_unsupported(heads: int, kv_heads: int, rows: int) -> str | None:
@@ -99,17 +80,17 @@ def _group_unsupported(heads: int, kv_heads: int, rows: int) -> str | None:
 class CudaAttentionCore(_Cuda):
     """Sub-op ``attention_core``: split-KV flash decoding on mma.sync for up to
     ``MROWS`` query rows a KV head (rows x GQA group), head_dim 64, any page size; about
-    one key tile a split, the combine loading the splits' partials in even batches of at
-    most MAX_BATCH. It reads the step's length from the device, so it serves vLLM's
-    asynchronous scheduling, where FlashInfer's host-planned fa2 cannot. Correct on the
-    H200 and the H100 against the reference core, compute-sanitizer clean. In the 6-layer
-    TP-8 rank step on an H100 it is level with XQA and about 12% behind fa2 (bench/NOTES.md
+    one key tile a split; the combine a block a row, each group of 4 dims over PARTS runs
+    of splits that load their partials at once and meet by a butterfly. It reads the
+    step's length from the device, so it serves vLLM's asynchronous scheduling, where
+    FlashInfer's host-planned fa2 cannot. Correct against the reference core on an H100
+    (and in its earlier forms on the H200), compute-sanitizer clean. In the 6-layer TP-8
+    rank step on an H100 it is level with XQA and about 11% behind fa2 (bench/NOTES.md
     v30); the resolver times it beside them."""
 
     block = "attention_core"
     name = "cuda.attention_core"
     tiles_a_split = 1  # TILES_A_SPLIT
-    combine_parts = 0  # COMBINE_PARTS
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -132,12 +113,9 @@ class CudaAttentionCore(_Cuda):
         # A sliding layer's splits cover its window, not the whole context (at 32768 a
         # window of 2048 would leave most of the context's 128 splits without a key).
         keys = keys_seen(ctx.max_context, lw.window, ctx.max_rows)
-        defines = kernel_defines(self.group, keys, self.tiles_a_split, self.combine_parts)
-        # the combine's grid and block: a block a row (parts), or COMBINE_ROWS rows a block
-        if self.combine_parts:
-            self.combine_shape = ((MROWS, self.kv_heads, 1), (HEAD_DIM // 4 * self.combine_parts, 1, 1))
-        else:
-            self.combine_shape = ((MROWS // COMBINE_ROWS, self.kv_heads, 1), (COMBINE_ROWS * HEAD_DIM // 4, 1, 1))
+        defines = kernel_defines(self.group, keys, self.tiles_a_split)
+        # the combine: a block a row, its 16 groups of 4 dims x PARTS runs of splits
+        self.combine_shape = ((MROWS, self.kv_heads, 1), (HEAD_DIM // 4 * PARTS, 1, 1))
         self.splits = defines["SPLITS"]
         self.scale_log2 = ctx.spec.softmax_scale * math.log2(math.e)
         self.split = Kernel(SOURCE, "attention_split_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -252,27 +230,3 @@ class CudaAttentionCore(_Cuda):
                 ptr(self.part_ml),
             ],
         )
-
-
-class CudaAttentionCoreTwoTiles(CudaAttentionCore):
-    """``cuda.attention_core`` with about two key tiles a split (TILES_A_SPLIT 2: 32
-    splits at 4096 where the core has 64), as the core ran before 6343b31 (then with its
-    combine a split at a time). Not registered: in the 6-layer TP-8 rank step on an H100
-    the core's one tile a split was 17-25 us faster (bench/NOTES.md v30); kept to measure
-    the two on the H200."""
-
-    name = "cuda.attention_core_two_tiles"
-    tiles_a_split = 2
-
-
-class CudaAttentionCoreParts(CudaAttentionCore):
-    """``cuda.attention_core`` whose combine takes a block a row, each dim group's splits
-    cut into 8 parts that load their partials at once and meet by a butterfly over lanes
-    (COMBINE_PARTS 8: 128 blocks of 128 threads at a TP-8 rank, against 16; one round trip
-    for the partials after the length, against one for the maxima and one a batch), and
-    the gate's columns loaded before the partials. Other sums than the core's (a tree over
-    the parts): other bits, the same bound against the reference. Not registered: not yet
-    measured in the step."""
-
-    name = "cuda.attention_core_parts"
-    combine_parts = 8

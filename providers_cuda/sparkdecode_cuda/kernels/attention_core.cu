@@ -23,9 +23,9 @@
 //   multiplied into V (A = P straight from S's accumulator layout, B = V read from shared
 //   memory a key pair at a time), the output accumulated in fp32.
 // Each block writes its rows' m, l and unnormalized output (fp32) to a workspace;
-// attention_combine_kernel (grid: 8 x KV heads, 8 rows a block) adds the active splits'
-// partials of each row in split order, scaled by exp2(m_s - max m), divides by the summed
-// l and rounds to bf16 once: the same bits every run.
+// attention_combine_kernel (grid: 64 rows x KV heads) adds the active splits' partials of
+// each row, scaled by exp2(m_s - max m) in two levels (8 runs of splits, then a butterfly
+// over the runs), divides by the summed l and rounds to bf16 once: the same bits every run.
 //
 // PDL: both kernels let their dependents launch at their start and wait (griddepcontrol)
 // before any read of what the kernels before wrote (q, the cache and its metadata, the
@@ -46,15 +46,8 @@
 #define WARPS 4
 #define THREADS (WARPS * 32)
 #define KPAD 8  // bf16 of padding a shared-memory row: a 144-byte stride, conflict-free reads
-#define COMBINE_ROWS 8
 #ifndef TILES_A_SPLIT
 #define TILES_A_SPLIT 1  // key tiles a split takes, about, where the grid has splits enough
-#endif
-#ifndef COMBINE_BATCH
-#define COMBINE_BATCH 32  // splits whose partials the combine loads at once
-#endif
-#ifndef COMBINE_PARTS
-#define COMBINE_PARTS 0  // 8: the combine a block a row, its splits cut into 8 parts (below)
 #endif
 #define NEG_INF __int_as_float(0xff800000u)
 static_assert(HEAD_DIM == 64, "one tile of 64 dims: 4 MMA steps of 16 (QK) and 8 of 8 (PV)");
@@ -264,48 +257,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_split_kernel(
   }
 }
 
-// Row r of KV head h's tile, dims d .. d + 3: the first `active` splits' partials (those
-// that took part in the step) added in split order,
-// divided by the summed l, each rounded to bf16 (returned as floats). The partials of
-// COMBINE_BATCH splits are loaded before any is added (those of splits with no key the row
-// sees too, then left out), so their loads are in flight at once instead of one split's
-// m, then its l and output, at a time (a dependent round trip to L2 each).
-__device__ __forceinline__ void combine_row(const float* __restrict__ part_o, const float* __restrict__ part_ml, int h,
-                                            int active, int r, int d, float o[4]) {
-  const float* ml = part_ml + (long long)h * SPLITS * 2 * MROWS;
-  float mmax = NEG_INF;
-#pragma unroll
-  for (int s = 0; s < SPLITS; ++s) {  // unrolled over the grid's splits: every load in flight at once
-    if (s < active) mmax = fmaxf(mmax, ml[s * 2 * MROWS + r]);
-  }
-  float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-  const float* po = part_o + ((long long)h * SPLITS * MROWS + r) * HEAD_DIM + d;
-  for (int s0 = 0; s0 < active; s0 += COMBINE_BATCH) {
-    float m[COMBINE_BATCH], ls[COMBINE_BATCH];
-    float4 p[COMBINE_BATCH];
-#pragma unroll
-    for (int u = 0; u < COMBINE_BATCH; ++u) {
-      const int s = s0 + u < active ? s0 + u : active - 1;
-      m[u] = ml[s * 2 * MROWS + r];
-      ls[u] = ml[s * 2 * MROWS + MROWS + r];
-      p[u] = *(const float4*)(po + (long long)s * MROWS * HEAD_DIM);
-    }
-#pragma unroll
-    for (int u = 0; u < COMBINE_BATCH; ++u) {
-      if (s0 + u >= active || m[u] == NEG_INF) continue;  // past the active splits, or a split with no key this row sees
-      const float w = exp2f(m[u] - mmax);
-      l += w * ls[u];
-      acc[0] += w * p[u].x;
-      acc[1] += w * p[u].y;
-      acc[2] += w * p[u].z;
-      acc[3] += w * p[u].w;
-    }
-  }
-  const float inv = 1.f / l;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) o[e] = bf16_to_float(float_to_bf16(acc[e] * inv));
-}
-
 __device__ __forceinline__ void store_bf16x4(bf16_t* dst, const float v[4]) {
   uint2 w;
   w.x = pack2(float_to_bf16(v[0]), float_to_bf16(v[1]));
@@ -313,16 +264,15 @@ __device__ __forceinline__ void store_bf16x4(bf16_t* dst, const float v[4]) {
   *(uint2*)dst = w;
 }
 
-#if COMBINE_PARTS
-// COMBINE_PARTS 8: a block a row (grid: MROWS x KV heads, 128 threads), each thread 4 dims
-// of it (16 dim groups) over one eighth of the active splits, a contiguous run. Lane = part
+// The combine: a block a row (grid: MROWS x KV heads, 128 threads), each thread 4 dims of
+// it (16 dim groups) over one of PARTS = 8 contiguous runs of the active splits. Lane = part
 // p (bits 0-2) + dim group within the warp (bits 3-4); warp w takes dim groups 4w .. 4w + 3.
 // A thread loads its run's m, l and output at once (one round trip after seq_lens), keeps
 // the run's max, sums its splits scaled to it, then the 8 parts of a dim group meet by a
 // butterfly over lanes (xor 1, 2, 4): each step rescales both sides to the larger max and
 // adds them, the same operations on both lanes of a pair (IEEE sums and products commute),
 // so every part ends with the same value, and the same bits every run.
-#define PARTS COMBINE_PARTS
+#define PARTS 8
 #define PART_BATCH ((SPLITS + PARTS - 1) / PARTS)
 static_assert(PARTS == 8 && HEAD_DIM / 4 * PARTS == 128, "a row's 16 dim groups x 8 parts: 128 threads");
 
@@ -423,54 +373,3 @@ extern "C" __global__ void __launch_bounds__(128) attention_gated_combine_kernel
   for (int e = 0; e < 4; ++e) o[e] = o[e] * inv * (1.0f / (1.0f + expf(-g[e])));
   store_bf16x4(out + (long long)i * out_row + col, o);
 }
-#else
-// out[i, h * GROUP + j, :] for the rows of tokens i < b: a thread takes 4 dims of a row.
-extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attention_combine_kernel(
-    const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ seq_lens, int rows,
-    int window, bf16_t* __restrict__ out, long long o_row, long long o_head) {
-  const int h = blockIdx.y;
-  const int r = blockIdx.x * COMBINE_ROWS + threadIdx.x / (HEAD_DIM / 4);
-  const int d = (threadIdx.x % (HEAD_DIM / 4)) * 4;
-  const int i = r / GROUP, j = r % GROUP;
-  pdl_launch_dependents();
-  pdl_wait();
-  if (i >= rows) return;
-  const int active = active_splits(step_tiles(seq_lens[0], rows, window).count);
-  float o[4];
-  combine_row(part_o, part_ml, h, active, r, d, o);
-  store_bf16x4(out + (long long)i * o_row + (long long)(h * GROUP + j) * o_head + d, o);
-}
-
-// The combine with the attention block's o-norm and gate after it (MUSE_SPARK.md: o =
-// bf16(rms_per_head(o) * sigmoid(g)), eps): each row's bf16 output as the combine rounds
-// it, its 64 squares summed over the row's 16 threads (4 each, then a butterfly), times
-// sigmoid of the row's gate columns (gate[i * gate_row + (h * GROUP + j) * HEAD_DIM + d]),
-// rounded to bf16 into out[i, (h * GROUP + j) * HEAD_DIM + d] (the o_proj's input rows).
-extern "C" __global__ void __launch_bounds__(COMBINE_ROWS * HEAD_DIM / 4) attention_gated_combine_kernel(
-    const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ seq_lens, int rows,
-    int window, const bf16_t* __restrict__ gate, long long gate_row, float eps, bf16_t* __restrict__ out, long long out_row) {
-  static_assert(HEAD_DIM / 4 == 16, "a row's threads: one half of a warp");
-  const int h = blockIdx.y;
-  const int r = blockIdx.x * COMBINE_ROWS + threadIdx.x / (HEAD_DIM / 4);
-  const int d = (threadIdx.x % (HEAD_DIM / 4)) * 4;
-  const int i = r / GROUP, j = r % GROUP;
-  pdl_launch_dependents();
-  pdl_wait();
-  // every thread of a row's half warp takes part in its butterfly: rows past b add zeros
-  // and store nothing (a half warp is all one row)
-  float o[4] = {0.f, 0.f, 0.f, 0.f};
-  if (i < rows) combine_row(part_o, part_ml, h, active_splits(step_tiles(seq_lens[0], rows, window).count), r, d, o);
-  float sq = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
-#pragma unroll
-  for (int offset = 8; offset > 0; offset >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
-  if (i >= rows) return;
-  const float inv = rsqrtf(sq / (float)HEAD_DIM + eps);
-  const long long col = (long long)(h * GROUP + j) * HEAD_DIM + d;
-  const uint2 gw = *(const uint2*)(gate + (long long)i * gate_row + col);
-  const float g[4] = {bf16_to_float((bf16_t)(gw.x & 0xffffu)), bf16_to_float((bf16_t)(gw.x >> 16)),
-                      bf16_to_float((bf16_t)(gw.y & 0xffffu)), bf16_to_float((bf16_t)(gw.y >> 16))};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) o[e] = o[e] * inv * (1.0f / (1.0f + expf(-g[e])));
-  store_bf16x4(out + (long long)i * out_row + col, o);
-}
-#endif

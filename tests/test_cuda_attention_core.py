@@ -2,7 +2,7 @@
 takes, it says which deployments it does not take, and the split-KV algorithm of
 kernels/attention_core.cu, emulated step for step in torch (the key range, the tiles
 of 64 aligned positions, each split's run of tiles, the per-row masks, the online
-softmax in exp2, the probabilities as two bf16 terms, the combine in split order),
+softmax in exp2, the probabilities as two bf16 terms, the combine in runs of splits met by a butterfly),
 equals the reference core. The kernel itself (its MMA fragments) is checked against
 the reference on the GPU (tests/test_gpu_cuda_attention_core.py)."""
 

@@ -28,11 +28,9 @@ COMPILE_OPTIONS = ("--fmad=false",)
 HEAD_DIM = 64
 MROWS = 64  # query rows a KV head: rows x query heads a KV head, at most
 TILE = 64  # keys a tile
+MIN_SPLITS = 16
 MAX_SPLITS = 128
 PARTS = 8  # runs of splits a row's combine takes at once (kernels/attention_core.cu)
-
-
-MIN_SPLITS = 16
 
 
 def splits_for(max_context: int, per: int = 1) -> int:
@@ -110,8 +108,8 @@ class CudaAttentionCore(_Cuda):
         if why:
             raise ValueError(f"layer {layer}: {why}")
         self.group, self.max_rows = self.heads // self.kv_heads, ctx.max_rows
-        # A sliding layer's splits cover its window, not the whole context (at 32768 a
-        # window of 2048 would leave most of the context's 128 splits without a key).
+        # A sliding layer's grid covers its window and the step's rows, not the whole
+        # context (its steps never have more tiles than that).
         keys = keys_seen(ctx.max_context, lw.window, ctx.max_rows)
         defines = kernel_defines(self.group, keys, self.tiles_a_split)
         # the combine: a block a row, its 16 groups of 4 dims x PARTS runs of splits

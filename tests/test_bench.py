@@ -186,10 +186,12 @@ def test_max_context_builds_the_executor_as_served(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "SpecializedDecode", Recording)
     args = ["bench", "tiny", "--device", "cpu", "--context", "40", "--replays", "1", "--no-blocks"]
     args += ["--routing", "random", "--out", str(tmp_path), "--quiet"]
-    with contextlib.redirect_stdout(io.StringIO()):
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
         assert main([*args, "--max-context", "600"]) == 0
     (path,) = tmp_path.glob("tiny_*.json")
     assert built == [600] and json.loads(path.read_text())["max_context"] == 600
+    assert "built for a max context of 600 (as served)" in text.getvalue()
     path.unlink()
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(args) == 0

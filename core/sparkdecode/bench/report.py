@@ -127,6 +127,8 @@ def table(record: dict[str, Any]) -> str:
     lines.append("executor layout: " + ", ".join(f"{k}={v}" for k, v in r["executor"]["layout"].items()))
     for note in r["executor"].get("notes", []):
         lines.append(f"executor: {note}")
+    if r.get("max_context"):
+        lines.append(f"executor: built for a max context of {r['max_context']} (as served), each context below it")
     for c in r["collectives_left_out"]:
         lines.append(f"left out of the time: {c}")
     lines.append(

@@ -211,6 +211,24 @@ def test_measurement_kv_gives_each_timed_layer_its_own_window(monkeypatch: pytes
     assert kv[2] is kv[0] and kv[3] is kv[0]
 
 
+def test_measurement_times_a_step_at_most_measure_context_long(weights, monkeypatch: pytest.MonkeyPatch):
+    """Built for a max context above MEASURE_CONTEXT (a served max_model_len), the
+    resolver's chain times a step of MEASURE_CONTEXT keys; at or below it, the max
+    context's. Either way it computes the executor's step on its cache, bit for bit."""
+    monkeypatch.setattr(executor_module, "MEASURE_CONTEXT", 128)
+    for max_context, timed in ((MAX_CONTEXT, 128), (96, 96)):
+        executor = SpecializedDecode(weights, DecodeConfig(max_context=max_context))
+        chain = executor.measurement_chain(executor.layout.classes(), final=True)
+        assert chain.step.kv[0].group.seq_lens.tolist() == [timed]
+        assert chain.step.positions.tolist() == list(range(timed - 8, timed))
+        chain.run()
+        executor.prepare_kv(chain.step.kv)
+        step = executor.plan(chain.step.positions)
+        assert step is not None
+        hidden, _ = executor.run(step, inputs_embeds=chain.embeddings)
+        assert torch.equal(hidden, chain.out)
+
+
 def test_measurement_chain_is_the_step_over_its_layers(weights, spec):
     """What the resolver times computes what the executor's step computes over the same
     layers, cache and embeddings (tiny has four layers: the whole step), bit for bit;

@@ -416,9 +416,9 @@ class SpecializedDecode:
     def measurement_chain(self, classes: Mapping[str, type], final: bool = False) -> MeasurementChain:
         """What the resolver times: the first ``MEASURE_LAYERS`` layers built from
         ``classes`` (each with its own weights and attention kind), a random paged
-        cache at the longest context, and random embeddings; the final boundary after
-        them with ``final``. Its own buffers and mailboxes, so the executor's are left
-        alone. Made in three steps, each agreed over the ranks and none inside another:
+        cache at ``measured_context`` (the max context up to MEASURE_CONTEXT), and random
+        embeddings; the final boundary after them with ``final``. Its own buffers and
+        mailboxes, so the executor's are left alone. Made in three steps, each agreed over the ranks and none inside another:
         this rank's inputs, the collective setups, the builds. What a collective setup
         makes (a workspace, ``BuildContext.shared``) is made once and shared by this
         executor's later chains (those of its layout's resolution drop theirs once it
@@ -441,7 +441,9 @@ class SpecializedDecode:
             box.publish(self.config.max_rows).normal_()
         ctx = self._context(classes, buffers, mailboxes)
         indices = measured_layers(spec.num_layers)
-        kv = _measurement_kv(self.weights, indices, self.config.max_context, self.config.max_rows, device)
+        kv = _measurement_kv(
+            self.weights, indices, measured_context(self.config.max_context), self.config.max_rows, device
+        )
         return ctx, kv
 
     def _chain_builds(
@@ -461,9 +463,10 @@ class SpecializedDecode:
         providers = [p for layer in built for p in layer.blocks] + ([last] if last else [])
         for provider in providers:
             provider.prepare_kv(kv)
-        first = self.config.max_context - rows
+        context = measured_context(self.config.max_context)
+        first = context - rows
         positions = torch.arange(first, first + rows, device=device)
-        host = HostStep(first_position=first, rows=rows, context_len=self.config.max_context)
+        host = HostStep(first_position=first, rows=rows, context_len=context)
         for provider in providers:
             hook = getattr(provider, "prepare_step", None)
             if hook is not None:
@@ -596,10 +599,24 @@ def graph_seconds(
 # slower in the step than the ones it passed over.
 MEASURE_LAYERS = 16
 
+# The context a candidate is timed at: the deployment's max context (vLLM's
+# max_model_len) up to this. Served, max_model_len defaults to the model's positions
+# (1,048,576 for Muse Spark): timed there, a full layer at a TP-8 rank would read 512 MB
+# of keys and values, a typical step far less, and the chain's time would be mostly the
+# attention's, its noise larger than the differences of the other kinds' candidates. The
+# candidates are still built for the deployment's max context (their split counts and
+# workspaces as served); only the timed step is this long.
+MEASURE_CONTEXT = 16384
+
 
 def measured_layers(num_layers: int) -> tuple[int, ...]:
     """The layer indices the resolver's measure runs: the first ``MEASURE_LAYERS``."""
     return tuple(range(min(MEASURE_LAYERS, num_layers)))
+
+
+def measured_context(max_context: int) -> int:
+    """The context the resolver's measure times: ``max_context`` up to ``MEASURE_CONTEXT``."""
+    return min(max_context, MEASURE_CONTEXT)
 
 
 def pair(attention_boundary: Any, attention: Any) -> None:
@@ -630,8 +647,7 @@ def metadata_ok(group: KVGroupMetadata, b: int) -> bool:
 def _measurement_kv(
     weights: ModelWeights, indices: tuple[int, ...], max_context: int, max_rows: int, device: torch.device
 ) -> tuple[LayerKV, ...]:
-    """A random, fully used paged cache at the longest context, the worst case a
-    candidate serves: an entry of each layer in ``indices`` with its own window, one
+    """A random, fully used paged cache at ``max_context`` (the measured context): an entry of each layer in ``indices`` with its own window, one
     cache tensor per KV width and one metadata group (block table, lengths, slots)
     per window among them, as vLLM keeps full and sliding layers in separate
     groups; the other layers alias the first's entry."""

@@ -8,7 +8,8 @@ For every kind (protocols.KINDS) that the deployment needs:
 2. a pin (``additional_config["decode_providers"]`` or the CLI) wins; a pin to an
    unknown or unsupported provider is an error naming why;
 3. otherwise, where a ``measure`` function is given (on a GPU: the candidate timed
-   in place, in a graph of the model's first ``executor.MEASURE_LAYERS`` layers),
+   in place, in a graph of the model's first ``executor.MEASURE_LAYERS`` layers, its
+   step at a context of at most ``executor.MEASURE_CONTEXT``),
    the fastest, its time combined over ranks so every rank picks the same; without
    one, the highest declared priority (then the name, so the order is total). The
    candidates of a kind are timed in ``MEASURE_ROUNDS`` interleaved rounds and
@@ -58,8 +59,9 @@ CLOSE = 0.05  # candidates this close to the fastest's time get the further roun
 # timed the old way are measured again (2: the executor times the first four layers in
 # one graph, where 1 timed layer 1 alone; 3: the refinement pass; 4: replays before
 # timing, executor.WARM_SECONDS; 5: the refinement times the priority choice too; 6:
-# the first sixteen layers, executor.MEASURE_LAYERS; 7: PRIORITY_MARGIN).
-MEASURE_VERSION = 7
+# the first sixteen layers, executor.MEASURE_LAYERS; 7: PRIORITY_MARGIN; 8: the step
+# timed at a context of at most executor.MEASURE_CONTEXT, not the max context).
+MEASURE_VERSION = 8
 # Passes over the contested kinds: the first times every candidate; each further one
 # times again, in the layout chosen so far, the candidates within CLOSE of a kind's
 # fastest and its priority choice within PRIORITY_CLOSE, and stops early once no choice

@@ -58,3 +58,31 @@ def assert_spill_free(source: str, defines: dict[str, int], options: tuple[str, 
     usage = kernel_usage(source, defines, options)
     assert all(u.spills == 0 for u in usage.values()), usage
     return usage
+
+
+def kernel_ptx(source: str, defines: dict[str, int], options: tuple[str, ...]) -> str:
+    """The PTX NVRTC makes of the pack's ``source`` under ``defines`` for sm_90a."""
+    from cuda.bindings import nvrtc as cu_nvrtc
+
+    from sparkdecode_cuda import nvrtc
+
+    text = nvrtc.source(source)
+    headers = nvrtc._headers(text)
+    opts = ["--gpu-architecture=compute_90a", "-std=c++17", *options]
+    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    _, prog = cu_nvrtc.nvrtcCreateProgram(
+        text.encode(),
+        source.encode(),
+        len(headers),
+        [v.encode() for v in headers.values()],
+        list(map(str.encode, headers)),
+    )
+    try:
+        (err,) = cu_nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        assert err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+        _, size = cu_nvrtc.nvrtcGetPTXSize(prog)
+        ptx = b" " * size
+        cu_nvrtc.nvrtcGetPTX(prog, ptx)
+    finally:
+        cu_nvrtc.nvrtcDestroyProgram(prog)
+    return ptx.decode(errors="replace")

@@ -11,9 +11,11 @@ of random Marlin tensors.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from ptxas_check import Usage, kernel_usage
+from ptxas_check import Usage, kernel_ptx, kernel_usage
 from test_cuda_experts_marlin import emulate_gemm_weights
 from test_cuda_experts_nvfp4_lut import MASK, bf16x2, decode_word, prmt
 
@@ -176,6 +178,11 @@ def test_nvfp4_v3_table_is_exact_for_every_code_and_finite_scale():
 def ptxas_usage(defines: dict[str, int]) -> dict[str, Usage]:
     """Per kernel of experts.cu under these defines: its Usage (ptxas_check)."""
     return kernel_usage(experts_mod.SOURCE, defines, experts_mod.COMPILE_OPTIONS)
+
+
+def ptx_of(defines: dict[str, int]) -> str:
+    """experts.cu's PTX under these defines."""
+    return kernel_ptx(experts_mod.SOURCE, defines, experts_mod.COMPILE_OPTIONS)
 
 
 def blocks_per_sm(registers: int, threads: int = 256) -> int:
@@ -443,3 +450,34 @@ def test_marlin_v3_scatter_up_down_wk_variants(width, intermediate, cls, parent)
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
+
+
+@pytest.mark.parametrize(
+    "cls,loads",
+    [
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa", 1),
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaScales", 2),
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa256", 3),
+    ],
+)
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_marlin_v3_stream_loads_variants(width, intermediate, cls, loads):
+    """_queue_na, _na_scales, _na256: _half4_scatter_up_queue's defines plus
+    EXPERTS_STREAM_LOADS; not registered (not yet measured); spill-free and fitting; the
+    weights' loads in the PTX past L1 (and with 256-byte L2 fetches for 3), none without the
+    define."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls, parent = getattr(experts_mod, cls), experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_STREAM_LOADS": loads}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+    ptx, plain = ptx_of(defines), ptx_of(parent.kernel_defines(width, intermediate, 8))
+    assert "no_allocate" not in plain
+    codes = re.findall(r"ld\.global\.nc\.L1::no_allocate(\.L2::256B)?\.v4\.u32", ptx)
+    scales = re.findall(r"ld\.global\.nc\.L1::no_allocate\.v2\.u32", ptx)
+    assert codes and all(c == (".L2::256B" if loads == 3 else "") for c in codes), codes
+    assert bool(scales) == (loads == 2)

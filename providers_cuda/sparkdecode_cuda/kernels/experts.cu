@@ -149,6 +149,12 @@
 // routes of the row to the slot; per row, its routes to experts not held. An item's
 // epilogue reads its two rows' masks (two shared loads a thread) instead of scanning the
 // rows' TOP_K routes every item. The same masks: the same bits.
+// EXPERTS_STREAM_LOADS (a define, 0 when absent; the V3 Marlin loop): the weights' loads
+// past L1, which they would only churn (each code and scale byte is read once), so that
+// x's words, read by every warp of an expert, stay there: 1, the codes
+// (ld.global.nc.L1::no_allocate); 2, the codes and the scales; 3, as 1 with the L2 asked
+// for 256-byte fetches (.L2::256B: a warp's step of a block is 512 contiguous bytes). The
+// same values loaded: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -223,6 +229,9 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #ifndef EXPERTS_EARLY
 #define EXPERTS_EARLY 0
 #endif
+#ifndef EXPERTS_STREAM_LOADS
+#define EXPERTS_STREAM_LOADS 0
+#endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
 #endif
@@ -261,6 +270,9 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
+#endif
+#if EXPERTS_STREAM_LOADS && !(EXPERTS_V3 && FMT == 2 && EXPERTS_STREAM_LOADS <= 3)
+#error "EXPERTS_STREAM_LOADS (1, 2 or 3) is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -440,6 +452,26 @@ __device__ __forceinline__ void marlin_step_v3(const uint4 q[NBLK], const uint2 
   for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b], sc[b], b0, b1, c + 4 * b);
 }
 
+#if EXPERTS_STREAM_LOADS
+#if EXPERTS_STREAM_LOADS == 3
+#define LD_STREAM_CODE "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
+#else
+#define LD_STREAM_CODE "ld.global.nc.L1::no_allocate.v4.u32"
+#endif
+// A thread's 16 code bytes (EXPERTS_STREAM_LOADS), read once: not kept in L1.
+__device__ __forceinline__ uint4 ld_stream_code(const uint4* p) {
+  uint4 v;
+  asm(LD_STREAM_CODE " {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+// A thread's 8 scale bytes (EXPERTS_STREAM_LOADS == 2), read once: not kept in L1.
+__device__ __forceinline__ uint2 ld_stream_scale(const uint2* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+#endif
+
 // A batch's loads of a warp's NBLK blocks: SB steps from wp, sp, a step N / 2 uint4 and
 // N / 8 uint2 further.
 template <int N, int NBLK, int SB>
@@ -449,8 +481,16 @@ __device__ __forceinline__ void marlin_batch_load(uint4 q[SB][NBLK], uint2 sc[SB
   for (int sb = 0; sb < SB; ++sb)
 #pragma unroll
     for (int b = 0; b < NBLK; ++b) {
+#if EXPERTS_STREAM_LOADS
+      q[sb][b] = ld_stream_code(wp[b] + sb * (N / 2));
+#else
       q[sb][b] = __ldg(wp[b] + sb * (N / 2));
+#endif
+#if EXPERTS_STREAM_LOADS == 2
+      sc[sb][b] = ld_stream_scale(sp[b] + sb * (N / 8));
+#else
       sc[sb][b] = __ldg(sp[b] + sb * (N / 8));
+#endif
     }
 }
 

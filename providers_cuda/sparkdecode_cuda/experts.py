@@ -131,6 +131,7 @@ SWITCHES = (
     ("slot_masks", "EXPERTS_SLOT_MASKS"),
     ("up_scatter", "EXPERTS_UP_SCATTER"),
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
+    ("stream_loads", "EXPERTS_STREAM_LOADS"),
 )
 
 
@@ -165,8 +166,7 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items after each block's first
     # claimed from a counter (``queue``, an argument after ``rows``)
     down_queue: ClassVar[int] = 0
-    # experts.cu's EXPERTS_STREAM_LOADS (0: off): the V3 Marlin loop's weight loads past
-    # L1 (1: the codes, 2: the codes and scales, 3: as 1 with 256-byte L2 fetches)
+    # experts.cu's EXPERTS_STREAM_LOADS: the V3 Marlin loop's code words loaded past L1
     stream_loads: ClassVar[int] = 0
 
     @classmethod
@@ -222,8 +222,6 @@ class CudaExperts(_Cuda):
         if wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
         defines.update({define: 1 for attr, define in SWITCHES if getattr(cls, attr)})
-        if cls.stream_loads:
-            defines["EXPERTS_STREAM_LOADS"] = cls.stream_loads
         return defines
 
     @classmethod
@@ -739,30 +737,19 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue(CudaExpertsNvfp4MarlinV3Half4S
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue):
     """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue`` with experts.cu's
-    EXPERTS_STREAM_LOADS = 1: both kernels' code words loaded past L1
-    (``ld.global.nc.L1::no_allocate``), where each is read once and would only evict x's
-    words, which every warp of an expert reads again. The same values: the same bits.
-    Not registered: not yet measured."""
+    EXPERTS_STREAM_LOADS: both kernels' code words loaded past L1
+    (``ld.global.nc.L1::no_allocate``). Each is read once and would only evict x's words,
+    which every warp of an expert reads again. The same instructions but for the loads'
+    cache operator, the same bits (GPU-tested at every shape; memcheck and racecheck
+    clean). Registered: on an H100, chained at expert TP 82.9 us a layer against 85.7 at 55
+    experts (60.8 against 65.0 at 33, 92.5 against 97.0 at 64), and the 6-layer step
+    1503-1507 us against 1510-1517 with the same pins (bench/NOTES.md v31). With the scales
+    past L1 too, or the codes with 256-byte L2 fetches, it was slower than this."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na"
+    # Above _queue (30): faster chained and in the step on the H100.
+    priority = 35
     stream_loads = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaScales(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue):
-    """``_queue_na`` with the scale bytes past L1 too (EXPERTS_STREAM_LOADS = 2). The same
-    bits. Not registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_scales"
-    stream_loads = 2
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa256(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue):
-    """``_queue_na`` with the L2 asked for 256-byte fetches on the codes
-    (EXPERTS_STREAM_LOADS = 3, ``.L2::256B``: a warp's step of a Marlin block is 512
-    contiguous bytes). The same bits. Not registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na256"
-    stream_loads = 3
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

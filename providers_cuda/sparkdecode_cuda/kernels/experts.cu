@@ -149,12 +149,10 @@
 // routes of the row to the slot; per row, its routes to experts not held. An item's
 // epilogue reads its two rows' masks (two shared loads a thread) instead of scanning the
 // rows' TOP_K routes every item. The same masks: the same bits.
-// EXPERTS_STREAM_LOADS (a define, 0 when absent; the V3 Marlin loop): the weights' loads
-// past L1, which they would only churn (each code and scale byte is read once), so that
-// x's words, read by every warp of an expert, stay there: 1, the codes
-// (ld.global.nc.L1::no_allocate); 2, the codes and the scales; 3, as 1 with the L2 asked
-// for 256-byte fetches (.L2::256B: a warp's step of a block is 512 contiguous bytes). The
-// same values loaded: the same bits.
+// EXPERTS_STREAM_LOADS (a define, 0 when absent; the V3 Marlin loop): the weights' code
+// words loaded past L1 (ld.global.nc.L1::no_allocate), where each is read once and would
+// only churn it, so that x's words, which every warp of an expert reads again, stay there.
+// The same values loaded: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -271,8 +269,8 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
 #endif
-#if EXPERTS_STREAM_LOADS && !(EXPERTS_V3 && FMT == 2 && EXPERTS_STREAM_LOADS <= 3)
-#error "EXPERTS_STREAM_LOADS (1, 2 or 3) is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
+#if EXPERTS_STREAM_LOADS && !(EXPERTS_V3 && FMT == 2)
+#error "EXPERTS_STREAM_LOADS is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -453,21 +451,10 @@ __device__ __forceinline__ void marlin_step_v3(const uint4 q[NBLK], const uint2 
 }
 
 #if EXPERTS_STREAM_LOADS
-#if EXPERTS_STREAM_LOADS == 3
-#define LD_STREAM_CODE "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
-#else
-#define LD_STREAM_CODE "ld.global.nc.L1::no_allocate.v4.u32"
-#endif
 // A thread's 16 code bytes (EXPERTS_STREAM_LOADS), read once: not kept in L1.
 __device__ __forceinline__ uint4 ld_stream_code(const uint4* p) {
   uint4 v;
-  asm(LD_STREAM_CODE " {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-// A thread's 8 scale bytes (EXPERTS_STREAM_LOADS == 2), read once: not kept in L1.
-__device__ __forceinline__ uint2 ld_stream_scale(const uint2* p) {
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 #endif
@@ -486,11 +473,7 @@ __device__ __forceinline__ void marlin_batch_load(uint4 q[SB][NBLK], uint2 sc[SB
 #else
       q[sb][b] = __ldg(wp[b] + sb * (N / 2));
 #endif
-#if EXPERTS_STREAM_LOADS == 2
-      sc[sb][b] = ld_stream_scale(sp[b] + sb * (N / 8));
-#else
       sc[sb][b] = __ldg(sp[b] + sb * (N / 8));
-#endif
     }
 }
 

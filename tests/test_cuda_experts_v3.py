@@ -472,32 +472,3 @@ def test_marlin_v3_stream_loads(width, intermediate):
     assert "no_allocate" not in ptx_of(parent.kernel_defines(width, intermediate, 8))
     # a batch's code words: SB steps of NBLK blocks, in both kernels
     assert len(re.findall(r"ld\.global\.nc\.L1::no_allocate\.v4\.u32", ptx_of(defines))) >= 2
-
-
-@pytest.mark.parametrize(
-    "cls,loads,pattern",
-    [
-        (
-            "CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaEf",
-            2,
-            r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32",
-        ),
-        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaX", 3, r"ld\.global\.nc\.L1::evict_last\.u32"),
-    ],
-)
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_marlin_v3_stream_loads_variants(width, intermediate, cls, loads, pattern):
-    """_queue_na_ef and _queue_na_x: _queue_na's defines with EXPERTS_STREAM_LOADS 2 or 3, not
-    registered; spill-free and fitting; their loads in the PTX as the define says."""
-    from sparkdecode_cuda import nvrtc, plugin
-
-    cls, parent = getattr(experts_mod, cls), experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa
-    defines = cls.kernel_defines(width, intermediate, 8)
-    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_STREAM_LOADS": loads}
-    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(defines, cls)
-    ptx = ptx_of(defines)
-    assert len(re.findall(pattern, ptx)) >= 2
-    assert len(re.findall(r"ld\.global\.nc\.L1::no_allocate", ptx)) >= 2

@@ -136,7 +136,6 @@ def provider(fmt: str):
     along K at expert TP's slice, "-v3half4scatterupqueue": -v3half4scatterup with
     EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
-    "...naef" / "...nax": that with the codes first to go from L2 / x's words last to go from L1,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
     (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
     and the two V3 bulk unregistered)."""
@@ -165,8 +164,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
-        "nvfp4_marlin-v3half4scatterupqueuenaef": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaEf,
-        "nvfp4_marlin-v3half4scatterupqueuenax": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaX,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -421,12 +418,11 @@ def test_down_queue_is_half4_scatter_up_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueue", "nvfp4_marlin-v3half4scatterup")
 
 
-@pytest.mark.parametrize("variant", ["na", "naef", "nax"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_stream_loads_are_queue_bit_for_bit(shape, variant):
-    """EXPERTS_STREAM_LOADS changes how the loads are cached, not what they load: the rows
-    equal _half4_scatter_up_queue's bit for bit."""
-    assert_same_rows(shape, f"nvfp4_marlin-v3half4scatterupqueue{variant}", "nvfp4_marlin-v3half4scatterupqueue")
+def test_stream_loads_are_queue_bit_for_bit(shape):
+    """EXPERTS_STREAM_LOADS changes how the code words' loads are cached, not what they
+    load: the rows equal _half4_scatter_up_queue's bit for bit."""
+    assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuena", "nvfp4_marlin-v3half4scatterupqueue")
 
 
 def test_down_queue_resets_over_replays():

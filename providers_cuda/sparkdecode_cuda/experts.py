@@ -131,6 +131,7 @@ SWITCHES = (
     ("slot_masks", "EXPERTS_SLOT_MASKS"),
     ("up_scatter", "EXPERTS_UP_SCATTER"),
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
+    ("stream_loads", "EXPERTS_STREAM_LOADS"),
 )
 
 
@@ -165,8 +166,7 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items after each block's first
     # claimed from a counter (``queue``, an argument after ``rows``)
     down_queue: ClassVar[int] = 0
-    # experts.cu's EXPERTS_STREAM_LOADS (0: off): the V3 Marlin loop's code words loaded
-    # past L1 (1), also first to go from L2 (2), or with x's words kept in L1 (3)
+    # experts.cu's EXPERTS_STREAM_LOADS: the V3 Marlin loop's code words loaded past L1
     stream_loads: ClassVar[int] = 0
 
     @classmethod
@@ -222,8 +222,6 @@ class CudaExperts(_Cuda):
         if wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
         defines.update({define: 1 for attr, define in SWITCHES if getattr(cls, attr)})
-        if cls.stream_loads:
-            defines["EXPERTS_STREAM_LOADS"] = cls.stream_loads
         return defines
 
     @classmethod
@@ -746,30 +744,13 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa(CudaExpertsNvfp4MarlinV3Half
     clean). Registered: on an H100, chained at expert TP 82.9 us a layer against 85.7 at 55
     experts (60.8 against 65.0 at 33, 92.5 against 97.0 at 64), and the 6-layer step
     1503-1507 us against 1510-1517 with the same pins (bench/NOTES.md v31). With the scales
-    past L1 too, or the codes with 256-byte L2 fetches, it was slower than this."""
+    past L1 too, or the codes with 256-byte L2 fetches, it was slower; with the codes also
+    evict-first in L2, or x's words evict-last in L1, no faster."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na"
     # Above _queue (30): faster chained and in the step on the H100.
     priority = 35
     stream_loads = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaEf(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
-    """``_queue_na`` with the code words also the first to go from L2 (EXPERTS_STREAM_LOADS
-    2: an L2::evict_first cache policy on their loads), so that what is read again (x, the
-    scales' lines, the next kernels' weights warmed under PDL) stays. The same bits. Not
-    registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_ef"
-    stream_loads = 2
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaX(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
-    """``_queue_na`` with x's words loaded L1::evict_last (EXPERTS_STREAM_LOADS 3): the last
-    to go from L1. The same bits. Not registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_x"
-    stream_loads = 3
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

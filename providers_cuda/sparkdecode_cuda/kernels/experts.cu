@@ -152,9 +152,7 @@
 // EXPERTS_STREAM_LOADS (a define, 0 when absent; the V3 Marlin loop): the weights' code
 // words loaded past L1 (ld.global.nc.L1::no_allocate), where each is read once and would
 // only churn it, so that x's words, which every warp of an expert reads again, stay there.
-// The same values loaded: the same bits. 2: as 1, the code words also marked first to go
-// from L2 (createpolicy L2::evict_first); 3: as 1, x's words kept in L1 first
-// (L1::evict_last).
+// The same values loaded: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -271,8 +269,8 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
 #endif
-#if EXPERTS_STREAM_LOADS && !(EXPERTS_V3 && FMT == 2 && EXPERTS_STREAM_LOADS <= 3)
-#error "EXPERTS_STREAM_LOADS (1, 2 or 3) is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
+#if EXPERTS_STREAM_LOADS && !(EXPERTS_V3 && FMT == 2)
+#error "EXPERTS_STREAM_LOADS is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -437,15 +435,6 @@ __device__ __forceinline__ void prefetch_rows(const Weights& W, const int row0[2
 }
 #endif
 
-#if EXPERTS_STREAM_LOADS == 3
-// One of x's words (EXPERTS_STREAM_LOADS 3), read by every warp of an expert: last to go from L1.
-__device__ __forceinline__ u32 ld_x_word(const u32* p) {
-  u32 v;
-  asm("ld.global.nc.L1::evict_last.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-#endif
-
 #if EXPERTS_V3
 // One step of 16 k of a warp's NBLK Marlin blocks, V3: the thread's words q[b] and scale
 // bytes sc[b] of block b, x's words b0 at xs and b1 at xs + 4 (rows >= nx: zeros).
@@ -454,29 +443,14 @@ __device__ __forceinline__ void marlin_step_v3(const uint4 q[NBLK], const uint2 
                                                float c[4 * NBLK][4]) {
   u32 b0 = 0u, b1 = 0u;
   if (xrow) {
-#if EXPERTS_STREAM_LOADS == 3
-    b0 = ld_x_word(xs);
-    b1 = ld_x_word(xs + 4);
-#else
     b0 = __ldg(xs);
     b1 = __ldg(xs + 4);
-#endif
   }
 #pragma unroll
   for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b], sc[b], b0, b1, c + 4 * b);
 }
 
-#if EXPERTS_STREAM_LOADS == 2
-// A thread's 16 code bytes (EXPERTS_STREAM_LOADS 2), read once: not kept in L1, and the
-// first to go from L2 (policy: createpolicy L2::evict_first).
-__device__ __forceinline__ uint4 ld_stream_code(const uint4* p, unsigned long long policy) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "l"(policy));
-  return v;
-}
-#elif EXPERTS_STREAM_LOADS
+#if EXPERTS_STREAM_LOADS
 // A thread's 16 code bytes (EXPERTS_STREAM_LOADS), read once: not kept in L1.
 __device__ __forceinline__ uint4 ld_stream_code(const uint4* p) {
   uint4 v;
@@ -490,17 +464,11 @@ __device__ __forceinline__ uint4 ld_stream_code(const uint4* p) {
 template <int N, int NBLK, int SB>
 __device__ __forceinline__ void marlin_batch_load(uint4 q[SB][NBLK], uint2 sc[SB][NBLK], const uint4* const wp[NBLK],
                                                   const uint2* const sp[NBLK]) {
-#if EXPERTS_STREAM_LOADS == 2
-  unsigned long long policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#endif
 #pragma unroll
   for (int sb = 0; sb < SB; ++sb)
 #pragma unroll
     for (int b = 0; b < NBLK; ++b) {
-#if EXPERTS_STREAM_LOADS == 2
-      q[sb][b] = ld_stream_code(wp[b] + sb * (N / 2), policy);
-#elif EXPERTS_STREAM_LOADS
+#if EXPERTS_STREAM_LOADS
       q[sb][b] = ld_stream_code(wp[b] + sb * (N / 2));
 #else
       q[sb][b] = __ldg(wp[b] + sb * (N / 2));

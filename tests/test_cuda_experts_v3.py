@@ -472,3 +472,20 @@ def test_marlin_v3_stream_loads(width, intermediate):
     assert "no_allocate" not in ptx_of(parent.kernel_defines(width, intermediate, 8))
     # a batch's code words: SB steps of NBLK blocks, in both kernels
     assert len(re.findall(r"ld\.global\.nc\.L1::no_allocate\.v4\.u32", ptx_of(defines))) >= 2
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_bf16_stream_loads(width, intermediate):
+    """cuda.experts_slice2_na: cuda.experts_slice2's defines plus EXPERTS_STREAM_LOADS, not
+    registered; spill-free and fitting; its weights' 16-byte loads in the PTX past L1."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls, parent = experts_mod.CudaExpertsSlice2Na, experts_mod.CudaExpertsSlice2
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_STREAM_LOADS": 1}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+    assert "no_allocate" not in ptx_of(parent.kernel_defines(width, intermediate, 8))
+    assert len(re.findall(r"ld\.global\.nc\.L1::no_allocate\.v4\.u32", ptx_of(defines))) >= 2

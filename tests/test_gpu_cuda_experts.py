@@ -120,7 +120,7 @@ SHAPES = {
 
 def provider(fmt: str):
     """A format's provider; "bf16-slice2": bf16 with the down kernel on 2 warps along K at
-    expert TP's slice, "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
+    expert TP's slice, "bf16-slice2na": that with its weights' loads past L1, "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
     "-v3": its EXPERTS_V3 variant, "-v3occ": Marlin V3 with the down kernel on 4 blocks an
     SM, "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads through shared-memory
     rings, 3 blocks an SM), "-v3slice": -v3occ with the down kernel on one warp along K
@@ -142,6 +142,7 @@ def provider(fmt: str):
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
+        "bf16-slice2na": experts_mod.CudaExpertsSlice2Na,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
         "nvfp4_marlin": experts_mod.CudaExpertsNvfp4Marlin,
         "nvfp4-v2": experts_mod.CudaExpertsNvfp4V2,
@@ -425,6 +426,13 @@ def test_stream_loads_are_queue_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuena", "nvfp4_marlin-v3half4scatterupqueue")
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bf16_stream_loads_are_slice2_bit_for_bit(shape):
+    """cuda.experts_slice2_na: the bf16 weights' loads past L1, the rows cuda.experts_slice2's
+    bit for bit."""
+    assert_same_rows(shape, "bf16-slice2na", "bf16-slice2")
+
+
 def test_down_queue_resets_over_replays():
     """The queue's counter and count of finished blocks are back at zero after every
     launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
@@ -467,7 +475,7 @@ def assert_same_rows(shape: str, fmt: str, base: str) -> None:
     """``fmt``'s rows equal ``base``'s bit for bit at 1, 3 and 8 rows, for distinct
     experts, experts shared across rows, and a row routing twice to one expert."""
     spec, sharding = SHAPES[shape]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=19)
+    experts = random_experts(spec, weight_format(base), sharding, seed=19)
     variant = provider(fmt).build(context(spec, experts), 0)
     reference = provider(base).build(context(spec, experts), 0)
     g = torch.Generator().manual_seed(23)

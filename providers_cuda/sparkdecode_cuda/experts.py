@@ -166,7 +166,7 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items after each block's first
     # claimed from a counter (``queue``, an argument after ``rows``)
     down_queue: ClassVar[int] = 0
-    # experts.cu's EXPERTS_STREAM_LOADS: the V3 Marlin loop's code words loaded past L1
+    # experts.cu's EXPERTS_STREAM_LOADS: the weights' 16-byte words loaded past L1
     stream_loads: ClassVar[int] = 0
 
     @classmethod
@@ -766,3 +766,12 @@ class CudaExpertsSlice2(_SliceDown, CudaExperts):
     # Above cuda.experts (10): the faster bf16 stream at expert TP, level under EP.
     priority = 20
     slice_wk = 2
+
+
+class CudaExpertsSlice2Na(CudaExpertsSlice2):
+    """``cuda.experts_slice2`` with experts.cu's EXPERTS_STREAM_LOADS: the bf16 weights'
+    16-byte words loaded past L1, as ``_half4_scatter_up_queue_na`` loads its NVFP4 codes.
+    The same values: the same bits. Not registered: not yet measured."""
+
+    name = "cuda.experts_slice2_na"
+    stream_loads = 1

@@ -149,10 +149,10 @@
 // routes of the row to the slot; per row, its routes to experts not held. An item's
 // epilogue reads its two rows' masks (two shared loads a thread) instead of scanning the
 // rows' TOP_K routes every item. The same masks: the same bits.
-// EXPERTS_STREAM_LOADS (a define, 0 when absent; the V3 Marlin loop): the weights' code
-// words loaded past L1 (ld.global.nc.L1::no_allocate), where each is read once and would
-// only churn it, so that x's words, which every warp of an expert reads again, stay there.
-// The same values loaded: the same bits.
+// EXPERTS_STREAM_LOADS (a define, 0 when absent; the V3 Marlin loop, or any format's
+// rows loop): the weights' 16-byte words loaded past L1 (ld.global.nc.L1::no_allocate),
+// where each is read once and would only churn it, so that x's words, which every warp of
+// an expert reads again, stay there. The same values loaded: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -269,8 +269,8 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
 #endif
-#if EXPERTS_STREAM_LOADS && !(EXPERTS_V3 && FMT == 2)
-#error "EXPERTS_STREAM_LOADS is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
+#if EXPERTS_STREAM_LOADS && FMT == 2 && !EXPERTS_V3
+#error "EXPERTS_STREAM_LOADS: the Marlin layout's loop only in V3 (EXPERTS_V2 = 2)"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -435,6 +435,15 @@ __device__ __forceinline__ void prefetch_rows(const Weights& W, const int row0[2
 }
 #endif
 
+#if EXPERTS_STREAM_LOADS
+// A thread's 16 bytes of a weight (EXPERTS_STREAM_LOADS), read once: not kept in L1.
+__device__ __forceinline__ uint4 ld_stream_code(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+#endif
+
 #if EXPERTS_V3
 // One step of 16 k of a warp's NBLK Marlin blocks, V3: the thread's words q[b] and scale
 // bytes sc[b] of block b, x's words b0 at xs and b1 at xs + 4 (rows >= nx: zeros).
@@ -449,15 +458,6 @@ __device__ __forceinline__ void marlin_step_v3(const uint4 q[NBLK], const uint2 
 #pragma unroll
   for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b], sc[b], b0, b1, c + 4 * b);
 }
-
-#if EXPERTS_STREAM_LOADS
-// A thread's 16 code bytes (EXPERTS_STREAM_LOADS), read once: not kept in L1.
-__device__ __forceinline__ uint4 ld_stream_code(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-#endif
 
 // A batch's loads of a warp's NBLK blocks: SB steps from wp, sp, a step N / 2 uint4 and
 // N / 8 uint2 further.
@@ -528,7 +528,11 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
         for (int h = 0; h < 2; ++h) {
           const long row = row0[a] + g + 8 * h;
           const long byte = FMT == 1 ? kb / 2 : kb * 2;
+#if EXPERTS_STREAM_LOADS
+          q[a][h][cb] = ld_stream_code(reinterpret_cast<const uint4*>(W.w + row * ROW_BYTES + byte));
+#else
           q[a][h][cb] = __ldg(reinterpret_cast<const uint4*>(W.w + row * ROW_BYTES + byte));
+#endif
           if (FMT == 1)
             sc[a][h][cb] = __ldg(reinterpret_cast<const unsigned short*>(W.scale + row * (K / 16) + kb / 16));
         }

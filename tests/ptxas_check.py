@@ -17,16 +17,16 @@ class Usage(NamedTuple):
     smem: int  # static shared memory bytes a block
 
 
-def kernel_usage(source: str, defines: dict[str, int], options: tuple[str, ...]) -> dict[str, Usage]:
-    """Per kernel of the pack's ``source`` (kernels/) under ``defines`` for sm_90a."""
+def _compiled(source: str, defines: dict[str, int], opts: list[str], get) -> tuple[object, str]:
+    """NVRTC's result for the pack's ``source`` under ``defines`` and ``opts``, its log, and
+    what ``get(nvrtc, program)`` takes from the program before it is destroyed."""
     from cuda.bindings import nvrtc as cu_nvrtc
 
     from sparkdecode_cuda import nvrtc
 
     text = nvrtc.source(source)
     headers = nvrtc._headers(text)
-    opts = ["--gpu-architecture=sm_90a", "-std=c++17", *options, "--ptxas-options=-v"]
-    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    opts = [*opts, *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     _, prog = cu_nvrtc.nvrtcCreateProgram(
         text.encode(),
         source.encode(),
@@ -39,10 +39,17 @@ def kernel_usage(source: str, defines: dict[str, int], options: tuple[str, ...])
         _, size = cu_nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
         cu_nvrtc.nvrtcGetProgramLog(prog, log)
+        report = log.decode(errors="replace")
+        assert err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS, report
+        return get(cu_nvrtc, prog), report
     finally:
         cu_nvrtc.nvrtcDestroyProgram(prog)
-    report = log.decode(errors="replace")
-    assert err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS, report
+
+
+def kernel_usage(source: str, defines: dict[str, int], options: tuple[str, ...]) -> dict[str, Usage]:
+    """Per kernel of the pack's ``source`` (kernels/) under ``defines`` for sm_90a."""
+    opts = ["--gpu-architecture=sm_90a", "-std=c++17", *options, "--ptxas-options=-v"]
+    _, report = _compiled(source, defines, opts, lambda nvrtc, prog: None)
     usage = {}
     for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", report, re.S):
         frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", body)
@@ -62,27 +69,12 @@ def assert_spill_free(source: str, defines: dict[str, int], options: tuple[str, 
 
 def kernel_ptx(source: str, defines: dict[str, int], options: tuple[str, ...]) -> str:
     """The PTX NVRTC makes of the pack's ``source`` under ``defines`` for sm_90a."""
-    from cuda.bindings import nvrtc as cu_nvrtc
 
-    from sparkdecode_cuda import nvrtc
+    def ptx(nvrtc, prog) -> bytes:
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        out = b" " * size
+        nvrtc.nvrtcGetPTX(prog, out)
+        return out
 
-    text = nvrtc.source(source)
-    headers = nvrtc._headers(text)
-    opts = ["--gpu-architecture=compute_90a", "-std=c++17", *options]
-    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    _, prog = cu_nvrtc.nvrtcCreateProgram(
-        text.encode(),
-        source.encode(),
-        len(headers),
-        [v.encode() for v in headers.values()],
-        list(map(str.encode, headers)),
-    )
-    try:
-        (err,) = cu_nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        assert err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-        _, size = cu_nvrtc.nvrtcGetPTXSize(prog)
-        ptx = b" " * size
-        cu_nvrtc.nvrtcGetPTX(prog, ptx)
-    finally:
-        cu_nvrtc.nvrtcDestroyProgram(prog)
-    return ptx.decode(errors="replace")
+    out, _ = _compiled(source, defines, ["--gpu-architecture=compute_90a", "-std=c++17", *options], ptx)
+    return out.decode(errors="replace")

@@ -37,7 +37,7 @@ def _compiled(source: str, defines: dict[str, int], opts: list[str], get) -> tup
     try:
         (err,) = cu_nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         _, size = cu_nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        log = bytearray(size)  # never b" " * size: an empty log's size 1 is CPython's shared b" "
         cu_nvrtc.nvrtcGetProgramLog(prog, log)
         report = log.decode(errors="replace")
         assert err == cu_nvrtc.nvrtcResult.NVRTC_SUCCESS, report
@@ -72,7 +72,7 @@ def kernel_ptx(source: str, defines: dict[str, int], options: tuple[str, ...]) -
 
     def ptx(nvrtc, prog) -> bytes:
         _, size = nvrtc.nvrtcGetPTXSize(prog)
-        out = b" " * size
+        out = bytearray(size)
         nvrtc.nvrtcGetPTX(prog, out)
         return out
 

@@ -87,6 +87,19 @@ def test_compile_errors_name_the_source(tmp_path, monkeypatch):
         nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", {})  # no H: the source's #error
 
 
+def test_compiles_leave_the_shared_one_byte_bytes_alone(tmp_path, monkeypatch):
+    """NVRTC writes its log and outputs into the buffer it is given; a log of one byte (an
+    empty one, with its NUL) written into ``b" " * 1`` overwrote CPython's cached b" ",
+    which then broke unrelated code in the same process (torch.load). The compile helpers
+    give NVRTC buffers of their own."""
+    from ptxas_check import kernel_ptx
+
+    monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
+    nvrtc.compile_cubin(attention.SOURCE, "sm_90a", {"HEAD_DIM": 64}, attention.COMPILE_OPTIONS)
+    assert ".entry" in kernel_ptx(attention.SOURCE, {"HEAD_DIM": 64}, attention.COMPILE_OPTIONS)
+    assert bytes([0x20])[0] == 0x20  # the cached one-byte object for 0x20
+
+
 def test_unsupported_off_hopper(monkeypatch):
     spec = ModelSpec.preset("tiny")
     cpu = detect(spec, device="cpu")

@@ -103,15 +103,15 @@ def _compile(name: str, text: str, headers: dict[str, str], opts: list[str]) -> 
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = b" " * size
+            log = bytearray(size)  # never b" " * size: a size of 1 is CPython's shared b" "
             nvrtc.nvrtcGetProgramLog(prog, log)
             raise CompileError(f"NVRTC failed on {name} ({' '.join(opts)}):\n{log.decode(errors='replace')}")
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(err, "nvrtcGetCUBIN")
-        return cubin
+        return bytes(cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

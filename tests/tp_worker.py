@@ -158,10 +158,8 @@ def rank_failures(rank: int, tp: int, device: torch.device) -> dict[str, str]:
 
 
 def to_cpu(value):
-    """``value`` with every tensor a CPU copy of its own: on the CPU ``.cpu()`` returns the
-    tensor itself, whose storage the rank's live objects may still share."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.cpu()
     if isinstance(value, (list, tuple)):
         return type(value)(to_cpu(v) for v in value)
     if isinstance(value, dict):

@@ -5,7 +5,8 @@ check a kernel fits the blocks an SM it is launched on."""
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 
 class Usage(NamedTuple):
@@ -17,9 +18,10 @@ class Usage(NamedTuple):
     smem: int  # static shared memory bytes a block
 
 
-def _compiled(source: str, defines: dict[str, int], opts: list[str], get) -> tuple[object, str]:
-    """NVRTC's result for the pack's ``source`` under ``defines`` and ``opts``, its log, and
-    what ``get(nvrtc, program)`` takes from the program before it is destroyed."""
+def _compiled(source: str, defines: dict[str, int], opts: list[str], get: Callable[[Any, Any], Any]) -> tuple[Any, str]:
+    """The pack's ``source`` compiled by NVRTC under ``defines`` and ``opts`` (asserted to
+    succeed): what ``get(nvrtc, program)`` takes from the program before it is destroyed,
+    and the compile log."""
     from cuda.bindings import nvrtc as cu_nvrtc
 
     from sparkdecode_cuda import nvrtc
@@ -70,7 +72,7 @@ def assert_spill_free(source: str, defines: dict[str, int], options: tuple[str, 
 def kernel_ptx(source: str, defines: dict[str, int], options: tuple[str, ...]) -> str:
     """The PTX NVRTC makes of the pack's ``source`` under ``defines`` for sm_90a."""
 
-    def ptx(nvrtc, prog) -> bytes:
+    def ptx(nvrtc: Any, prog: Any) -> bytearray:
         _, size = nvrtc.nvrtcGetPTXSize(prog)
         out = bytearray(size)
         nvrtc.nvrtcGetPTX(prog, out)

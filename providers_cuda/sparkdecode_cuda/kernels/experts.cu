@@ -437,7 +437,7 @@ __device__ __forceinline__ void prefetch_rows(const Weights& W, const int row0[2
 
 #if EXPERTS_STREAM_LOADS
 // A thread's 16 bytes of a weight (EXPERTS_STREAM_LOADS), read once: not kept in L1.
-__device__ __forceinline__ uint4 ld_stream_code(const uint4* p) {
+__device__ __forceinline__ uint4 ld_weight_16(const uint4* p) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
@@ -469,7 +469,7 @@ __device__ __forceinline__ void marlin_batch_load(uint4 q[SB][NBLK], uint2 sc[SB
 #pragma unroll
     for (int b = 0; b < NBLK; ++b) {
 #if EXPERTS_STREAM_LOADS
-      q[sb][b] = ld_stream_code(wp[b] + sb * (N / 2));
+      q[sb][b] = ld_weight_16(wp[b] + sb * (N / 2));
 #else
       q[sb][b] = __ldg(wp[b] + sb * (N / 2));
 #endif
@@ -529,7 +529,7 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
           const long row = row0[a] + g + 8 * h;
           const long byte = FMT == 1 ? kb / 2 : kb * 2;
 #if EXPERTS_STREAM_LOADS
-          q[a][h][cb] = ld_stream_code(reinterpret_cast<const uint4*>(W.w + row * ROW_BYTES + byte));
+          q[a][h][cb] = ld_weight_16(reinterpret_cast<const uint4*>(W.w + row * ROW_BYTES + byte));
 #else
           q[a][h][cb] = __ldg(reinterpret_cast<const uint4*>(W.w + row * ROW_BYTES + byte));
 #endif

@@ -120,9 +120,9 @@ SHAPES = {
 
 def provider(fmt: str):
     """A format's provider; "bf16-slice2": bf16 with the down kernel on 2 warps along K at
-    expert TP's slice, "bf16-slice2na": that with its weights' loads past L1, "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels,
-    "-v3": its EXPERTS_V3 variant, "-v3occ": Marlin V3 with the down kernel on 4 blocks an
-    SM, "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads through shared-memory
+    expert TP's slice, "bf16-slice2na": that with its weights' loads past L1, "-v2": its
+    EXPERTS_V2 variant, "-bulk": the bulk-copy kernels, "-v3": its EXPERTS_V3 variant,
+    "-v3occ": Marlin V3 with the down kernel on 4 blocks an SM, "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads through shared-memory
     rings, 3 blocks an SM), "-v3slice": -v3occ with the down kernel on one warp along K
     (EXPERTS_DOWN_WK = 1) at expert TP's slice, "-v3half": -v3occ with EXPERTS_HALF (each up
     warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM,

@@ -119,26 +119,26 @@ SHAPES = {
 
 
 def provider(fmt: str):
-    """A format's provider; "bf16-slice2": bf16 with the down kernel on 2 warps along K at
-    expert TP's slice, "bf16-slice2na": that with its weights' loads past L1, "-v2": its
-    EXPERTS_V2 variant, "-bulk": the bulk-copy kernels, "-v3": its EXPERTS_V3 variant,
-    "-v3occ": Marlin V3 with the down kernel on 4 blocks an SM, "-v3ring": -v3occ with EXPERTS_RING (the up kernel's loads through shared-memory
-    rings, 3 blocks an SM), "-v3slice": -v3occ with the down kernel on one warp along K
-    (EXPERTS_DOWN_WK = 1) at expert TP's slice, "-v3half": -v3occ with EXPERTS_HALF (each up
-    warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same on 4 blocks an SM,
-    "-v3half4mask": -v3half4 with EXPERTS_ROUTE_MASK, "-v3half4lean": that with EXPERTS_LEAN,
-    "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found before the PDL wait
-    when the routing is final at launch), "-v3half4scatter": -v3half4early with
-    EXPERTS_DOWN_SCATTER (the down kernel's K reduction as a reduce-scatter),
+    """A format's provider; "bf16-slice2": bf16 with the down kernel on 2 warps along K at expert
+    TP's slice, "bf16-slice2na": that with its weights' loads past L1, "-v2": its EXPERTS_V2
+    variant, "-bulk": the bulk-copy kernels, "-v3": its EXPERTS_V3 variant, "-v3occ": Marlin V3
+    with the down kernel on 4 blocks an SM, "-v3ring": -v3occ with EXPERTS_RING (the up kernel's
+    loads through shared-memory rings, 3 blocks an SM), "-v3slice": -v3occ with the down kernel
+    on one warp along K (EXPERTS_DOWN_WK = 1) at expert TP's slice, "-v3half": -v3occ with
+    EXPERTS_HALF (each up warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same
+    on 4 blocks an SM, "-v3half4mask": -v3half4 with EXPERTS_ROUTE_MASK, "-v3half4lean": that
+    with EXPERTS_LEAN, "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found
+    before the PDL wait when the routing is final at launch), "-v3half4scatter": -v3half4early
+    with EXPERTS_DOWN_SCATTER (the down kernel's K reduction as a reduce-scatter),
     "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the route masks made once a block),
     "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
     "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the down kernel's warps 2 or 1
     along K at expert TP's slice, "-v3half4scatterupqueue": -v3half4scatterup with
     EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
-    "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
-    (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
-    and the two V3 bulk unregistered)."""
+    "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
+    checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1, the two
+    V3 bulk and bf16-slice2na unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,

@@ -414,15 +414,15 @@ class SpecializedDecode:
         return float(t.item())
 
     def measurement_chain(self, classes: Mapping[str, type], final: bool = False) -> MeasurementChain:
-        """What the resolver times: the first ``MEASURE_LAYERS`` layers built from
-        ``classes`` (each with its own weights and attention kind), a random paged
-        cache at ``measured_context`` (the max context up to MEASURE_CONTEXT), and random
-        embeddings; the final boundary after them with ``final``. Its own buffers and
-        mailboxes, so the executor's are left alone. Made in three steps, each agreed over the ranks and none inside another:
-        this rank's inputs, the collective setups, the builds. What a collective setup
-        makes (a workspace, ``BuildContext.shared``) is made once and shared by this
-        executor's later chains (those of its layout's resolution drop theirs once it
-        is resolved): every candidate's timing would otherwise make and free a
+        """What the resolver times: the first ``MEASURE_LAYERS`` layers built from ``classes``
+        (each with its own weights and attention kind), a random paged cache at
+        ``measured_context`` (the max context up to MEASURE_CONTEXT), and random embeddings;
+        the final boundary after them with ``final``. Its own buffers and mailboxes, so the
+        executor's are left alone. Made in three steps, each agreed over the ranks and none
+        inside another: this rank's inputs, the collective setups, the builds. What a
+        collective setup makes (a workspace, ``BuildContext.shared``) is made once and
+        shared by this executor's later chains (those of its layout's resolution drop theirs
+        once it is resolved): every candidate's timing would otherwise make and free a
         workspace of its own, a rendezvous of every rank each time."""
         ctx, kv = on_every_rank(lambda: self._chain_inputs(classes), self.group, "the timing's inputs")
         ctx.buffers.update(self._timing_collectives)
@@ -647,10 +647,11 @@ def metadata_ok(group: KVGroupMetadata, b: int) -> bool:
 def _measurement_kv(
     weights: ModelWeights, indices: tuple[int, ...], max_context: int, max_rows: int, device: torch.device
 ) -> tuple[LayerKV, ...]:
-    """A random, fully used paged cache at ``max_context`` (the measured context): an entry of each layer in ``indices`` with its own window, one
-    cache tensor per KV width and one metadata group (block table, lengths, slots)
-    per window among them, as vLLM keeps full and sliding layers in separate
-    groups; the other layers alias the first's entry."""
+    """A random, fully used paged cache at ``max_context`` (the measured context): an
+    entry of each layer in ``indices`` with its own window, one cache tensor per KV width
+    and one metadata group (block table, lengths, slots) per window among them, as vLLM
+    keeps full and sliding layers in separate groups; the other layers alias the first's
+    entry."""
     spec = weights.spec
     pages = math.ceil(max_context / 16)
     positions = torch.arange(max_context - max_rows, max_context, device=device)

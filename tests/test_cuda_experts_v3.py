@@ -479,3 +479,41 @@ def test_stream_loads(width, intermediate, cls, parent, registered):
     assert "no_allocate" not in ptx_of(parent.kernel_defines(width, intermediate, 8))
     # a batch's weight words, in both kernels
     assert len(re.findall(r"ld\.global\.nc\.L1::no_allocate\.v4\.u32", ptx_of(defines))) >= 2
+
+
+def ptx_entry(ptx: str, kernel: str) -> str:
+    """One kernel's PTX, from its ``.entry`` to the next one's (or the end)."""
+    start = ptx.index(f".entry {kernel}(")
+    end = ptx.find(".entry ", start + 1)
+    return ptx[start : end if end >= 0 else len(ptx)]
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+def test_down_ahead(width, intermediate):
+    """_queue_na_ahead (not registered, not yet measured): _queue_na's defines plus
+    EXPERTS_DOWN_AHEAD; spill-free and fitting; the up kernel's PTX _queue_na's, the down
+    kernel's not (its next item's L2 prefetch covers more lanes)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_DOWN_AHEAD": 1}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+    ahead, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(ahead, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+    assert ptx_entry(ahead, "experts_down_kernel") != ptx_entry(plain, "experts_down_kernel")
+
+
+def test_down_ahead_needs_marlin_v2():
+    """EXPERTS_DOWN_AHEAD outside the Marlin V2/V3 kernels is a compile error naming it."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    defines = {**experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_AHEAD": 1}
+    with pytest.raises(Exception, match="EXPERTS_DOWN_AHEAD"):
+        ptx_of(defines)

@@ -136,9 +136,11 @@ def provider(fmt: str):
     along K at expert TP's slice, "-v3half4scatterupqueue": -v3half4scatterup with
     EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
-    "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
-    checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1, the two
-    V3 bulk and bf16-slice2na unregistered)."""
+    "-v3half4scatterupqueuenaahead": that with EXPERTS_DOWN_AHEAD (the down kernel's next item
+    warmed into L2 whole), "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on
+    1 / 2 blocks an SM (the checkpoint layout's V3, _half4_mask, _half4_scatter,
+    _half4_scatter_masks, _k2, _k1, _queue_na_ahead, the two V3 bulk and bf16-slice2na
+    unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -165,6 +167,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
+        "nvfp4_marlin-v3half4scatterupqueuenaahead": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -424,6 +427,13 @@ def test_stream_loads_are_queue_bit_for_bit(shape):
     """EXPERTS_STREAM_LOADS changes how the code words' loads are cached, not what they
     load: the rows equal _half4_scatter_up_queue's bit for bit."""
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuena", "nvfp4_marlin-v3half4scatterupqueue")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_down_ahead_is_queue_na_bit_for_bit(shape):
+    """EXPERTS_DOWN_AHEAD adds L2 prefetches only: the rows equal _half4_scatter_up_queue_na's
+    bit for bit."""
+    assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuenaahead", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

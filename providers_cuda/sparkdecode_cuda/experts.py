@@ -132,6 +132,7 @@ SWITCHES = (
     ("up_scatter", "EXPERTS_UP_SCATTER"),
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
+    ("down_ahead", "EXPERTS_DOWN_AHEAD"),
 )
 
 
@@ -168,6 +169,8 @@ class CudaExperts(_Cuda):
     down_queue: ClassVar[int] = 0
     # experts.cu's EXPERTS_STREAM_LOADS: the weights' 16-byte words loaded past L1
     stream_loads: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_AHEAD: the down kernel warms each warp's whole next item into L2
+    down_ahead: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -751,6 +754,16 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa(CudaExpertsNvfp4MarlinV3Half
     # Above _queue (30): faster chained and in the step on the H100.
     priority = 35
     stream_loads = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na`` with experts.cu's
+    EXPERTS_DOWN_AHEAD: while an item runs, the down kernel warms each warp's whole next
+    item into L2 (both batches of its 8 steps at expert TP), not its first batch only.
+    Prefetches only: the same bits. Not registered: not yet measured."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_ahead"
+    down_ahead = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

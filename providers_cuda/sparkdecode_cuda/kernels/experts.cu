@@ -153,6 +153,10 @@
 // rows loop): the weights' 16-byte words loaded past L1 (ld.global.nc.L1::no_allocate),
 // where each is read once and would only churn it, so that x's words, which every warp of
 // an expert reads again, stay there. The same values loaded: the same bits.
+// EXPERTS_DOWN_AHEAD (a define, 0 when absent; Marlin, EXPERTS_V2): while an item runs,
+// the down kernel warms into L2 the whole K slice of each warp's next item (8 steps at
+// expert TP), not its first batch only, as it does for a block's first item before its
+// PDL wait. Prefetches only: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -229,6 +233,12 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #ifndef EXPERTS_STREAM_LOADS
 #define EXPERTS_STREAM_LOADS 0
+#endif
+#ifndef EXPERTS_DOWN_AHEAD
+#define EXPERTS_DOWN_AHEAD 0
+#endif
+#if EXPERTS_DOWN_AHEAD && !(FMT == 2 && EXPERTS_V2)
+#error "EXPERTS_DOWN_AHEAD is for the Marlin kernels' L2 prefetch (FMT 2, EXPERTS_V2)"
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -840,11 +850,12 @@ __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT 
 }
 
 #if EXPERTS_V2
-// The first batch expert_gemm loads of these tiles into L2 (NVFP4; nothing for bf16).
-template <int K, int N, int WK_, int NT>
+// The first batch expert_gemm loads of these tiles into L2 (NVFP4; nothing for bf16);
+// WHOLE (Marlin only): the warp's whole K slice, up to a line a lane.
+template <int K, int N, int WK_, int NT, bool WHOLE = false>
 __device__ __forceinline__ void prefetch_gemm(const Weights& W, const int row0[NT / TPB], int k0) {
 #if FMT == 2
-  constexpr int STEPS = K / WK_ / 16, SB = STEPS < 4 ? STEPS : 4;
+  constexpr int STEPS = K / WK_ / 16, CAP = WHOLE ? 32 / (4 * (NT / TPB)) : 4, SB = STEPS < CAP ? STEPS : CAP;
   prefetch_marlin<N, NT / TPB, SB>(W, row0, k0 / 16);
 #elif FMT == 1
   constexpr int NC = K / WK_ / CHUNK_K;
@@ -1210,8 +1221,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
         int nrow0[NT2 / TPB];
 #pragma unroll
         for (int r = 0; r < NT2 / TPB; ++r) nrow0[r] = (next % TILES2 * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;
-        prefetch_gemm<I_LOCAL, P_DIM, WK2, NT2>(down_weights(w2, w2_scale, w2_global, routes.slot_expert[next / TILES2]),
-                                                nrow0, wk * (I_LOCAL / WK2));
+        prefetch_gemm<I_LOCAL, P_DIM, WK2, NT2, EXPERTS_DOWN_AHEAD != 0>(
+            down_weights(w2, w2_scale, w2_global, routes.slot_expert[next / TILES2]), nrow0, wk * (I_LOCAL / WK2));
       }
 #endif
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL,

@@ -517,3 +517,34 @@ def test_down_ahead_needs_marlin_v2():
     defines = {**experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_AHEAD": 1}
     with pytest.raises(Exception, match="EXPERTS_DOWN_AHEAD"):
         ptx_of(defines)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
+def test_up_spread(width, intermediate):
+    """_queue_na_spread (not registered, not yet run on a GPU): _queue_na's defines plus
+    EXPERTS_UP_SPREAD; spill-free and fitting; the down kernel's PTX _queue_na's."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpread
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_UP_SPREAD": 1}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+    spread, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(spread, "experts_down_kernel") == ptx_entry(plain, "experts_down_kernel")
+    assert "%smid" in ptx_entry(spread, "experts_up_kernel")
+
+
+def test_up_spread_needs_the_half_scatter_kernel():
+    """EXPERTS_UP_SPREAD outside the V3 Marlin EXPERTS_HALF / EXPERTS_UP_SCATTER up kernel
+    is a compile error naming it."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    defines = {**experts_mod.CudaExpertsNvfp4MarlinV3.kernel_defines(4096, 512, 8), "EXPERTS_UP_SPREAD": 1}
+    with pytest.raises(Exception, match="EXPERTS_UP_SPREAD"):
+        ptx_of(defines)

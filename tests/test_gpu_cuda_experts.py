@@ -137,10 +137,11 @@ def provider(fmt: str):
     EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
     "-v3half4scatterupqueuenaahead": that with EXPERTS_DOWN_AHEAD (the down kernel's next item
-    warmed into L2 whole), "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on
-    1 / 2 blocks an SM (the checkpoint layout's V3, _half4_mask, _half4_scatter,
-    _half4_scatter_masks, _k2, _k1, _queue_na_ahead, the two V3 bulk and bf16-slice2na
-    unregistered)."""
+    warmed into L2 whole), "-v3half4scatterupqueuenaspread": -v3half4scatterupqueuena with
+    EXPERTS_UP_SPREAD (the up kernel's items spread over the SMs, the left-over items cut along
+    K), "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
+    (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
+    _queue_na_ahead, _queue_na_spread, the two V3 bulk and bf16-slice2na unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -168,6 +169,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
         "nvfp4_marlin-v3half4scatterupqueuenaahead": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead,
+        "nvfp4_marlin-v3half4scatterupqueuenaspread": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpread,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -213,6 +215,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
         "-v3half4scatterupqueue",
+        "-v3half4scatterupqueuenaspread",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -479,6 +482,42 @@ def test_down_queue_resets_over_replays():
         torch.cuda.synchronize()
         assert queued.queue.tolist() == [0, 0], i
         assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
+
+
+def test_up_spread_over_replays():
+    """EXPERTS_UP_SPREAD's counters are back at zero after every launch, and its rows are
+    the reference's: over 40 replays of one graph with new ids (1 to 64 distinct experts, so
+    the plans cut the left-over items into 4, 2 or no parts, and whole rounds run from none
+    to three)."""
+    spec, sharding = SHAPES["tp8-rank-expert-tp"]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=43)
+    spread = provider("nvfp4_marlin-v3half4scatterupqueuenaspread").build(context(spec, experts), 0)
+    b, k = 8, spec.top_k
+    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
+    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
+    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        spread.run(ExpertsInput(x), topk, rows)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert not spread.spread.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        spread.run(ExpertsInput(x), topk, rows)
+    g = torch.Generator().manual_seed(47)
+    for i in range(40):
+        distinct = 1 + (i * 13) % 64
+        pool = torch.randperm(spec.E, generator=g)[:distinct]
+        ids.copy_(pool[torch.randint(0, distinct, (b, k), generator=g)].to(torch.int32))
+        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
+        rows.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not spread.spread.any(), i
+        close(rows, experts, x, ids, True)
 
 
 def assert_same_rows(shape: str, fmt: str, base: str) -> None:

@@ -133,7 +133,11 @@ SWITCHES = (
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
     ("down_ahead", "EXPERTS_DOWN_AHEAD"),
+    ("up_spread", "EXPERTS_UP_SPREAD"),
 )
+# experts.cu's EXPERTS_UP_SPREAD: the SMs its counters have room for, and its int counters
+SPREAD_SMS = 1024
+SPREAD_INTS = 4 + 2 * SPREAD_SMS
 
 
 class CudaExperts(_Cuda):
@@ -171,6 +175,9 @@ class CudaExperts(_Cuda):
     stream_loads: ClassVar[int] = 0
     # experts.cu's EXPERTS_DOWN_AHEAD: the down kernel warms each warp's whole next item into L2
     down_ahead: ClassVar[int] = 0
+    # experts.cu's EXPERTS_UP_SPREAD: the up kernel's items spread over the SMs (``spread``,
+    # ``partials`` and the SMs' count, arguments after ``act``)
+    up_spread: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -210,6 +217,16 @@ class CudaExperts(_Cuda):
         self.scales = self._scale_views()
         # EXPERTS_DOWN_QUEUE's counter and finished blocks, zero at every launch (its last block resets them)
         self.queue = torch.zeros(2, dtype=torch.int32, device=ctx.device) if self.down_queue else None
+        self.sms = sms
+        if self.up_spread:
+            # every SM holds up_blocks blocks; the counters zero at every launch (its last
+            # block resets them); a cut item's parts: both sides' tiles, at most one part an SM
+            if sms > SPREAD_SMS:
+                raise ValueError(f"{self.name}: {sms} SMs, more than the {SPREAD_SMS} EXPERTS_UP_SPREAD counts")
+            self.grid_up = self.up_blocks * sms
+            self.spread = torch.zeros(SPREAD_INTS, dtype=torch.int32, device=ctx.device)
+            part_floats = 2 * (8 // _warps_k(spec.P, chunk)) * UP_COLS[self.format] * MAX_ROWS
+            self.partials = torch.empty(sms * part_floats, dtype=torch.float32, device=ctx.device)
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
@@ -278,6 +295,7 @@ class CudaExperts(_Cuda):
             ptr(w13_scale),
             ptr(w13_global),
             ptr(self.act),
+            *([ptr(self.spread), ptr(self.partials), i32(self.sms)] if self.up_spread else []),
         ]
 
     def _down_args(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> list[Arg]:
@@ -764,6 +782,18 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead(CudaExpertsNvfp4MarlinV
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_ahead"
     down_ahead = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpread(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na`` with experts.cu's
+    EXPERTS_UP_SPREAD: the up kernel's items spread over the SMs (no SM holds more than the
+    whole rounds' items and one part of an item cut along K) instead of one a block by
+    block index, which under PDL gave some SMs 4 items where others got 1. Whole items: the
+    same bits; cut ones: the same products summed in another order. Not registered: not yet
+    run on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spread"
+    up_spread = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

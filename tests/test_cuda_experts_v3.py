@@ -488,63 +488,47 @@ def ptx_entry(ptx: str, kernel: str) -> str:
     return ptx[start : end if end >= 0 else len(ptx)]
 
 
-@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
-def test_down_ahead(width, intermediate):
-    """_queue_na_ahead (not registered, not yet measured): _queue_na's defines plus
-    EXPERTS_DOWN_AHEAD; spill-free and fitting; the up kernel's PTX _queue_na's, the down
-    kernel's not (its next item's L2 prefetch covers more lanes)."""
-    from sparkdecode_cuda import nvrtc, plugin
-
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead
-    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa
-    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
-    assert defines == {**base, "EXPERTS_DOWN_AHEAD": 1}
-    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(defines, cls)
-    ahead, plain = ptx_of(defines), ptx_of(base)
-    assert ptx_entry(ahead, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
-    assert ptx_entry(ahead, "experts_down_kernel") != ptx_entry(plain, "experts_down_kernel")
-
-
-def test_down_ahead_needs_marlin_v2():
-    """EXPERTS_DOWN_AHEAD outside the Marlin V2/V3 kernels is a compile error naming it."""
-    from sparkdecode_cuda import nvrtc
-
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    defines = {**experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_AHEAD": 1}
-    with pytest.raises(Exception, match="EXPERTS_DOWN_AHEAD"):
-        ptx_of(defines)
-
-
+@pytest.mark.parametrize(
+    "cls,define,kept,changed",
+    [
+        # the down kernel's next item warmed into L2 whole
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead", "EXPERTS_DOWN_AHEAD", "up", "down"),
+        # the up kernel's items spread over the SMs, the left-over ones cut along K
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpread", "EXPERTS_UP_SPREAD", "down", "up"),
+    ],
+)
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
-def test_up_spread(width, intermediate):
-    """_queue_na_spread (not registered, not yet run on a GPU): _queue_na's defines plus
-    EXPERTS_UP_SPREAD; spill-free and fitting; the down kernel's PTX _queue_na's."""
+def test_queue_na_variants(width, intermediate, cls, define, kept, changed):
+    """_queue_na_ahead and _queue_na_spread (not registered, not yet run on a GPU):
+    _queue_na's defines plus one; spill-free and fitting; the kernel the define leaves alone
+    compiles to _queue_na's PTX, the other does not."""
     from sparkdecode_cuda import nvrtc, plugin
 
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpread
+    cls = getattr(experts_mod, cls)
     parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa
     defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
-    assert defines == {**base, "EXPERTS_UP_SPREAD": 1}
+    assert defines == {**base, define: 1}
     assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
-    spread, plain = ptx_of(defines), ptx_of(base)
-    assert ptx_entry(spread, "experts_down_kernel") == ptx_entry(plain, "experts_down_kernel")
-    assert "%smid" in ptx_entry(spread, "experts_up_kernel")
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, f"experts_{kept}_kernel") == ptx_entry(plain, f"experts_{kept}_kernel")
+    assert ptx_entry(variant, f"experts_{changed}_kernel") != ptx_entry(plain, f"experts_{changed}_kernel")
 
 
-def test_up_spread_needs_the_half_scatter_kernel():
-    """EXPERTS_UP_SPREAD outside the V3 Marlin EXPERTS_HALF / EXPERTS_UP_SCATTER up kernel
-    is a compile error naming it."""
+@pytest.mark.parametrize(
+    "define,base",
+    [
+        ("EXPERTS_DOWN_AHEAD", experts_mod.CudaExpertsSlice2),  # Marlin's L2 prefetch only
+        ("EXPERTS_UP_SPREAD", experts_mod.CudaExpertsNvfp4MarlinV3),  # the EXPERTS_HALF scatter kernel only
+    ],
+)
+def test_queue_na_variant_defines_refuse_other_kernels(define, base):
+    """Each define outside the kernels it is written for is a compile error naming it."""
     from sparkdecode_cuda import nvrtc
 
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    defines = {**experts_mod.CudaExpertsNvfp4MarlinV3.kernel_defines(4096, 512, 8), "EXPERTS_UP_SPREAD": 1}
-    with pytest.raises(Exception, match="EXPERTS_UP_SPREAD"):
-        ptx_of(defines)
+    with pytest.raises(Exception, match=define):
+        ptx_of({**base.kernel_defines(4096, 512, 8), define: 1})

@@ -446,31 +446,27 @@ def test_bf16_stream_loads_are_slice2_bit_for_bit(shape):
     assert_same_rows(shape, "bf16-slice2na", "bf16-slice2")
 
 
-def test_down_queue_resets_over_replays():
-    """The queue's counter and count of finished blocks are back at zero after every
-    launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
-    count of items changes), each replay's rows equal _half4_scatter_up's."""
-    spec, sharding = SHAPES["tp8-rank-expert-tp"]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
-    queued = provider("nvfp4_marlin-v3half4scatterupqueue").build(context(spec, experts), 0)
-    plain = provider("nvfp4_marlin-v3half4scatterup").build(context(spec, experts), 0)
+def replays_over_distinct(op, spec, counters: torch.Tensor, seed: int):
+    """One graph of ``op.run`` at 8 rows, replayed 40 times with new x and ids (1 to 64
+    distinct experts, so the count of items changes); ``counters``, which the kernels zero
+    for the next launch, are zero after the eager warm-up and after every replay. Yields
+    (replay, x, ids, topk, rows) after each replay."""
     b, k = 8, spec.top_k
     x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
     ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
     topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
     rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    want = torch.zeros_like(rows)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        queued.run(ExpertsInput(x), topk, rows)
+        op.run(ExpertsInput(x), topk, rows)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    assert queued.queue.tolist() == [0, 0]
+    assert not counters.any()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        queued.run(ExpertsInput(x), topk, rows)
-    g = torch.Generator().manual_seed(41)
+        op.run(ExpertsInput(x), topk, rows)
+    g = torch.Generator().manual_seed(seed)
     for i in range(40):
         distinct = 1 + (i * 13) % 64
         pool = torch.randperm(spec.E, generator=g)[:distinct]
@@ -478,45 +474,33 @@ def test_down_queue_resets_over_replays():
         x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
         rows.fill_(float("nan"))
         graph.replay()
+        torch.cuda.synchronize()
+        assert not counters.any(), i
+        yield i, x, ids, topk, rows
+
+
+def test_down_queue_resets_over_replays():
+    """The queue's counter and count of finished blocks are back at zero after every
+    launch, and each replay's rows equal _half4_scatter_up's."""
+    spec, sharding = SHAPES["tp8-rank-expert-tp"]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
+    queued = provider("nvfp4_marlin-v3half4scatterupqueue").build(context(spec, experts), 0)
+    plain = provider("nvfp4_marlin-v3half4scatterup").build(context(spec, experts), 0)
+    for i, x, _, topk, rows in replays_over_distinct(queued, spec, queued.queue, seed=41):
+        want = torch.zeros_like(rows)
         plain.run(ExpertsInput(x), topk, want)
         torch.cuda.synchronize()
-        assert queued.queue.tolist() == [0, 0], i
         assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
 
 
 def test_up_spread_over_replays():
     """EXPERTS_UP_SPREAD's counters are back at zero after every launch, and its rows are
-    the reference's: over 40 replays of one graph with new ids (1 to 64 distinct experts, so
-    the plans cut the left-over items into 4, 2 or no parts, and whole rounds run from none
-    to three)."""
+    the reference's: the replays' 1 to 64 distinct experts make plans that cut the left-over
+    items into 4, 2 or no parts, with none to three whole rounds."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=43)
     spread = provider("nvfp4_marlin-v3half4scatterupqueuenaspread").build(context(spec, experts), 0)
-    b, k = 8, spec.top_k
-    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
-    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
-    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        spread.run(ExpertsInput(x), topk, rows)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    assert not spread.spread.any()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        spread.run(ExpertsInput(x), topk, rows)
-    g = torch.Generator().manual_seed(47)
-    for i in range(40):
-        distinct = 1 + (i * 13) % 64
-        pool = torch.randperm(spec.E, generator=g)[:distinct]
-        ids.copy_(pool[torch.randint(0, distinct, (b, k), generator=g)].to(torch.int32))
-        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
-        rows.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not spread.spread.any(), i
+    for _, x, ids, _, rows in replays_over_distinct(spread, spec, spread.spread, seed=47):
         close(rows, experts, x, ids, True)
 
 

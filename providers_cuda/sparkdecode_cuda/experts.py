@@ -786,11 +786,11 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead(CudaExpertsNvfp4MarlinV
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpread(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
     """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na`` with experts.cu's
-    EXPERTS_UP_SPREAD: the up kernel's items spread over the SMs (no SM holds more than the
-    whole rounds' items and one part of an item cut along K) instead of one a block by
-    block index, which under PDL gave some SMs 4 items where others got 1. Whole items: the
-    same bits; cut ones: the same products summed in another order. Not registered: not yet
-    run on a GPU."""
+    EXPERTS_UP_SPREAD: the up kernel's items handed out by SM slot (an SM takes the whole
+    rounds' items and at most one part of a left-over item cut along K, more only where
+    another SM's blocks start late) instead of one a block by block index, which under PDL
+    gave some SMs 4 items where others got 1. Whole items: the same bits; cut ones: the same
+    products summed in another order. Not registered: not yet run on a GPU."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spread"
     up_spread = 1

@@ -164,12 +164,11 @@
 // `spread`. With F whole rounds of items (F = items / sms) and R items left over, each of
 // the R is cut along K into S parts (S = 4 or 2, at most sms / R; where that is 1 none is
 // cut, and F counts the partial round too): slots below F claim whole items, then parts;
-// slot F parts only; slots above nothing;
-// a block claims again when its unit is done, and those below F until both counters run
-// out (so every unit is taken wherever the blocks land). Under PDL the blocks land on the
-// SMs the kernel before leaves first, so by block index some SMs got 4 items where others
-// got 1 (bench/NOTES.md v25's trace); spread, an SM holds F whole items and a part (more
-// only where another SM's blocks started late).
+// slot F parts only; slots above nothing. A block claims again when its unit is done, and
+// those below F until both counters run out (so every unit is taken wherever the blocks
+// land). Under PDL the blocks land on the SMs the kernel before leaves first, so by block
+// index some SMs got 4 items where others got 1 (bench/NOTES.md v25's trace); spread, an
+// SM holds F whole items and a part (more only where another SM's blocks started late).
 // A part's sums (after the block's K reduction) go to `partials`; the last of an item's
 // parts to arrive (a counter in `spread`) adds the S parts in part order and stores act.
 // The last block to finish zeroes the counters for the next launch. Whole items: the bits

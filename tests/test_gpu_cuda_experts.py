@@ -119,33 +119,28 @@ SHAPES = {
 
 
 def provider(fmt: str):
-    """A format's provider; "bf16-slice2": bf16 with the down kernel on 2 warps along K at expert
-    TP's slice, "bf16-slice2na": that with its weights' loads past L1, "-v2": its EXPERTS_V2
-    variant, "-bulk": the bulk-copy kernels, "-v3": its EXPERTS_V3 variant, "-v3occ": Marlin V3
-    with the down kernel on 4 blocks an SM, "-v3ring": -v3occ with EXPERTS_RING (the up kernel's
-    loads through shared-memory rings, 3 blocks an SM), "-v3slice": -v3occ with the down kernel
-    on one warp along K (EXPERTS_DOWN_WK = 1) at expert TP's slice, "-v3half": -v3occ with
-    EXPERTS_HALF (each up warp on the gate or the up rows, 3 blocks an SM), "-v3half4": the same
-    on 4 blocks an SM, "-v3half4mask": -v3half4 with EXPERTS_ROUTE_MASK, "-v3half4lean": that
-    with EXPERTS_LEAN, "-v3half4early": -v3half4lean with EXPERTS_EARLY (the experts found
-    before the PDL wait when the routing is final at launch), "-v3half4scatter": -v3half4early
-    with EXPERTS_DOWN_SCATTER (the down kernel's K reduction as a reduce-scatter),
-    "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the route masks made once a block),
-    "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up kernel's item tail shared too),
-    "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the down kernel's warps 2 or 1
-    along K at expert TP's slice, "-v3half4scatterupqueue": -v3half4scatterup with
-    EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
+    """A format's provider; "bf16-slice2": bf16 with the down kernel on 2 warps along K at expert TP's
+    slice, "-v2": its EXPERTS_V2 variant, "-bulk": the bulk-copy kernels, "-v3": its EXPERTS_V3
+    variant, "-v3occ": Marlin V3 with the down kernel on 4 blocks an SM, "-v3ring": -v3occ with
+    EXPERTS_RING (the up kernel's loads through shared-memory rings, 3 blocks an SM),
+    "-v3slice": -v3occ with the down kernel on one warp along K (EXPERTS_DOWN_WK = 1) at expert
+    TP's slice, "-v3half": -v3occ with EXPERTS_HALF (each up warp on the gate or the up rows, 3
+    blocks an SM), "-v3half4": the same on 4 blocks an SM, "-v3half4mask": -v3half4 with
+    EXPERTS_ROUTE_MASK, "-v3half4lean": that with EXPERTS_LEAN, "-v3half4early": -v3half4lean
+    with EXPERTS_EARLY (the experts found before the PDL wait when the routing is final at
+    launch), "-v3half4scatter": -v3half4early with EXPERTS_DOWN_SCATTER (the down kernel's K
+    reduction as a reduce-scatter), "-v3half4scattermasks": that with EXPERTS_SLOT_MASKS (the
+    route masks made once a block), "-v3half4scatterup": that with EXPERTS_UP_SCATTER (the up
+    kernel's item tail shared too), "-v3half4scatterupk2" / "-v3half4scatterupk1": that with the
+    down kernel's warps 2 or 1 along K at expert TP's slice, "-v3half4scatterupqueue":
+    -v3half4scatterup with EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
-    "-v3half4scatterupqueuenaahead": that with EXPERTS_DOWN_AHEAD (the down kernel's next item
-    warmed into L2 whole), "-v3half4scatterupqueuenaspread": -v3half4scatterupqueuena with
-    EXPERTS_UP_SPREAD (the up kernel's items spread over the SMs, the left-over items cut along
-    K), "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM
-    (the checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1,
-    _queue_na_ahead, _queue_na_spread, the two V3 bulk and bf16-slice2na unregistered)."""
+    "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
+    checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
+    two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
-        "bf16-slice2na": experts_mod.CudaExpertsSlice2Na,
         "nvfp4": experts_mod.CudaExpertsNvfp4,
         "nvfp4_marlin": experts_mod.CudaExpertsNvfp4Marlin,
         "nvfp4-v2": experts_mod.CudaExpertsNvfp4V2,
@@ -168,8 +163,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
-        "nvfp4_marlin-v3half4scatterupqueuenaahead": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead,
-        "nvfp4_marlin-v3half4scatterupqueuenaspread": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpread,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -215,7 +208,6 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
         "-v3half4scatterupqueue",
-        "-v3half4scatterupqueuenaspread",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -432,41 +424,31 @@ def test_stream_loads_are_queue_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuena", "nvfp4_marlin-v3half4scatterupqueue")
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_down_ahead_is_queue_na_bit_for_bit(shape):
-    """EXPERTS_DOWN_AHEAD adds L2 prefetches only: the rows equal _half4_scatter_up_queue_na's
-    bit for bit."""
-    assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuenaahead", "nvfp4_marlin-v3half4scatterupqueuena")
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_bf16_stream_loads_are_slice2_bit_for_bit(shape):
-    """cuda.experts_slice2_na: the bf16 weights' loads past L1, the rows cuda.experts_slice2's
-    bit for bit."""
-    assert_same_rows(shape, "bf16-slice2na", "bf16-slice2")
-
-
-def replays_over_distinct(op, spec, counters: torch.Tensor, seed: int):
-    """One graph of ``op.run`` at 8 rows, replayed 40 times with new x and ids (1 to 64
-    distinct experts, so the count of items changes); ``counters``, which the kernels zero
-    for the next launch, are zero after the eager warm-up and after every replay. Yields
-    (replay, x, ids, topk, rows) after each replay."""
+def test_down_queue_resets_over_replays():
+    """The queue's counter and count of finished blocks are back at zero after every
+    launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
+    count of items changes), each replay's rows equal _half4_scatter_up's."""
+    spec, sharding = SHAPES["tp8-rank-expert-tp"]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
+    queued = provider("nvfp4_marlin-v3half4scatterupqueue").build(context(spec, experts), 0)
+    plain = provider("nvfp4_marlin-v3half4scatterup").build(context(spec, experts), 0)
     b, k = 8, spec.top_k
     x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
     ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
     topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
     rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
+    want = torch.zeros_like(rows)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        op.run(ExpertsInput(x), topk, rows)
+        queued.run(ExpertsInput(x), topk, rows)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    assert not counters.any()
+    assert queued.queue.tolist() == [0, 0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        op.run(ExpertsInput(x), topk, rows)
-    g = torch.Generator().manual_seed(seed)
+        queued.run(ExpertsInput(x), topk, rows)
+    g = torch.Generator().manual_seed(41)
     for i in range(40):
         distinct = 1 + (i * 13) % 64
         pool = torch.randperm(spec.E, generator=g)[:distinct]
@@ -474,34 +456,10 @@ def replays_over_distinct(op, spec, counters: torch.Tensor, seed: int):
         x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
         rows.fill_(float("nan"))
         graph.replay()
-        torch.cuda.synchronize()
-        assert not counters.any(), i
-        yield i, x, ids, topk, rows
-
-
-def test_down_queue_resets_over_replays():
-    """The queue's counter and count of finished blocks are back at zero after every
-    launch, and each replay's rows equal _half4_scatter_up's."""
-    spec, sharding = SHAPES["tp8-rank-expert-tp"]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
-    queued = provider("nvfp4_marlin-v3half4scatterupqueue").build(context(spec, experts), 0)
-    plain = provider("nvfp4_marlin-v3half4scatterup").build(context(spec, experts), 0)
-    for i, x, _, topk, rows in replays_over_distinct(queued, spec, queued.queue, seed=41):
-        want = torch.zeros_like(rows)
         plain.run(ExpertsInput(x), topk, want)
         torch.cuda.synchronize()
+        assert queued.queue.tolist() == [0, 0], i
         assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
-
-
-def test_up_spread_over_replays():
-    """EXPERTS_UP_SPREAD's counters are back at zero after every launch, and its rows are
-    the reference's: the replays' 1 to 64 distinct experts make plans that cut the left-over
-    items into 4, 2 or no parts, with none to three whole rounds."""
-    spec, sharding = SHAPES["tp8-rank-expert-tp"]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=43)
-    spread = provider("nvfp4_marlin-v3half4scatterupqueuenaspread").build(context(spec, experts), 0)
-    for _, x, ids, _, rows in replays_over_distinct(spread, spec, spread.spread, seed=47):
-        close(rows, experts, x, ids, True)
 
 
 def assert_same_rows(shape: str, fmt: str, base: str) -> None:

@@ -132,12 +132,7 @@ SWITCHES = (
     ("up_scatter", "EXPERTS_UP_SCATTER"),
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
-    ("down_ahead", "EXPERTS_DOWN_AHEAD"),
-    ("up_spread", "EXPERTS_UP_SPREAD"),
 )
-# experts.cu's EXPERTS_UP_SPREAD: the SMs its counters have room for, and its int counters
-SPREAD_SMS = 1024
-SPREAD_INTS = 4 + 2 * SPREAD_SMS
 
 
 class CudaExperts(_Cuda):
@@ -171,13 +166,8 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_DOWN_QUEUE: the down kernel's items after each block's first
     # claimed from a counter (``queue``, an argument after ``rows``)
     down_queue: ClassVar[int] = 0
-    # experts.cu's EXPERTS_STREAM_LOADS: the weights' 16-byte words loaded past L1
+    # experts.cu's EXPERTS_STREAM_LOADS: the V3 Marlin loop's code words loaded past L1
     stream_loads: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_AHEAD: the down kernel warms each warp's whole next item into L2
-    down_ahead: ClassVar[int] = 0
-    # experts.cu's EXPERTS_UP_SPREAD: the up kernel's items spread over the SMs (``spread``,
-    # ``partials`` and the SMs' count, arguments after ``act``)
-    up_spread: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -217,16 +207,6 @@ class CudaExperts(_Cuda):
         self.scales = self._scale_views()
         # EXPERTS_DOWN_QUEUE's counter and finished blocks, zero at every launch (its last block resets them)
         self.queue = torch.zeros(2, dtype=torch.int32, device=ctx.device) if self.down_queue else None
-        self.sms = sms
-        if self.up_spread:
-            # every SM holds up_blocks blocks; the counters zero at every launch (its last
-            # block resets them); a cut item's parts: both sides' tiles, at most one part an SM
-            if sms > SPREAD_SMS:
-                raise ValueError(f"{self.name}: {sms} SMs, more than the {SPREAD_SMS} EXPERTS_UP_SPREAD counts")
-            self.grid_up = self.up_blocks * sms
-            self.spread = torch.zeros(SPREAD_INTS, dtype=torch.int32, device=ctx.device)
-            part_floats = 2 * (8 // _warps_k(spec.P, chunk)) * UP_COLS[self.format] * MAX_ROWS
-            self.partials = torch.empty(sms * part_floats, dtype=torch.float32, device=ctx.device)
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
@@ -295,7 +275,6 @@ class CudaExperts(_Cuda):
             ptr(w13_scale),
             ptr(w13_global),
             ptr(self.act),
-            *([ptr(self.spread), ptr(self.partials), i32(self.sms)] if self.up_spread else []),
         ]
 
     def _down_args(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> list[Arg]:
@@ -774,28 +753,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa(CudaExpertsNvfp4MarlinV3Half
     stream_loads = 1
 
 
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaAhead(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na`` with experts.cu's
-    EXPERTS_DOWN_AHEAD: while an item runs, the down kernel warms each warp's whole next
-    item into L2 (both batches of its 8 steps at expert TP), not its first batch only.
-    Prefetches only: the same bits. Not registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_ahead"
-    down_ahead = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpread(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na`` with experts.cu's
-    EXPERTS_UP_SPREAD: the up kernel's items handed out by SM slot (an SM takes the whole
-    rounds' items and at most one part of a left-over item cut along K, more only where
-    another SM's blocks start late) instead of one a block by block index, which under PDL
-    gave some SMs 4 items where others got 1. Whole items: the same bits; cut ones: the same
-    products summed in another order. Not registered: not yet run on a GPU."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spread"
-    up_spread = 1
-
-
 class CudaExpertsSlice2(_SliceDown, CudaExperts):
     """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
     (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four
@@ -809,12 +766,3 @@ class CudaExpertsSlice2(_SliceDown, CudaExperts):
     # Above cuda.experts (10): the faster bf16 stream at expert TP, level under EP.
     priority = 20
     slice_wk = 2
-
-
-class CudaExpertsSlice2Na(CudaExpertsSlice2):
-    """``cuda.experts_slice2`` with experts.cu's EXPERTS_STREAM_LOADS: the bf16 weights'
-    16-byte words loaded past L1, as ``_half4_scatter_up_queue_na`` loads its NVFP4 codes.
-    The same values: the same bits. Not registered: not yet measured."""
-
-    name = "cuda.experts_slice2_na"
-    stream_loads = 1

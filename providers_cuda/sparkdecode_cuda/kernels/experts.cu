@@ -149,30 +149,10 @@
 // routes of the row to the slot; per row, its routes to experts not held. An item's
 // epilogue reads its two rows' masks (two shared loads a thread) instead of scanning the
 // rows' TOP_K routes every item. The same masks: the same bits.
-// EXPERTS_STREAM_LOADS (a define, 0 when absent; the V3 Marlin loop, or any format's
-// rows loop): the weights' 16-byte words loaded past L1 (ld.global.nc.L1::no_allocate),
-// where each is read once and would only churn it, so that x's words, which every warp of
-// an expert reads again, stay there. The same values loaded: the same bits.
-// EXPERTS_DOWN_AHEAD (a define, 0 when absent; Marlin, EXPERTS_V2): while an item runs,
-// the down kernel warms into L2 the whole K slice of each warp's next item (8 steps at
-// expert TP), not its first batch only, as it does for a block's first item before its
-// PDL wait. Prefetches only: the same bits.
-// EXPERTS_UP_SPREAD (a define, 0 when absent; EXPERTS_HALF with EXPERTS_UP_SCATTER, V3
-// Marlin): the up kernel's items spread over the SMs instead of one a block by block index.
-// The grid is EXPERTS_UP_BLOCKS blocks a SM (`sms`, an argument); a block takes a slot on
-// its SM (the blocks started there before it) and claims its work from counters in
-// `spread`. With F whole rounds of items (F = items / sms) and R items left over, each of
-// the R is cut along K into S parts (S = 4 or 2, at most sms / R; where that is 1 none is
-// cut, and F counts the partial round too): slots below F claim whole items, then parts;
-// slot F parts only; slots above nothing. A block claims again when its unit is done, and
-// those below F until both counters run out (so every unit is taken wherever the blocks
-// land). Under PDL the blocks land on the SMs the kernel before leaves first, so by block
-// index some SMs got 4 items where others got 1 (bench/NOTES.md v25's trace); spread, an
-// SM holds F whole items and a part (more only where another SM's blocks started late).
-// A part's sums (after the block's K reduction) go to `partials`; the last of an item's
-// parts to arrive (a counter in `spread`) adds the S parts in part order and stores act.
-// The last block to finish zeroes the counters for the next launch. Whole items: the bits
-// of before; cut ones: the same products, summed in another order.
+// EXPERTS_STREAM_LOADS (a define, 0 when absent; the V3 Marlin loop): the weights' code
+// words loaded past L1 (ld.global.nc.L1::no_allocate), where each is read once and would
+// only churn it, so that x's words, which every warp of an expert reads again, stay there.
+// The same values loaded: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -250,23 +230,6 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #ifndef EXPERTS_STREAM_LOADS
 #define EXPERTS_STREAM_LOADS 0
 #endif
-#ifndef EXPERTS_DOWN_AHEAD
-#define EXPERTS_DOWN_AHEAD 0
-#endif
-#ifndef EXPERTS_UP_SPREAD
-#define EXPERTS_UP_SPREAD 0
-#endif
-#if EXPERTS_UP_SPREAD && !(EXPERTS_HALF && EXPERTS_UP_SCATTER && FMT == 2 && EXPERTS_V2 >= 2)
-#error "EXPERTS_UP_SPREAD is for the V3 Marlin EXPERTS_HALF up kernel with EXPERTS_UP_SCATTER"
-#endif
-#if EXPERTS_UP_SPREAD
-#define SPREAD_PARAM , int* __restrict__ spread, float* __restrict__ partials, int sms
-#else
-#define SPREAD_PARAM
-#endif
-#if EXPERTS_DOWN_AHEAD && !(FMT == 2 && EXPERTS_V2)
-#error "EXPERTS_DOWN_AHEAD is for the Marlin kernels' L2 prefetch (FMT 2, EXPERTS_V2)"
-#endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
 #endif
@@ -306,8 +269,8 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #if EXPERTS_EARLY && !EXPERTS_HALF
 #error "EXPERTS_EARLY is for the EXPERTS_HALF up kernel"
 #endif
-#if EXPERTS_STREAM_LOADS && FMT == 2 && !EXPERTS_V3
-#error "EXPERTS_STREAM_LOADS: the Marlin layout's loop only in V3 (EXPERTS_V2 = 2)"
+#if EXPERTS_STREAM_LOADS && !(EXPERTS_V3 && FMT == 2)
+#error "EXPERTS_STREAM_LOADS is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -565,11 +528,7 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
         for (int h = 0; h < 2; ++h) {
           const long row = row0[a] + g + 8 * h;
           const long byte = FMT == 1 ? kb / 2 : kb * 2;
-#if EXPERTS_STREAM_LOADS
-          q[a][h][cb] = ld_weight_16(reinterpret_cast<const uint4*>(W.w + row * ROW_BYTES + byte));
-#else
           q[a][h][cb] = __ldg(reinterpret_cast<const uint4*>(W.w + row * ROW_BYTES + byte));
-#endif
           if (FMT == 1)
             sc[a][h][cb] = __ldg(reinterpret_cast<const unsigned short*>(W.scale + row * (K / 16) + kb / 16));
         }
@@ -877,12 +836,11 @@ __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT 
 }
 
 #if EXPERTS_V2
-// The first batch expert_gemm loads of these tiles into L2 (NVFP4; nothing for bf16);
-// WHOLE (Marlin only): the warp's whole K slice, up to a line a lane.
-template <int K, int N, int WK_, int NT, bool WHOLE = false>
+// The first batch expert_gemm loads of these tiles into L2 (NVFP4; nothing for bf16).
+template <int K, int N, int WK_, int NT>
 __device__ __forceinline__ void prefetch_gemm(const Weights& W, const int row0[NT / TPB], int k0) {
 #if FMT == 2
-  constexpr int STEPS = K / WK_ / 16, CAP = WHOLE ? 32 / (4 * (NT / TPB)) : 4, SB = STEPS < CAP ? STEPS : CAP;
+  constexpr int STEPS = K / WK_ / 16, SB = STEPS < 4 ? STEPS : 4;
   prefetch_marlin<N, NT / TPB, SB>(W, row0, k0 / 16);
 #elif FMT == 1
   constexpr int NC = K / WK_ / CHUNK_K;
@@ -1003,94 +961,6 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
 }
 #endif
 
-#if EXPERTS_UP_SPREAD
-// spread[]: [0] the whole items claimed, [1] the parts claimed, [2] the blocks finished,
-// then the blocks started on each SM (SPREAD_SMS), then the parts arrived of each cut item.
-#define SPREAD_SMS 1024
-#define SPREAD_STARTED 4
-#define SPREAD_ARRIVED (4 + SPREAD_SMS)
-constexpr int WKH_ = WK1 / 2, HALF_STEPS = P_DIM / WKH_ / 16, HALF_SB = HALF_STEPS < 4 ? HALF_STEPS : 4;
-// The most parts an item is cut into: each part's steps a warp still whole batches.
-constexpr int SPREAD_KMAX = HALF_STEPS % (4 * HALF_SB) == 0 ? 4 : HALF_STEPS % (2 * HALF_SB) == 0 ? 2 : 1;
-
-struct SpreadPlan {
-  int whole;   // units [0, whole): items taken whole
-  int parts;   // the K parts of each item from `whole` on (1: none cut)
-  int cut;     // units [whole, whole + cut): item whole + u / parts, its part u % parts
-  int rounds;  // a block whose slot on its SM is below this claims whole items first
-  int cap;     // a block whose slot is this or above takes none
-};
-
-__device__ __forceinline__ SpreadPlan spread_plan(int items, int sms) {
-  const int f = items / sms, r = items % sms, room = r > 0 ? sms / r : 0;
-  const int parts = room >= 4 && SPREAD_KMAX >= 4 ? 4 : (room >= 2 && SPREAD_KMAX >= 2 ? 2 : 1);
-  SpreadPlan p;
-  p.parts = parts;
-  if (parts == 1) {
-    p.whole = items, p.cut = 0, p.rounds = p.cap = (items + sms - 1) / sms;
-  } else {
-    p.whole = f * sms, p.cut = r * parts, p.rounds = f, p.cap = f + 1;
-  }
-  return p;
-}
-
-// Thread 0: the block's next unit, a whole item (unless `parts_only`) or else a part; -1
-// when those have run out. Only blocks below the rounds take whole items, and they claim
-// until both run out, so every unit is taken wherever the blocks land.
-__device__ __forceinline__ int spread_claim(int* spread, const SpreadPlan& p, bool parts_only) {
-  if (!parts_only && *(volatile int*)&spread[0] < p.whole) {
-    const int u = atomicAdd(&spread[0], 1);
-    if (u < p.whole) return u;
-  }
-  if (p.cut > 0 && *(volatile int*)&spread[1] < p.cut) {
-    const int u = atomicAdd(&spread[1], 1);
-    if (u < p.cut) return p.whole + u;
-  }
-  return -1;
-}
-
-// Thread 0: the block's slot on its SM and its first unit (-1: none), and whether it
-// takes parts only (`parts_only`: the slot of the parts' round).
-__device__ __forceinline__ int spread_first(int* spread, const SpreadPlan& p, bool& parts_only) {
-  u32 smid;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-  const int slot = smid < SPREAD_SMS ? atomicAdd(&spread[SPREAD_STARTED + smid], 1) : 0;
-  parts_only = slot >= p.rounds;
-  return slot < p.cap ? spread_claim(spread, p, parts_only) : -1;
-}
-
-// A unit's item, its part and the part's K-slice of warp hk (kw k from k0).
-struct SpreadUnit {
-  int item, part, k0, kw;
-  bool cut;
-};
-__device__ __forceinline__ SpreadUnit spread_unit(const SpreadPlan& p, int unit, int hk) {
-  SpreadUnit u;
-  u.cut = unit >= p.whole;
-  const int q = unit - p.whole;
-  u.item = u.cut ? p.whole + q / p.parts : unit;
-  u.part = u.cut ? q % p.parts : 0;
-  u.kw = P_DIM / (WKH_ * (u.cut ? p.parts : 1));
-  u.k0 = (u.part * WKH_ + hk) * u.kw;
-  return u;
-}
-
-#if EXPERTS_EARLY
-// half_first_prefetch for the block's first unit (none where `unit` is -1).
-__device__ __forceinline__ void spread_first_prefetch(const Routes& routes, const SpreadPlan& plan, int unit,
-                                                      const unsigned char* w13, const unsigned char* w13_scale,
-                                                      const float* w13_global) {
-  if (unit < 0) return;
-  const int warp = threadIdx.x >> 5, side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH_, hk = hw % WKH_;
-  const SpreadUnit u = spread_unit(plan, unit, hk);
-  const int n0 = (u.item % TILES1 * WM1 + hm) * UP_COLS;
-  const int row0[1] = {side ? I_LOCAL + n0 : n0};
-  prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH_, TPB>(
-      up_weights(w13, w13_scale, w13_global, routes.slot_expert[u.item / TILES1]), row0, u.k0);
-}
-#endif
-#endif
-
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) experts_up_kernel(
     const bf16_t* __restrict__ x, int x_stride, int b,           // [b, P]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
@@ -1098,10 +968,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const unsigned char* __restrict__ w13_scale,                   // NVFP4: [E_local, 2I, P/16]
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
 #if EXPERTS_EARLY
-    bf16_t* __restrict__ act SPREAD_PARAM,                         // [slots, 8, I_LOCAL]; EXPERTS_UP_SPREAD's
+    bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
     int ids_final TRACE_PARAM) {                                   // the ids complete at launch (see the top)
 #else
-    bf16_t* __restrict__ act SPREAD_PARAM TRACE_PARAM) {           // [slots, 8, I_LOCAL]; EXPERTS_UP_SPREAD's
+    bf16_t* __restrict__ act TRACE_PARAM) {                        // [slots, 8, I_LOCAL]
 #endif
   __shared__ Routes routes;
 #if EXPERTS_RING
@@ -1113,22 +983,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #else
   __shared__ float red[WARPS * NT1 * 4 * 32];
 #endif
-#if EXPERTS_UP_SPREAD
-  __shared__ int unit_s, last_s;  // the block's unit; whether it added an item's last part
-  bool parts_only = false;        // thread 0's: the block takes parts only
-  SpreadPlan plan;
-#endif
 #if EXPERTS_EARLY
   if (ids_final) {
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-#if EXPERTS_UP_SPREAD
-    plan = spread_plan(routes.n_slots * TILES1, sms);
-    if (threadIdx.x == 0) unit_s = spread_first(spread, plan, parts_only);
-    __syncthreads();
-    spread_first_prefetch(routes, plan, unit_s, w13, w13_scale, w13_global);
-#else
     half_first_prefetch(routes, w13, w13_scale, w13_global);
-#endif
     pdl_wait();  // x comes from the kernel before
     pdl_launch_dependents();
   } else
@@ -1137,11 +995,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     pdl_wait();  // x and ids come from the kernels before
     pdl_launch_dependents();
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-#if EXPERTS_UP_SPREAD
-    plan = spread_plan(routes.n_slots * TILES1, sms);
-    if (threadIdx.x == 0) unit_s = spread_first(spread, plan, parts_only);
-    __syncthreads();
-#endif
   }
   TRACE_START
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
@@ -1156,33 +1009,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;
   __shared__ float xch[WM1 * HALF_FLOATS];  // the up side's sums, for the gate side
   const int items = routes.n_slots * TILES1;
-#if EXPERTS_UP_SPREAD
-  int nth = 0;
-  for (int unit = unit_s; unit >= 0; ++nth) {
-    TRACE_NTH(nth)
-    const SpreadUnit u = spread_unit(plan, unit, hk);
-    const int item = u.item;
-#else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     TRACE_ITEM(item)
-#endif
     const int slot = item / TILES1, tile = item % TILES1;
     const int e = routes.slot_expert[slot];
     const int i0 = (tile * WM1 + hm) * UP_COLS;
     const Weights W = up_weights(w13, w13_scale, w13_global, e);
     const int row0[1] = {side ? I_LOCAL + i0 : i0};
-    float h[TPB][4];  // this side's tiles
-#if EXPERTS_UP_SPREAD
-    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, u.k0, x, x_stride, b, h, u.kw / 16);
-#else
     if (item + (int)gridDim.x < items) {  // the next item's first batch
       const int next = item + gridDim.x, n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
       const int nrow0[1] = {side ? I_LOCAL + n0 : n0};
       prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
           up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
     }
+    float h[TPB][4];  // this side's tiles
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
-#endif
 #if EXPERTS_UP_SCATTER
     // Each warp of a side adds the tiles it owns (a % WKH == hk: OWN of them, or where
     // there are more warps than tiles, tile hk alone), the up side passes them over, and
@@ -1200,71 +1041,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
         for (int r = 1; r < OWNERS; ++r)
           if (hk == r) mine[j][e4] = h[j * WKH + r][e4];
       }
-#if EXPERTS_UP_SPREAD
-    if (u.cut) {
-      // This part's sums to `partials` (part q = r * parts + p of cut item r: both sides'
-      // WM1 * HALF_FLOATS floats); the item's last part to arrive adds its parts in part
-      // order and finishes the item as below.
-      constexpr int PART_FLOATS = WM1 * HALF_FLOATS;
-      const int q = unit - plan.whole, r = q / plan.parts;
-      float* const out = partials + ((long)q * 2 + side) * PART_FLOATS + hm * HALF_FLOATS;
-      if (hk < OWNERS) {
+    __syncthreads();  // xch read for the item before
+    if (side == 1 && hk < OWNERS) {
 #pragma unroll
-        for (int j = 0; j < OWN; ++j)
+      for (int j = 0; j < OWN; ++j)
 #pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4) __stcg(out + ((j * WKH + hk) * 4 + e4) * 32 + lane, mine[j][e4]);
-      }
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) last_s = atomicAdd(&spread[SPREAD_ARRIVED + r], 1) == plan.parts - 1;
-      __syncthreads();
-      if (last_s) {
-        __threadfence();
-        if (side == 0 && hk < OWNERS) {
-          const float* in = partials + (long)r * plan.parts * 2 * PART_FLOATS + hm * HALF_FLOATS;
-#pragma unroll
-          for (int j = 0; j < OWN; ++j)
-#pragma unroll
-            for (int e4 = 0; e4 < 4; ++e4) {
-              const int a = j * WKH + hk, i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
-              const int off = (a * 4 + e4) * 32 + lane;
-              float gs = 0.f, us = 0.f;
-              for (int p = 0; p < plan.parts; ++p) {
-                gs += __ldcg(in + (long)(2 * p) * PART_FLOATS + off);
-                us += __ldcg(in + (long)(2 * p + 1) * PART_FLOATS + off);
-              }
-              UP_STORE_ONE(i, n, gs, us)
-            }
-        }
-        if (threadIdx.x == 0) spread[SPREAD_ARRIVED + r] = 0;  // for the next launch
-      }
-    } else
-#endif
-    {
-      __syncthreads();  // xch read for the item before
-      if (side == 1 && hk < OWNERS) {
-#pragma unroll
-        for (int j = 0; j < OWN; ++j)
-#pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + ((j * WKH + hk) * 4 + e4) * 32 + lane] = mine[j][e4];
-      }
-      __syncthreads();
-      if (side == 0 && hk < OWNERS) {
-#pragma unroll
-        for (int j = 0; j < OWN; ++j)
-#pragma unroll
-          for (int e4 = 0; e4 < 4; ++e4) {
-            const int a = j * WKH + hk, i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
-            UP_STORE_ONE(i, n, mine[j][e4], xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane])
-          }
-      }
+        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + ((j * WKH + hk) * 4 + e4) * 32 + lane] = mine[j][e4];
     }
-#if EXPERTS_UP_SPREAD
-    __syncthreads();  // unit_s read by every thread
-    if (threadIdx.x == 0) unit_s = spread_claim(spread, plan, parts_only);
     __syncthreads();
-    unit = unit_s;
-#endif
+    if (side == 0 && hk < OWNERS) {
+#pragma unroll
+      for (int j = 0; j < OWN; ++j)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          const int a = j * WKH + hk, i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
+          UP_STORE_ONE(i, n, mine[j][e4], xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane])
+        }
+    }
 #else
     reduce_k<WKH, TPB>(h, red, side * WM1 + hm, hk);
     __syncthreads();  // xch read for the item before
@@ -1321,17 +1114,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     }
   }
 #endif
-#if EXPERTS_UP_SPREAD
-  // Every block counts itself finished; the last zeroes the claims and the SMs' slots.
-  __syncthreads();
-  if (threadIdx.x == 0) last_s = atomicAdd(&spread[2], 1) == (int)gridDim.x - 1;
-  __syncthreads();
-  if (last_s)
-    for (int i = threadIdx.x; i < SPREAD_STARTED + SPREAD_SMS; i += NTHREADS) spread[i] = 0;
-  TRACE_END_N(nth)
-#else
   TRACE_END(items)
-#endif
 }
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
@@ -1423,8 +1206,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
         int nrow0[NT2 / TPB];
 #pragma unroll
         for (int r = 0; r < NT2 / TPB; ++r) nrow0[r] = (next % TILES2 * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;
-        prefetch_gemm<I_LOCAL, P_DIM, WK2, NT2, EXPERTS_DOWN_AHEAD != 0>(
-            down_weights(w2, w2_scale, w2_global, routes.slot_expert[next / TILES2]), nrow0, wk * (I_LOCAL / WK2));
+        prefetch_gemm<I_LOCAL, P_DIM, WK2, NT2>(down_weights(w2, w2_scale, w2_global, routes.slot_expert[next / TILES2]),
+                                                nrow0, wk * (I_LOCAL / WK2));
       }
 #endif
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL,

@@ -476,3 +476,54 @@ def test_marlin_v3_stream_loads(width, intermediate):
     bf16 = {**experts_mod.CudaExpertsSlice2.kernel_defines(width, intermediate, 8), "EXPERTS_STREAM_LOADS": 1}
     with pytest.raises(AssertionError, match="EXPERTS_STREAM_LOADS is for the V3 Marlin loop"):
         ptx_of(bf16)
+
+
+def ptx_entry(ptx: str, kernel: str) -> str:
+    """One kernel's PTX, from its ``.entry`` to the next one's (or the end)."""
+    start = ptx.index(f".entry {kernel}(")
+    end = ptx.find(".entry ", start + 1)
+    return ptx[start : end if end >= 0 else len(ptx)]
+
+
+@pytest.mark.parametrize(
+    "cls,spare",
+    [
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare", 1),
+        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare2", 2),
+    ],
+)
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
+def test_down_spare(width, intermediate, cls, spare):
+    """_queue_na_spare and _spare2 (not registered, not yet measured): _queue_na's defines
+    plus EXPERTS_DOWN_SPARE; spill-free and fitting; the up kernel's PTX is _queue_na's, the
+    down kernel has fewer L2 prefetches (and _spare2 fewer than _spare)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = getattr(experts_mod, cls)
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_DOWN_SPARE": spare}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+
+    def prefetches(ptx: str) -> int:
+        return len(re.findall(r"prefetch\.global\.L2", ptx_entry(ptx, "experts_down_kernel")))
+
+    fewer = prefetches(ptx_of({**base, "EXPERTS_DOWN_SPARE": 1}))
+    assert prefetches(plain) > fewer
+    if spare == 2:
+        assert fewer > prefetches(variant) > 0  # the first item's, before the PDL wait
+
+
+def test_down_spare_refuses_other_kernels():
+    """EXPERTS_DOWN_SPARE outside the lean V3 Marlin kernels is a compile error naming it."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    with pytest.raises(AssertionError, match="EXPERTS_DOWN_SPARE is for"):
+        ptx_of({**experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_SPARE": 1})

@@ -135,6 +135,8 @@ def provider(fmt: str):
     down kernel's warps 2 or 1 along K at expert TP's slice, "-v3half4scatterupqueue":
     -v3half4scatterup with EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
+    "-v3half4scatterupqueuenaspare" / "-v3half4scatterupqueuenaspare2": that with the down
+    kernel's L2 prefetches thinned (EXPERTS_DOWN_SPARE = 1 / 2; unregistered),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -163,6 +165,8 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupk1": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpK1,
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
+        "nvfp4_marlin-v3half4scatterupqueuenaspare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
+        "nvfp4_marlin-v3half4scatterupqueuenaspare2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare2,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -422,6 +426,14 @@ def test_stream_loads_are_queue_bit_for_bit(shape):
     """EXPERTS_STREAM_LOADS changes how the code words' loads are cached, not what they
     load: the rows equal _half4_scatter_up_queue's bit for bit."""
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuena", "nvfp4_marlin-v3half4scatterupqueue")
+
+
+@pytest.mark.parametrize("spare", ["spare", "spare2"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_down_spare_is_queue_na_bit_for_bit(shape, spare):
+    """EXPERTS_DOWN_SPARE drops L2 prefetches only: the rows equal _half4_scatter_up_queue_na's
+    bit for bit."""
+    assert_same_rows(shape, f"nvfp4_marlin-v3half4scatterupqueuena{spare}", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
 def test_down_queue_resets_over_replays():

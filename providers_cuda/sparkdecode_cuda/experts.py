@@ -132,6 +132,7 @@ SWITCHES = (
     ("up_scatter", "EXPERTS_UP_SCATTER"),
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
+    ("down_spare", "EXPERTS_DOWN_SPARE"),
 )
 
 
@@ -168,6 +169,9 @@ class CudaExperts(_Cuda):
     down_queue: ClassVar[int] = 0
     # experts.cu's EXPERTS_STREAM_LOADS: the V3 Marlin loop's code words loaded past L1
     stream_loads: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_SPARE: the down kernel's L2 prefetches thinned (1: not the
+    # next item's first batch; 2: nor the K loop's next batch)
+    down_spare: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -221,7 +225,7 @@ class CudaExperts(_Cuda):
         wk = cls.down_warps_k(width, intermediate)
         if wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
-        defines.update({define: 1 for attr, define in SWITCHES if getattr(cls, attr)})
+        defines.update({define: int(getattr(cls, attr)) for attr, define in SWITCHES if getattr(cls, attr)})
         return defines
 
     @classmethod
@@ -751,6 +755,25 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa(CudaExpertsNvfp4MarlinV3Half
     # Above _queue (30): faster chained and in the step on the H100.
     priority = 35
     stream_loads = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na`` whose down kernel does not
+    warm each next item's first batch into L2 (experts.cu's EXPERTS_DOWN_SPARE = 1): warming
+    the whole next item instead was slower on the H100 (bench/NOTES.md v33). Prefetches
+    only: the same bits. Not registered: not yet measured."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare"
+    down_spare = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare2(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
+    """``_queue_na_spare`` whose down kernel's K loop does not warm its next batch either
+    (EXPERTS_DOWN_SPARE = 2): the down kernel's only prefetch is a block's first item,
+    before its PDL wait. The same bits. Not registered: not yet measured."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare2"
+    down_spare = 2
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -153,6 +153,12 @@
 // words loaded past L1 (ld.global.nc.L1::no_allocate), where each is read once and would
 // only churn it, so that x's words, which every warp of an expert reads again, stay there.
 // The same values loaded: the same bits.
+// EXPERTS_DOWN_SPARE (a define, 0 when absent; V3 Marlin with EXPERTS_LEAN): the down
+// kernel's L2 prefetches thinned: 1 drops the next item's first batch, 2 the K loop's
+// next batch too (a block's first item is still warmed before its PDL wait). At expert
+// TP a warp's item is 8 steps, two batches; warming more of the next item (the whole of
+// it) was slower on the H100 (bench/NOTES.md v33), so this asks whether less is faster.
+// Prefetches only: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -230,6 +236,9 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #ifndef EXPERTS_STREAM_LOADS
 #define EXPERTS_STREAM_LOADS 0
 #endif
+#ifndef EXPERTS_DOWN_SPARE
+#define EXPERTS_DOWN_SPARE 0
+#endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
 #endif
@@ -271,6 +280,9 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_STREAM_LOADS && !(EXPERTS_V3 && FMT == 2)
 #error "EXPERTS_STREAM_LOADS is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
+#endif
+#if EXPERTS_DOWN_SPARE && !(EXPERTS_V3 && FMT == 2 && EXPERTS_LEAN)
+#error "EXPERTS_DOWN_SPARE is for the V3 Marlin kernels with EXPERTS_LEAN"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -587,7 +599,7 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
 // block and 8 scale bytes per block: the layout's own fragments (see the top).
 // `steps`: the steps of 16 k from k0, a multiple of the batch SB (the whole slice, STEPS,
 // by default).
-template <int K, int N, int WK_, int NBLK>
+template <int K, int N, int WK_, int NBLK, bool LOOP_PREFETCH = true>
 __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
                                                  const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4],
                                                  int steps) {
@@ -618,12 +630,12 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   // the predicated prefetch anywhere in its batch (at its end, past the MMAs, in the
   // SASS), so one batch ahead could leave no lead at all.
   MarlinLines<N, NBLK, SB> lines(W, blk0, k0 / 16 + SB);
-  lines.prefetch_and_advance(SB < steps);
+  lines.prefetch_and_advance(LOOP_PREFETCH && SB < steps);
 #endif
 #pragma unroll 1
   for (int batch = 0; batch < steps; batch += SB) {
 #if EXPERTS_LEAN
-    lines.prefetch_and_advance(batch + 2 * SB < steps);
+    lines.prefetch_and_advance(LOOP_PREFETCH && batch + 2 * SB < steps);
 #elif EXPERTS_V2
     if (batch + SB < steps) prefetch_marlin<N, NBLK, SB>(W, blk0, k0 / 16 + batch + SB);
 #endif
@@ -822,13 +834,14 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
 #endif
 
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
-// rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default).
-template <int K, int N, int WK_, int NT>
+// rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default;
+// LOOP_PREFETCH: the lean loop's L2 prefetch of each next batch).
+template <int K, int N, int WK_, int NT, bool LOOP_PREFETCH = true>
 __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT / TPB], int k0,
                                             const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4],
                                             int steps = K / WK_ / 16) {
 #if FMT == 2
-  warp_gemm_marlin<K, N, WK_, NT / TPB>(W, row0, k0, x, xs, nx, c, steps);
+  warp_gemm_marlin<K, N, WK_, NT / TPB, LOOP_PREFETCH>(W, row0, k0, x, xs, nx, c, steps);
 #else
   static_assert(NT == 2, "two tiles a warp");
   warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
@@ -1195,7 +1208,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       int row0[NT2 / TPB];  // blocks of TPB tiles
 #pragma unroll
       for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
-#if EXPERTS_V2
+#if EXPERTS_V2 && !EXPERTS_DOWN_SPARE
 #if EXPERTS_DOWN_QUEUE
       const int next = claimed[nth & 1];
       if (next < items) {  // the next item's first batch
@@ -1210,8 +1223,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
                                                 nrow0, wk * (I_LOCAL / WK2));
       }
 #endif
-      expert_gemm<I_LOCAL, P_DIM, WK2, NT2>(W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL,
-                                            NB, c);
+      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, EXPERTS_DOWN_SPARE < 2>(W, row0, wk * (I_LOCAL / WK2),
+                                                                  act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
       reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
     }
 #if EXPERTS_DOWN_SCATTER

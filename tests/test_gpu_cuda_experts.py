@@ -137,6 +137,8 @@ def provider(fmt: str):
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
     "-v3half4scatterupqueuenaspare" / "-v3half4scatterupqueuenaspare2": that with the down
     kernel's L2 prefetches thinned (EXPERTS_DOWN_SPARE = 1 / 2; unregistered),
+    "-v3half4scatterupnafused": -v3half4scatterupqueuena's two kernels as one, an expert a
+    cluster (EXPERTS_FUSED; unregistered),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -167,6 +169,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
         "nvfp4_marlin-v3half4scatterupqueuenaspare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
         "nvfp4_marlin-v3half4scatterupqueuenaspare2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare2,
+        "nvfp4_marlin-v3half4scatterupnafused": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpNaFused,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -212,6 +215,7 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
         "-v3half4scatterupqueue",
+        "-v3half4scatterupnafused",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -428,6 +432,13 @@ def test_stream_loads_are_queue_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuena", "nvfp4_marlin-v3half4scatterupqueue")
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fused_is_queue_na_bit_for_bit(shape):
+    """EXPERTS_FUSED runs the two kernels' items in one kernel, an expert a cluster: the rows
+    equal _half4_scatter_up_queue_na's bit for bit."""
+    assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupnafused", "nvfp4_marlin-v3half4scatterupqueuena")
+
+
 @pytest.mark.parametrize("spare", ["spare", "spare2"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_down_spare_is_queue_na_bit_for_bit(shape, spare):
@@ -471,6 +482,49 @@ def test_down_queue_resets_over_replays():
         plain.run(ExpertsInput(x), topk, want)
         torch.cuda.synchronize()
         assert queued.queue.tolist() == [0, 0], i
+        assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
+
+
+@pytest.mark.parametrize("final", [False, True])
+@pytest.mark.parametrize("clusters", [None, 3])
+def test_fused_over_replays(clusters, final):
+    """EXPERTS_FUSED over 40 replays of one graph with new x and ids (1 to 64 distinct
+    experts): each replay's rows equal _half4_scatter_up_queue_na's bit for bit, with the
+    grid's clusters (66 on an H100's 132 SMs) or 3 of them (so a cluster takes many slots,
+    one after another), and the ids final at launch or not (EXPERTS_EARLY's two paths)."""
+    spec, sharding = SHAPES["tp8-rank-expert-tp"]
+    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=53)
+    fused = provider("nvfp4_marlin-v3half4scatterupnafused").build(context(spec, experts), 0)
+    plain = provider("nvfp4_marlin-v3half4scatterupqueuena").build(context(spec, experts), 0)
+    c = fused.cluster_size(spec.P, fused.intermediate)
+    assert fused.grid_fused % c == 0
+    if clusters is not None:
+        fused.grid_fused = clusters * c
+    b, k = 8, spec.top_k
+    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
+    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"), final)
+    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused.run(ExpertsInput(x), topk, rows)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused.run(ExpertsInput(x), topk, rows)
+    g = torch.Generator().manual_seed(59)
+    for i in range(40):
+        distinct = 1 + (i * 13) % 64
+        pool = torch.randperm(spec.E, generator=g)[:distinct]
+        ids.copy_(pool[torch.randint(0, distinct, (b, k), generator=g)].to(torch.int32))
+        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
+        rows.fill_(float("nan"))
+        graph.replay()
+        want = torch.full_like(rows, float("nan"))
+        plain.run(ExpertsInput(x), topk, want)
+        torch.cuda.synchronize()
         assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
 
 

@@ -776,6 +776,56 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare2(CudaExpertsNvfp4Marlin
     down_spare = 2
 
 
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpNaFused(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na``'s two kernels as one
+    (experts.cu's EXPERTS_FUSED): a cluster of C blocks (C = 8 where an expert has 8 or more
+    up items) takes an expert at a time, computes its up items, meets at a cluster barrier
+    (so the act each block wrote is seen by all), then computes the expert's down items. No
+    second launch, no act round trip between kernels, and each block warms its first down
+    item while its up items run. The same items by the same code: the same bits as
+    ``_queue_na``. Not registered: not yet measured."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_na_fused"
+    down_queue = 0
+    fused: ClassVar[int] = 1
+
+    @classmethod
+    def cluster_size(cls, width: int, intermediate: int) -> int:
+        """The blocks a cluster: the up items of an expert, at most 8 (the portable cluster size)."""
+        tiles_up = intermediate // (UP_COLS[cls.format] * (8 // _warps_k(width, CHUNK[cls.format])))
+        return max(1, min(8, tiles_up))
+
+    @classmethod
+    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
+        return {
+            **super().kernel_defines(width, intermediate, top_k),
+            "EXPERTS_FUSED": cls.cluster_size(width, intermediate),
+        }
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        super().__init__(ctx, layer)
+        defines = self.kernel_defines(self.width, self.intermediate, self.top_k)
+        self.fused_kernel = Kernel(SOURCE, "experts_fused_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        c = defines["EXPERTS_FUSED"]
+        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        slots = min(MAX_ROUTES, ctx.max_rows * self.top_k, self.experts.num_local)
+        self.grid_fused = c * max(1, min(max(slots, 1), self.up_blocks * sms // c))
+
+    def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
+        raise NotImplementedError(f"{self.name}: one kernel; run launches it")
+
+    def launch_down(self, b: int, topk: RoutedTopk, rows: torch.Tensor) -> None:
+        raise NotImplementedError(f"{self.name}: one kernel; run launches it")
+
+    def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
+        x, ids = inputs.x, topk.ids
+        self._check_run(x, ids, rows)
+        e = self.experts
+        _, _, w2_scale, w2_global = self.scales
+        args = [*self._up_args(x, ids), *self._routing_args(topk), ptr(e.w2), ptr(w2_scale), ptr(w2_global), ptr(rows)]
+        self.fused_kernel.launch((self.grid_fused, 1, 1), (256, 1, 1), args)
+
+
 class CudaExpertsSlice2(_SliceDown, CudaExperts):
     """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
     (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four

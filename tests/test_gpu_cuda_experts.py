@@ -447,6 +447,45 @@ def test_down_spare_is_queue_na_bit_for_bit(shape, spare):
     assert_same_rows(shape, f"nvfp4_marlin-v3half4scatterupqueuena{spare}", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
+def replays_over_distinct(op, spec, seed: int, final: bool = False):
+    """One graph of ``op.run`` at 8 rows (captured after an eager run on a side stream),
+    replayed 40 times with new x and ids (1 to 64 distinct experts, so the count of items
+    changes), rows set to NaN before each. Yields (replay, x, topk, rows) after each."""
+    b, k = 8, spec.top_k
+    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
+    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"), final)
+    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op.run(ExpertsInput(x), topk, rows)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    yield -1, x, topk, rows
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.run(ExpertsInput(x), topk, rows)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(40):
+        distinct = 1 + (i * 13) % 64
+        pool = torch.randperm(spec.E, generator=g)[:distinct]
+        ids.copy_(pool[torch.randint(0, distinct, (b, k), generator=g)].to(torch.int32))
+        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
+        rows.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield i, x, topk, rows
+
+
+def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> bool:
+    """Whether ``op`` (run now, eagerly) makes ``rows`` bit for bit."""
+    want = torch.full_like(rows, float("nan"))
+    op.run(ExpertsInput(x), topk, want)
+    torch.cuda.synchronize()
+    return torch.equal(rows.view(torch.int16), want.view(torch.int16))
+
+
 def test_down_queue_resets_over_replays():
     """The queue's counter and count of finished blocks are back at zero after every
     launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
@@ -455,34 +494,10 @@ def test_down_queue_resets_over_replays():
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
     queued = provider("nvfp4_marlin-v3half4scatterupqueue").build(context(spec, experts), 0)
     plain = provider("nvfp4_marlin-v3half4scatterup").build(context(spec, experts), 0)
-    b, k = 8, spec.top_k
-    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
-    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
-    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    want = torch.zeros_like(rows)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        queued.run(ExpertsInput(x), topk, rows)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    assert queued.queue.tolist() == [0, 0]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        queued.run(ExpertsInput(x), topk, rows)
-    g = torch.Generator().manual_seed(41)
-    for i in range(40):
-        distinct = 1 + (i * 13) % 64
-        pool = torch.randperm(spec.E, generator=g)[:distinct]
-        ids.copy_(pool[torch.randint(0, distinct, (b, k), generator=g)].to(torch.int32))
-        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
-        rows.fill_(float("nan"))
-        graph.replay()
-        plain.run(ExpertsInput(x), topk, want)
-        torch.cuda.synchronize()
+    for i, x, topk, rows in replays_over_distinct(queued, spec, seed=41):
         assert queued.queue.tolist() == [0, 0], i
-        assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
+        if i >= 0:
+            assert same_rows_as(plain, x, topk, rows), i
 
 
 @pytest.mark.parametrize("final", [False, True])
@@ -500,32 +515,9 @@ def test_fused_over_replays(clusters, final):
     assert fused.grid_fused % c == 0
     if clusters is not None:
         fused.grid_fused = clusters * c
-    b, k = 8, spec.top_k
-    x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
-    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"), final)
-    rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fused.run(ExpertsInput(x), topk, rows)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused.run(ExpertsInput(x), topk, rows)
-    g = torch.Generator().manual_seed(59)
-    for i in range(40):
-        distinct = 1 + (i * 13) % 64
-        pool = torch.randperm(spec.E, generator=g)[:distinct]
-        ids.copy_(pool[torch.randint(0, distinct, (b, k), generator=g)].to(torch.int32))
-        x.copy_(torch.randn(b, spec.P, generator=g).to(torch.bfloat16))
-        rows.fill_(float("nan"))
-        graph.replay()
-        want = torch.full_like(rows, float("nan"))
-        plain.run(ExpertsInput(x), topk, want)
-        torch.cuda.synchronize()
-        assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), i
+    for i, x, topk, rows in replays_over_distinct(fused, spec, seed=59, final=final):
+        if i >= 0:
+            assert same_rows_as(plain, x, topk, rows), i
 
 
 def assert_same_rows(shape: str, fmt: str, base: str) -> None:

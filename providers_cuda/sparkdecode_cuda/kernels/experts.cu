@@ -1085,6 +1085,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   TRACE_END(items)
 }
 
+#if EXPERTS_SLOT_MASKS
+// EXPERTS_SLOT_MASKS' masks, made by the block from its routes (slot_masks: MAX_ROUTES *
+// NB words, unheld_masks: NB, in shared memory).
+__device__ __forceinline__ void make_slot_masks(const Routes& routes, int b, unsigned* slot_masks,
+                                                unsigned* unheld_masks) {
+  for (int i = threadIdx.x; i < MAX_ROUTES * NB; i += NTHREADS) slot_masks[i] = 0u;
+  if (threadIdx.x < NB) unheld_masks[threadIdx.x] = 0u;
+  __syncthreads();
+  if ((int)threadIdx.x < b * TOP_K) {
+    const int n = threadIdx.x / TOP_K, j = threadIdx.x % TOP_K, rs = routes.slot[threadIdx.x];
+    atomicOr(rs >= 0 ? &slot_masks[rs * NB + n] : &unheld_masks[n], 1u << j);
+  }
+  __syncthreads();
+}
+#endif
+
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_kernel(
@@ -1102,14 +1118,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #if EXPERTS_SLOT_MASKS
   __shared__ unsigned slot_masks[MAX_ROUTES * NB];  // [slot][row]: bit j where route (row, j) goes to the slot
   __shared__ unsigned unheld_masks[NB];             // [row]: bit j where route (row, j) goes to an expert not held
-  for (int i = threadIdx.x; i < MAX_ROUTES * NB; i += NTHREADS) slot_masks[i] = 0u;
-  if (threadIdx.x < NB) unheld_masks[threadIdx.x] = 0u;
-  __syncthreads();
-  if ((int)threadIdx.x < b * TOP_K) {
-    const int n = threadIdx.x / TOP_K, j = threadIdx.x % TOP_K, rs = routes.slot[threadIdx.x];
-    atomicOr(rs >= 0 ? &slot_masks[rs * NB + n] : &unheld_masks[n], 1u << j);
-  }
-  __syncthreads();
+  make_slot_masks(routes, b, slot_masks, unheld_masks);
 #endif
   const int warp = threadIdx.x >> 5, wm = warp / WK2, wk = warp % WK2;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -1206,14 +1215,7 @@ extern "C" __global__ void __cluster_dims__(EXPERTS_FUSED, 1, 1) __launch_bounds
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
   }
   pdl_launch_dependents();
-  for (int i = threadIdx.x; i < MAX_ROUTES * NB; i += NTHREADS) slot_masks[i] = 0u;
-  if (threadIdx.x < NB) unheld_masks[threadIdx.x] = 0u;
-  __syncthreads();
-  if ((int)threadIdx.x < b * TOP_K) {
-    const int n = threadIdx.x / TOP_K, j = threadIdx.x % TOP_K, rs = routes.slot[threadIdx.x];
-    atomicOr(rs >= 0 ? &slot_masks[rs * NB + n] : &unheld_masks[n], 1u << j);
-  }
-  __syncthreads();
+  make_slot_masks(routes, b, slot_masks, unheld_masks);
   const int n_slots = routes.n_slots, slots = n_slots > 0 ? n_slots : 1;
   // Every block of a cluster takes the same slots, so meets the same cluster barriers.
   for (int s = blockIdx.x / C; s < slots; s += gridDim.x / C) {

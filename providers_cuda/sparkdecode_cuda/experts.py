@@ -172,6 +172,9 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_DOWN_SPARE: the down kernel's L2 prefetches thinned (1: not the
     # next item's first batch; 2: nor the K loop's next batch)
     down_spare: ClassVar[int] = 0
+    # experts.cu's EXPERTS_FUSED: one kernel (experts_fused_kernel) in place of the two, so
+    # no up or down kernel to launch alone
+    fused: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -198,13 +201,12 @@ class CudaExperts(_Cuda):
         defines = self.kernel_defines(spec.P, self.intermediate, spec.top_k)
         self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.down = Kernel(SOURCE, "experts_down_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
+        slots = self.slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
         self.act = ctx.scratch(
             f"cuda_experts_act_{self.intermediate}", (max(slots, 1), MAX_ROWS, self.intermediate), torch.bfloat16
         )
-        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
-        chunk = CHUNK[self.format]
-        tiles_up = self.intermediate // (UP_COLS[self.format] * (8 // _warps_k(spec.P, chunk)))
+        sms = self.sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        tiles_up = self.up_tiles(spec.P, self.intermediate)
         tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // self.down_warps_k(spec.P, self.intermediate)))
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
         self.grid_down = max(1, min(max(slots, 1) * tiles_down, self.down_blocks * sms))
@@ -227,6 +229,12 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_DOWN_WK"] = wk
         defines.update({define: int(getattr(cls, attr)) for attr, define in SWITCHES if getattr(cls, attr)})
         return defines
+
+    @classmethod
+    def up_tiles(cls, width: int, intermediate: int) -> int:
+        """The up kernel's items an expert for pooled width P and this rank's I-slice
+        (experts.cu's TILES1)."""
+        return intermediate // (UP_COLS[cls.format] * (8 // _warps_k(width, CHUNK[cls.format])))
 
     @classmethod
     def down_warps_k(cls, width: int, intermediate: int) -> int:
@@ -787,13 +795,12 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpNaFused(CudaExpertsNvfp4MarlinV3Half
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_na_fused"
     down_queue = 0
-    fused: ClassVar[int] = 1
+    fused = 1
 
     @classmethod
     def cluster_size(cls, width: int, intermediate: int) -> int:
         """The blocks a cluster: the up items of an expert, at most 8 (the portable cluster size)."""
-        tiles_up = intermediate // (UP_COLS[cls.format] * (8 // _warps_k(width, CHUNK[cls.format])))
-        return max(1, min(8, tiles_up))
+        return max(1, min(8, cls.up_tiles(width, intermediate)))
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
@@ -807,9 +814,7 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpNaFused(CudaExpertsNvfp4MarlinV3Half
         defines = self.kernel_defines(self.width, self.intermediate, self.top_k)
         self.fused_kernel = Kernel(SOURCE, "experts_fused_kernel", ctx.device, defines, COMPILE_OPTIONS)
         c = defines["EXPERTS_FUSED"]
-        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
-        slots = min(MAX_ROUTES, ctx.max_rows * self.top_k, self.experts.num_local)
-        self.grid_fused = c * max(1, min(max(slots, 1), self.up_blocks * sms // c))
+        self.grid_fused = c * max(1, min(max(self.slots, 1), self.up_blocks * self.sms // c))
 
     def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
         raise NotImplementedError(f"{self.name}: one kernel; run launches it")

@@ -159,17 +159,6 @@
 // TP a warp's item is 8 steps, two batches; warming more of the next item (the whole of
 // it) was slower on the H100 (bench/NOTES.md v33), so this asks whether less is faster.
 // Prefetches only: the same bits.
-// EXPERTS_FUSED (a define, 0 when absent; when set, the cluster size C; the EXPERTS_HALF
-// V3 Marlin kernels with EXPERTS_EARLY, EXPERTS_UP_SCATTER, EXPERTS_DOWN_SCATTER and
-// EXPERTS_SLOT_MASKS): one kernel, experts_fused_kernel, in place of the two. A cluster of
-// C blocks takes a slot (an expert) at a time: its blocks compute the slot's up items
-// (tiles rank, rank + C, .. of TILES1), meet at a cluster barrier (release / acquire: the
-// act each wrote is seen by all), then compute the slot's down items (tiles rank,
-// rank + C, .. of TILES2) from act read through L2 (written in the same kernel, so not by
-// the read-only path). Each block warms its first down item's first batch into L2 before
-// its up items. No second launch and no act round trip between kernels; the down items
-// run on the blocks that made the act. The items' code is the two kernels' own
-// (experts_up_half_item.cuh, experts_down_item.cuh): the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -291,13 +280,6 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_STREAM_LOADS && !(EXPERTS_V3 && FMT == 2)
 #error "EXPERTS_STREAM_LOADS is for the V3 Marlin loop (EXPERTS_V2 = 2, FMT 2)"
-#endif
-#ifndef EXPERTS_FUSED
-#define EXPERTS_FUSED 0
-#endif
-#if EXPERTS_FUSED && !(EXPERTS_V3 && FMT == 2 && EXPERTS_HALF && EXPERTS_EARLY && EXPERTS_UP_SCATTER && \
-                       EXPERTS_DOWN_SCATTER && EXPERTS_SLOT_MASKS && !EXPERTS_DOWN_QUEUE && !EXPERTS_TRACE)
-#error "EXPERTS_FUSED is for the EXPERTS_HALF V3 Marlin kernels with EXPERTS_EARLY, EXPERTS_UP_SCATTER, EXPERTS_DOWN_SCATTER and EXPERTS_SLOT_MASKS, without EXPERTS_DOWN_QUEUE or EXPERTS_TRACE"
 #endif
 #if EXPERTS_DOWN_SPARE && !(EXPERTS_V3 && FMT == 2 && EXPERTS_LEAN)
 #error "EXPERTS_DOWN_SPARE is for the V3 Marlin kernels with EXPERTS_LEAN"
@@ -476,16 +458,14 @@ __device__ __forceinline__ uint4 ld_weight_16(const uint4* p) {
 
 #if EXPERTS_V3
 // One step of 16 k of a warp's NBLK Marlin blocks, V3: the thread's words q[b] and scale
-// bytes sc[b] of block b, x's words b0 at xs and b1 at xs + 4 (rows >= nx: zeros). X_L2:
-// x's words loaded from L2 (ld.global.cg), for an x written earlier in the same kernel
-// (EXPERTS_FUSED's act), which the read-only path (__ldg) may not see.
-template <int NBLK, bool X_L2 = false>
+// bytes sc[b] of block b, x's words b0 at xs and b1 at xs + 4 (rows >= nx: zeros).
+template <int NBLK>
 __device__ __forceinline__ void marlin_step_v3(const uint4 q[NBLK], const uint2 sc[NBLK], const u32* xs, bool xrow,
                                                float c[4 * NBLK][4]) {
   u32 b0 = 0u, b1 = 0u;
   if (xrow) {
-    b0 = X_L2 ? __ldcg(xs) : __ldg(xs);
-    b1 = X_L2 ? __ldcg(xs + 4) : __ldg(xs + 4);
+    b0 = __ldg(xs);
+    b1 = __ldg(xs + 4);
   }
 #pragma unroll
   for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b], sc[b], b0, b1, c + 4 * b);
@@ -520,11 +500,11 @@ __device__ __forceinline__ void marlin_batch_advance(const uint4* wp[NBLK], cons
 }
 
 // A batch's MMAs, x's words from xp (8 a step).
-template <int NBLK, int SB, bool X_L2 = false>
+template <int NBLK, int SB>
 __device__ __forceinline__ void marlin_batch_mma(const uint4 q[SB][NBLK], const uint2 sc[SB][NBLK], const u32* xp,
                                                  bool xrow, float c[4 * NBLK][4]) {
 #pragma unroll
-  for (int sb = 0; sb < SB; ++sb) marlin_step_v3<NBLK, X_L2>(q[sb], sc[sb], xp + 8 * sb, xrow, c);
+  for (int sb = 0; sb < SB; ++sb) marlin_step_v3<NBLK>(q[sb], sc[sb], xp + 8 * sb, xrow, c);
 }
 #endif
 
@@ -619,7 +599,7 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
 // block and 8 scale bytes per block: the layout's own fragments (see the top).
 // `steps`: the steps of 16 k from k0, a multiple of the batch SB (the whole slice, STEPS,
 // by default).
-template <int K, int N, int WK_, int NBLK, bool LOOP_PREFETCH = true, bool X_L2 = false>
+template <int K, int N, int WK_, int NBLK, bool LOOP_PREFETCH = true>
 __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
                                                  const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4],
                                                  int steps) {
@@ -663,7 +643,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
     uint4 q[SB][NBLK];
     uint2 sc[SB][NBLK];
     marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
-    marlin_batch_mma<NBLK, SB, X_L2>(q, sc, xp, xrow, c);
+    marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
     marlin_batch_advance<N, NBLK, SB>(wp, sp);
     xp += SB * 8;
 #else
@@ -855,14 +835,13 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
 
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
 // rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default;
-// LOOP_PREFETCH: the lean loop's L2 prefetch of each next batch; X_L2: x's words from L2,
-// see marlin_step_v3).
-template <int K, int N, int WK_, int NT, bool LOOP_PREFETCH = true, bool X_L2 = false>
+// LOOP_PREFETCH: the lean loop's L2 prefetch of each next batch).
+template <int K, int N, int WK_, int NT, bool LOOP_PREFETCH = true>
 __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT / TPB], int k0,
                                             const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4],
                                             int steps = K / WK_ / 16) {
 #if FMT == 2
-  warp_gemm_marlin<K, N, WK_, NT / TPB, LOOP_PREFETCH, X_L2>(W, row0, k0, x, xs, nx, c, steps);
+  warp_gemm_marlin<K, N, WK_, NT / TPB, LOOP_PREFETCH>(W, row0, k0, x, xs, nx, c, steps);
 #else
   static_assert(NT == 2, "two tiles a warp");
   warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
@@ -1045,9 +1024,75 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   const int items = routes.n_slots * TILES1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     TRACE_ITEM(item)
-#define UP_STRIDE gridDim.x
-#include "experts_up_half_item.cuh"
-#undef UP_STRIDE
+    const int slot = item / TILES1, tile = item % TILES1;
+    const int e = routes.slot_expert[slot];
+    const int i0 = (tile * WM1 + hm) * UP_COLS;
+    const Weights W = up_weights(w13, w13_scale, w13_global, e);
+    const int row0[1] = {side ? I_LOCAL + i0 : i0};
+    if (item + (int)gridDim.x < items) {  // the next item's first batch
+      const int next = item + gridDim.x, n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
+      const int nrow0[1] = {side ? I_LOCAL + n0 : n0};
+      prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
+          up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
+    }
+    float h[TPB][4];  // this side's tiles
+    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
+#if EXPERTS_UP_SCATTER
+    // Each warp of a side adds the tiles it owns (a % WKH == hk: OWN of them, or where
+    // there are more warps than tiles, tile hk alone), the up side passes them over, and
+    // the gate side's owner finishes them. The owned tiles picked by selects on hk, so h
+    // stays in registers.
+    reduce_k<WKH, TPB, true>(h, red, side * WM1 + hm, hk);
+    constexpr int OWN = WKH <= TPB ? TPB / WKH : 1, OWNERS = WKH <= TPB ? WKH : TPB;
+    float mine[OWN][4];
+#pragma unroll
+    for (int j = 0; j < OWN; ++j)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) {
+        mine[j][e4] = h[j * WKH][e4];
+#pragma unroll
+        for (int r = 1; r < OWNERS; ++r)
+          if (hk == r) mine[j][e4] = h[j * WKH + r][e4];
+      }
+    __syncthreads();  // xch read for the item before
+    if (side == 1 && hk < OWNERS) {
+#pragma unroll
+      for (int j = 0; j < OWN; ++j)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + ((j * WKH + hk) * 4 + e4) * 32 + lane] = mine[j][e4];
+    }
+    __syncthreads();
+    if (side == 0 && hk < OWNERS) {
+#pragma unroll
+      for (int j = 0; j < OWN; ++j)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          const int a = j * WKH + hk, i = i0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
+          UP_STORE_ONE(i, n, mine[j][e4], xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane])
+        }
+    }
+#else
+    reduce_k<WKH, TPB>(h, red, side * WM1 + hm, hk);
+    __syncthreads();  // xch read for the item before
+    if (hk == 0 && side == 1) {
+#pragma unroll
+      for (int a = 0; a < TPB; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
+    }
+    __syncthreads();
+    if (hk == 0 && side == 0) {
+      float c[NT1][4];  // gate tiles, then up tiles
+#pragma unroll
+      for (int a = 0; a < TPB; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+          c[a][e4] = h[a][e4];
+          c[TPB + a][e4] = xch[hm * HALF_FLOATS + (a * 4 + e4) * 32 + lane];
+        }
+      UP_STORE(c)
+    }
+#endif
   }
 #else
   const int items = routes.n_slots * TILES1;
@@ -1085,22 +1130,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   TRACE_END(items)
 }
 
-#if EXPERTS_SLOT_MASKS
-// EXPERTS_SLOT_MASKS' masks, made by the block from its routes (slot_masks: MAX_ROUTES *
-// NB words, unheld_masks: NB, in shared memory).
-__device__ __forceinline__ void make_slot_masks(const Routes& routes, int b, unsigned* slot_masks,
-                                                unsigned* unheld_masks) {
-  for (int i = threadIdx.x; i < MAX_ROUTES * NB; i += NTHREADS) slot_masks[i] = 0u;
-  if (threadIdx.x < NB) unheld_masks[threadIdx.x] = 0u;
-  __syncthreads();
-  if ((int)threadIdx.x < b * TOP_K) {
-    const int n = threadIdx.x / TOP_K, j = threadIdx.x % TOP_K, rs = routes.slot[threadIdx.x];
-    atomicOr(rs >= 0 ? &slot_masks[rs * NB + n] : &unheld_masks[n], 1u << j);
-  }
-  __syncthreads();
-}
-#endif
-
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_kernel(
@@ -1118,7 +1147,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #if EXPERTS_SLOT_MASKS
   __shared__ unsigned slot_masks[MAX_ROUTES * NB];  // [slot][row]: bit j where route (row, j) goes to the slot
   __shared__ unsigned unheld_masks[NB];             // [row]: bit j where route (row, j) goes to an expert not held
-  make_slot_masks(routes, b, slot_masks, unheld_masks);
+  for (int i = threadIdx.x; i < MAX_ROUTES * NB; i += NTHREADS) slot_masks[i] = 0u;
+  if (threadIdx.x < NB) unheld_masks[threadIdx.x] = 0u;
+  __syncthreads();
+  if ((int)threadIdx.x < b * TOP_K) {
+    const int n = threadIdx.x / TOP_K, j = threadIdx.x % TOP_K, rs = routes.slot[threadIdx.x];
+    atomicOr(rs >= 0 ? &slot_masks[rs * NB + n] : &unheld_masks[n], 1u << j);
+  }
+  __syncthreads();
 #endif
   const int warp = threadIdx.x >> 5, wm = warp / WK2, wk = warp % WK2;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -1158,11 +1194,100 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     TRACE_ITEM(item)
 #endif
-#define DOWN_STRIDE gridDim.x
-#define DOWN_X_L2 false
-#include "experts_down_item.cuh"
-#undef DOWN_X_L2
-#undef DOWN_STRIDE
+    const int slot = item / TILES2, tile = item % TILES2;
+    const int p0 = (tile * WM2 + wm) * DOWN_ROWS;
+    float c[NT2][4];
+#if EXPERTS_V3
+    float out_scale = 0.f;  // the global of the item's expert
+#endif
+    if (n_slots > 0) {
+      const Weights W = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]);
+#if EXPERTS_V3
+      out_scale = W.global_lo;
+#endif
+      int row0[NT2 / TPB];  // blocks of TPB tiles
+#pragma unroll
+      for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
+#if EXPERTS_V2 && !EXPERTS_DOWN_SPARE
+#if EXPERTS_DOWN_QUEUE
+      const int next = claimed[nth & 1];
+      if (next < items) {  // the next item's first batch
+#else
+      if (item + (int)gridDim.x < items) {  // the next item's first batch
+        const int next = item + gridDim.x;
+#endif
+        int nrow0[NT2 / TPB];
+#pragma unroll
+        for (int r = 0; r < NT2 / TPB; ++r) nrow0[r] = (next % TILES2 * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;
+        prefetch_gemm<I_LOCAL, P_DIM, WK2, NT2>(down_weights(w2, w2_scale, w2_global, routes.slot_expert[next / TILES2]),
+                                                nrow0, wk * (I_LOCAL / WK2));
+      }
+#endif
+      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, EXPERTS_DOWN_SPARE < 2>(W, row0, wk * (I_LOCAL / WK2),
+                                                                  act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
+      reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
+    }
+#if EXPERTS_DOWN_SCATTER
+    if (wk >= NT2) continue;  // owns no tile
+#else
+    if (wk != 0) continue;
+#endif
+#if EXPERTS_ROUTE_MASK
+    // This thread's rows n = 2t, 2t + 1: the routes to the item's slot, and (slot 0's
+    // items) the routes to experts not held, which get zeros.
+    unsigned to_slot[2] = {0u, 0u}, unheld[2] = {0u, 0u};
+#if EXPERTS_SLOT_MASKS
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = 2 * t + e;
+      if (n >= b) continue;
+      if (n_slots > 0) to_slot[e] = slot_masks[slot * NB + n];
+      if (slot == 0) unheld[e] = unheld_masks[n];
+    }
+#else
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = 2 * t + e;
+      if (n >= b) continue;
+#pragma unroll
+      for (int j = 0; j < TOP_K; ++j) {
+        const int rs = routes.slot[n * TOP_K + j];
+        if (n_slots > 0 && rs == slot) to_slot[e] |= 1u << j;
+        else if (rs < 0 && slot == 0) unheld[e] |= 1u << j;
+      }
+    }
+#endif  // EXPERTS_SLOT_MASKS
+#endif
+#pragma unroll
+    for (int a = 0; a < NT2; ++a)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) {
+#if EXPERTS_DOWN_SCATTER
+        if (!owns_tile<WK2, NT2>(a, wk)) continue;
+#endif
+        const int p = p0 + 16 * a + g + 8 * (e4 >> 1), n = 2 * t + (e4 & 1);
+        if (n >= b) continue;
+#if EXPERTS_V3
+        const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4] * out_scale) : (bf16_t)0;
+#else
+        const bf16_t v = n_slots > 0 ? float_to_bf16(c[a][e4]) : (bf16_t)0;
+#endif
+#if EXPERTS_ROUTE_MASK
+        for (unsigned m = to_slot[e4 & 1]; m != 0u; m &= m - 1u)
+          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = v;
+        for (unsigned m = unheld[e4 & 1]; m != 0u; m &= m - 1u)
+          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = 0;
+#else
+        for (int j = 0; j < TOP_K; ++j) {
+          const int route = n * TOP_K + j;
+          const int rs = routes.slot[route];
+          if (n_slots > 0 && rs == slot)
+            rows[(long)route * P_DIM + p] = v;
+          else if (rs < 0 && slot == 0)
+            rows[(long)route * P_DIM + p] = 0;
+        }
+#endif
+      }
   }
 #if EXPERTS_DOWN_QUEUE
   if (threadIdx.x == 0 && atomicAdd(queue + 1, 1) == (int)gridDim.x - 1) {  // every claim made: reset
@@ -1174,75 +1299,3 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   TRACE_END(items)
 #endif
 }
-
-#if EXPERTS_FUSED
-// act, then rows, for every slot (see EXPERTS_FUSED at the top): the up kernel's
-// arguments, then the down kernel's weights and rows.
-extern "C" __global__ void __cluster_dims__(EXPERTS_FUSED, 1, 1) __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS)
-    experts_fused_kernel(const bf16_t* __restrict__ x, int x_stride, int b,             // [b, P]
-                         const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
-                         const unsigned char* __restrict__ w13,                         // [E_local, 2I, P/2] Marlin
-                         const unsigned char* __restrict__ w13_scale,                   // its scale bytes
-                         const float* __restrict__ w13_global,                          // [E_local]
-                         bf16_t* act,                                                   // [slots, 8, I_LOCAL]
-                         int ids_final,                                                 // as the up kernel's
-                         const unsigned char* __restrict__ w2,                          // [E_local, P, I/2] Marlin
-                         const unsigned char* __restrict__ w2_scale,                    // its scale bytes
-                         const float* __restrict__ w2_global,                           // [E_local]
-                         bf16_t* __restrict__ rows) {                                   // [b, TOP_K, P]
-  constexpr int C = EXPERTS_FUSED, WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;
-  __shared__ Routes routes;
-  __shared__ float red[WARPS * (NT1 > NT2 ? NT1 : NT2) * 4 * 32];  // both kernels' K reductions
-  __shared__ float xch[WM1 * HALF_FLOATS];                          // the up side's sums, for the gate side
-  __shared__ unsigned slot_masks[MAX_ROUTES * NB];                  // as the down kernel's
-  __shared__ unsigned unheld_masks[NB];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int side = warp / (WARPS / 2), hw = warp % (WARPS / 2), hm = hw / WKH, hk = hw % WKH;  // the up items'
-  const int wm = warp / WK2, wk = warp % WK2;                                                  // the down items'
-  const int rank = blockIdx.x % C;
-  if (ids_final) {
-    find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-    const int s0 = blockIdx.x / C;
-    if (s0 < routes.n_slots && rank < TILES1) {  // the first up item's first batch, as half_first_prefetch
-      const int n0 = (rank * WM1 + hm) * UP_COLS;
-      const int row0[1] = {side ? I_LOCAL + n0 : n0};
-      prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[s0]), row0,
-                                                 hk * (P_DIM / WKH));
-    }
-    pdl_wait();  // x comes from the kernel before
-  } else {
-    pdl_wait();  // x and ids come from the kernels before
-    find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-  }
-  pdl_launch_dependents();
-  make_slot_masks(routes, b, slot_masks, unheld_masks);
-  const int n_slots = routes.n_slots, slots = n_slots > 0 ? n_slots : 1;
-  // Every block of a cluster takes the same slots, so meets the same cluster barriers.
-  for (int s = blockIdx.x / C; s < slots; s += gridDim.x / C) {
-    if (n_slots > 0) {
-      if (rank < TILES2) {  // the first down item's first batch, while the up items run
-        int row0[NT2 / TPB];
-#pragma unroll
-        for (int r = 0; r < NT2 / TPB; ++r) row0[r] = (rank * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;
-        prefetch_gemm<I_LOCAL, P_DIM, WK2, NT2>(down_weights(w2, w2_scale, w2_global, routes.slot_expert[s]), row0,
-                                                wk * (I_LOCAL / WK2));
-      }
-      const int items = (s + 1) * TILES1;
-      for (int item = s * TILES1 + rank; item < items; item += C) {
-#define UP_STRIDE C
-#include "experts_up_half_item.cuh"
-#undef UP_STRIDE
-      }
-    }
-    cluster_barrier();  // the slot's act, written by the cluster's blocks, seen by all
-    const int items = (s + 1) * TILES2;
-    for (int item = s * TILES2 + rank; item < items; item += C) {
-#define DOWN_STRIDE C
-#define DOWN_X_L2 true
-#include "experts_down_item.cuh"
-#undef DOWN_X_L2
-#undef DOWN_STRIDE
-    }
-  }
-}
-#endif

@@ -485,25 +485,18 @@ def ptx_entry(ptx: str, kernel: str) -> str:
     return ptx[start : end if end >= 0 else len(ptx)]
 
 
-@pytest.mark.parametrize(
-    "cls,spare",
-    [
-        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare", 1),
-        ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare2", 2),
-    ],
-)
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
-def test_down_spare(width, intermediate, cls, spare):
-    """_queue_na_spare and _spare2 (not registered, not yet measured): _queue_na's defines
-    plus EXPERTS_DOWN_SPARE; spill-free and fitting; the up kernel's PTX is _queue_na's, the
-    down kernel has fewer L2 prefetches (and _spare2 fewer than _spare)."""
+def test_down_spare(width, intermediate):
+    """_queue_na_spare (registered above _queue_na): _queue_na's defines plus
+    EXPERTS_DOWN_SPARE; spill-free and fitting; the up kernel's PTX is _queue_na's, the down
+    kernel keeps only the L2 prefetches of a block's first item (fewer, but some)."""
     from sparkdecode_cuda import nvrtc, plugin
 
-    cls = getattr(experts_mod, cls)
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
     parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa
     defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
-    assert defines == {**base, "EXPERTS_DOWN_SPARE": spare}
-    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    assert defines == {**base, "EXPERTS_DOWN_SPARE": 1}
+    assert cls in plugin.PROVIDERS and cls.priority > parent.priority
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     assert_kernels_fit(defines, cls)
@@ -513,10 +506,7 @@ def test_down_spare(width, intermediate, cls, spare):
     def prefetches(ptx: str) -> int:
         return len(re.findall(r"prefetch\.global\.L2", ptx_entry(ptx, "experts_down_kernel")))
 
-    fewer = prefetches(variant if spare == 1 else ptx_of({**base, "EXPERTS_DOWN_SPARE": 1}))
-    assert prefetches(plain) > fewer
-    if spare == 2:
-        assert fewer > prefetches(variant) > 0  # the first item's, before the PDL wait
+    assert prefetches(plain) > prefetches(variant) > 0  # the first item's, before the PDL wait
 
 
 def test_down_spare_refuses_other_kernels():
@@ -527,44 +517,3 @@ def test_down_spare_refuses_other_kernels():
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     with pytest.raises(AssertionError, match="EXPERTS_DOWN_SPARE is for"):
         ptx_of({**experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_SPARE": 1})
-
-
-@pytest.mark.parametrize("width,intermediate,cluster", [(4096, 512, 8), (4096, 4096, 8), (512, 256, 2)])
-def test_fused(width, intermediate, cluster):
-    """_na_fused (not registered, not yet measured): _queue_na's defines without the down
-    queue, with EXPERTS_FUSED = the cluster size (an expert's up items, at most 8); the fused
-    kernel spill-free and fitting 4 blocks an SM, launched in clusters of that size (grids a
-    multiple of it), its down items reading act through L2 (ld.global.cg: written in the same
-    kernel) after a cluster barrier; the separate up kernel's PTX is _queue_na's."""
-    from sparkdecode_cuda import nvrtc, plugin
-
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpNaFused
-    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa
-    base = parent.kernel_defines(width, intermediate, 8)
-    defines = cls.kernel_defines(width, intermediate, 8)
-    assert cls.cluster_size(width, intermediate) == cluster
-    assert defines == {**{k: v for k, v in base.items() if k != "EXPERTS_DOWN_QUEUE"}, "EXPERTS_FUSED": cluster}
-    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    u = ptxas_usage(defines)["experts_fused_kernel"]
-    assert u.stack == 0 and u.spills == 0, u
-    assert blocks_per_sm(u.registers) >= cls.up_blocks and blocks_per_sm_smem(u.smem) >= cls.up_blocks, u
-    ptx = ptx_of(defines)
-    fused = ptx_entry(ptx, "experts_fused_kernel")
-    assert re.search(rf"\.reqnctapercluster {cluster}, 1, 1", fused)
-    assert "barrier.cluster.arrive.release" in fused and "barrier.cluster.wait.acquire" in fused
-    assert len(re.findall(r"ld\.global\.cg\.u32", fused)) >= 2  # act's words, in the down items
-    assert ptx_entry(ptx, "experts_up_kernel") == ptx_entry(ptx_of(base), "experts_up_kernel")
-
-
-def test_fused_refuses_other_kernels():
-    """EXPERTS_FUSED with the down queue (or outside the EXPERTS_HALF scatter kernels) is a
-    compile error naming it."""
-    from sparkdecode_cuda import nvrtc
-
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    for cls in (experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa, experts_mod.CudaExpertsNvfp4MarlinV3):
-        with pytest.raises(AssertionError, match="EXPERTS_FUSED is for"):
-            ptx_of({**cls.kernel_defines(4096, 512, 8), "EXPERTS_FUSED": 8})

@@ -135,10 +135,8 @@ def provider(fmt: str):
     down kernel's warps 2 or 1 along K at expert TP's slice, "-v3half4scatterupqueue":
     -v3half4scatterup with EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
-    "-v3half4scatterupqueuenaspare" / "-v3half4scatterupqueuenaspare2": that with the down
-    kernel's L2 prefetches thinned (EXPERTS_DOWN_SPARE = 1 / 2; unregistered),
-    "-v3half4scatterupnafused": -v3half4scatterupqueuena's two kernels as one, an expert a
-    cluster (EXPERTS_FUSED; unregistered),
+    "-v3half4scatterupqueuenaspare": that with the down kernel's L2 prefetches only its
+    blocks' first items' (EXPERTS_DOWN_SPARE),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -168,8 +166,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
         "nvfp4_marlin-v3half4scatterupqueuenaspare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
-        "nvfp4_marlin-v3half4scatterupqueuenaspare2": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare2,
-        "nvfp4_marlin-v3half4scatterupnafused": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpNaFused,
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -215,7 +211,6 @@ NVFP4_FORMATS = [f"nvfp4{v}" for v in ("", "-v2", "-v3")] + [
         "-v3half4scatterupk2",
         "-v3half4scatterupk1",
         "-v3half4scatterupqueue",
-        "-v3half4scatterupnafused",
         "-v3bulk",
         "-v3bulk2",
     )
@@ -433,28 +428,20 @@ def test_stream_loads_are_queue_bit_for_bit(shape):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_fused_is_queue_na_bit_for_bit(shape):
-    """EXPERTS_FUSED runs the two kernels' items in one kernel, an expert a cluster: the rows
-    equal _half4_scatter_up_queue_na's bit for bit."""
-    assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupnafused", "nvfp4_marlin-v3half4scatterupqueuena")
-
-
-@pytest.mark.parametrize("spare", ["spare", "spare2"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_down_spare_is_queue_na_bit_for_bit(shape, spare):
+def test_down_spare_is_queue_na_bit_for_bit(shape):
     """EXPERTS_DOWN_SPARE drops L2 prefetches only: the rows equal _half4_scatter_up_queue_na's
     bit for bit."""
-    assert_same_rows(shape, f"nvfp4_marlin-v3half4scatterupqueuena{spare}", "nvfp4_marlin-v3half4scatterupqueuena")
+    assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuenaspare", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
-def replays_over_distinct(op, spec, seed: int, final: bool = False):
+def replays_over_distinct(op, spec, seed: int):
     """One graph of ``op.run`` at 8 rows (captured after an eager run on a side stream),
     replayed 40 times with new x and ids (1 to 64 distinct experts, so the count of items
     changes), rows set to NaN before each. Yields (replay, x, topk, rows) after each."""
     b, k = 8, spec.top_k
     x = torch.zeros(b, spec.P, dtype=torch.bfloat16, device="cuda")
     ids = torch.zeros(b, k, dtype=torch.int32, device="cuda")
-    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"), final)
+    topk = RoutedTopk(ids, torch.ones(b, k, device="cuda"))
     rows = torch.zeros(b, k, spec.P, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -486,36 +473,18 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
     return torch.equal(rows.view(torch.int16), want.view(torch.int16))
 
 
-def test_down_queue_resets_over_replays():
+@pytest.mark.parametrize("fmt", ["v3half4scatterupqueue", "v3half4scatterupqueuenaspare"])
+def test_down_queue_resets_over_replays(fmt):
     """The queue's counter and count of finished blocks are back at zero after every
     launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
-    count of items changes), each replay's rows equal _half4_scatter_up's."""
+    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue and
+    for _queue_na_spare, whose down kernel warms only its first item)."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
-    queued = provider("nvfp4_marlin-v3half4scatterupqueue").build(context(spec, experts), 0)
+    queued = provider(f"nvfp4_marlin-{fmt}").build(context(spec, experts), 0)
     plain = provider("nvfp4_marlin-v3half4scatterup").build(context(spec, experts), 0)
     for i, x, topk, rows in replays_over_distinct(queued, spec, seed=41):
         assert queued.queue.tolist() == [0, 0], i
-        if i >= 0:
-            assert same_rows_as(plain, x, topk, rows), i
-
-
-@pytest.mark.parametrize("final", [False, True])
-@pytest.mark.parametrize("clusters", [None, 3])
-def test_fused_over_replays(clusters, final):
-    """EXPERTS_FUSED over 40 replays of one graph with new x and ids (1 to 64 distinct
-    experts): each replay's rows equal _half4_scatter_up_queue_na's bit for bit, with the
-    grid's clusters (66 on an H100's 132 SMs) or 3 of them (so a cluster takes many slots,
-    one after another), and the ids final at launch or not (EXPERTS_EARLY's two paths)."""
-    spec, sharding = SHAPES["tp8-rank-expert-tp"]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=53)
-    fused = provider("nvfp4_marlin-v3half4scatterupnafused").build(context(spec, experts), 0)
-    plain = provider("nvfp4_marlin-v3half4scatterupqueuena").build(context(spec, experts), 0)
-    c = fused.cluster_size(spec.P, fused.intermediate)
-    assert fused.grid_fused % c == 0
-    if clusters is not None:
-        fused.grid_fused = clusters * c
-    for i, x, topk, rows in replays_over_distinct(fused, spec, seed=59, final=final):
         if i >= 0:
             assert same_rows_as(plain, x, topk, rows), i
 

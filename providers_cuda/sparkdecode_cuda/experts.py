@@ -169,12 +169,8 @@ class CudaExperts(_Cuda):
     down_queue: ClassVar[int] = 0
     # experts.cu's EXPERTS_STREAM_LOADS: the V3 Marlin loop's code words loaded past L1
     stream_loads: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_SPARE: the down kernel's L2 prefetches thinned (1: not the
-    # next item's first batch; 2: nor the K loop's next batch)
+    # experts.cu's EXPERTS_DOWN_SPARE: the down kernel's only L2 prefetch a block's first item
     down_spare: ClassVar[int] = 0
-    # experts.cu's EXPERTS_FUSED: one kernel (experts_fused_kernel) in place of the two, so
-    # no up or down kernel to launch alone
-    fused: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -201,11 +197,11 @@ class CudaExperts(_Cuda):
         defines = self.kernel_defines(spec.P, self.intermediate, spec.top_k)
         self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.down = Kernel(SOURCE, "experts_down_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        slots = self.slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
+        slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
         self.act = ctx.scratch(
             f"cuda_experts_act_{self.intermediate}", (max(slots, 1), MAX_ROWS, self.intermediate), torch.bfloat16
         )
-        sms = self.sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         tiles_up = self.up_tiles(spec.P, self.intermediate)
         tiles_down = spec.P // (DOWN_ROWS[self.format] * (8 // self.down_warps_k(spec.P, self.intermediate)))
         self.grid_up = max(1, min(slots * tiles_up, self.up_blocks * sms))
@@ -766,69 +762,19 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa(CudaExpertsNvfp4MarlinV3Half
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na`` whose down kernel does not
-    warm each next item's first batch into L2 (experts.cu's EXPERTS_DOWN_SPARE = 1): warming
-    the whole next item instead was slower on the H100 (bench/NOTES.md v33). Prefetches
-    only: the same bits. Not registered: not yet measured."""
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na`` whose down kernel warms into
+    L2 only a block's first item, before its PDL wait (experts.cu's EXPERTS_DOWN_SPARE): not
+    each next item's first batch, nor the K loop's next batch. Prefetches only: the same bits
+    (GPU-tested at every shape; memcheck and racecheck clean). Registered: on an H100,
+    chained at expert TP 83.7-84.0 us a layer against 84.5-84.6 at 55 experts and 92.5
+    against 95.0-95.1 at 64 (62.7-62.9 against 60.9-61.0 at 33), and the 6-layer step
+    1528.5-1530.0 us against 1533.4-1539.9 with the same pins (bench/NOTES.md v34; measured
+    as ``_queue_na_spare2``). Dropping only the next item's warm-up was no faster."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare"
+    # Above _queue_na (35): faster chained at 55 and 64 experts and in the step on the H100.
+    priority = 40
     down_spare = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare2(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
-    """``_queue_na_spare`` whose down kernel's K loop does not warm its next batch either
-    (EXPERTS_DOWN_SPARE = 2): the down kernel's only prefetch is a block's first item,
-    before its PDL wait. The same bits. Not registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare2"
-    down_spare = 2
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpNaFused(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na``'s two kernels as one
-    (experts.cu's EXPERTS_FUSED): a cluster of C blocks (C = 8 where an expert has 8 or more
-    up items) takes an expert at a time, computes its up items, meets at a cluster barrier
-    (so the act each block wrote is seen by all), then computes the expert's down items. No
-    second launch, no act round trip between kernels, and each block warms its first down
-    item while its up items run. The same items by the same code: the same bits as
-    ``_queue_na``. Not registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_na_fused"
-    down_queue = 0
-    fused = 1
-
-    @classmethod
-    def cluster_size(cls, width: int, intermediate: int) -> int:
-        """The blocks a cluster: the up items of an expert, at most 8 (the portable cluster size)."""
-        return max(1, min(8, cls.up_tiles(width, intermediate)))
-
-    @classmethod
-    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
-        return {
-            **super().kernel_defines(width, intermediate, top_k),
-            "EXPERTS_FUSED": cls.cluster_size(width, intermediate),
-        }
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        defines = self.kernel_defines(self.width, self.intermediate, self.top_k)
-        self.fused_kernel = Kernel(SOURCE, "experts_fused_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        c = defines["EXPERTS_FUSED"]
-        self.grid_fused = c * max(1, min(max(self.slots, 1), self.up_blocks * self.sms // c))
-
-    def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
-        raise NotImplementedError(f"{self.name}: one kernel; run launches it")
-
-    def launch_down(self, b: int, topk: RoutedTopk, rows: torch.Tensor) -> None:
-        raise NotImplementedError(f"{self.name}: one kernel; run launches it")
-
-    def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
-        x, ids = inputs.x, topk.ids
-        self._check_run(x, ids, rows)
-        e = self.experts
-        _, _, w2_scale, w2_global = self.scales
-        args = [*self._up_args(x, ids), *self._routing_args(topk), ptr(e.w2), ptr(w2_scale), ptr(w2_global), ptr(rows)]
-        self.fused_kernel.launch((self.grid_fused, 1, 1), (256, 1, 1), args)
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

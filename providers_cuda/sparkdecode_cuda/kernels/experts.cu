@@ -154,11 +154,11 @@
 // only churn it, so that x's words, which every warp of an expert reads again, stay there.
 // The same values loaded: the same bits.
 // EXPERTS_DOWN_SPARE (a define, 0 when absent; V3 Marlin with EXPERTS_LEAN): the down
-// kernel's L2 prefetches thinned: 1 drops the next item's first batch, 2 the K loop's
-// next batch too (a block's first item is still warmed before its PDL wait). At expert
-// TP a warp's item is 8 steps, two batches; warming more of the next item (the whole of
-// it) was slower on the H100 (bench/NOTES.md v33), so this asks whether less is faster.
-// Prefetches only: the same bits.
+// kernel without its L2 prefetches but a block's first item's, before its PDL wait: not
+// each next item's first batch, nor the K loop's next batch. At expert TP a warp's item is
+// 8 steps, two batches. On the H100, warming more of the next item (the whole of it) was
+// slower; warming none was faster at 55 and 64 experts, slower at 33 (bench/NOTES.md v33,
+// v34). Prefetches only: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -1223,8 +1223,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
                                                 nrow0, wk * (I_LOCAL / WK2));
       }
 #endif
-      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, EXPERTS_DOWN_SPARE < 2>(W, row0, wk * (I_LOCAL / WK2),
-                                                                  act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
+      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, !EXPERTS_DOWN_SPARE>(W, row0, wk * (I_LOCAL / WK2),
+                                                                 act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
       reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
     }
 #if EXPERTS_DOWN_SCATTER

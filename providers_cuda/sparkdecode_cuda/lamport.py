@@ -67,6 +67,16 @@ Liveness. A slow rank only delays the others (they spin). The spin traps with a
 message after LAMPORT_SPIN_LIMIT_NS (ten minutes) instead of hanging forever; a
 rank that stops making calls (a crash) is the only way to reach it.
 
+Release. A workspace's finalizer waits for this rank's own kernels
+(``cuCtxSynchronize``), closes the peers' mappings and frees this rank's buffer,
+with no exchange with the peers. That is safe when the ranks stop after the same
+calls, as they do (the same calls in the same order, above): when rank r's last call
+has finished, every peer's push of that call into r's buffer has landed (r read each
+one), and a peer writes r's buffer only in a call, so no later write comes. A rank
+that stops after fewer calls than its peers (a crash) leaves them spinning toward
+the trap, and their pushes of the calls it never makes go to a buffer it may have
+freed.
+
 The build is collective: every rank allocates, fills with the sentinel, then
 exchanges IPC handles with ``all_gather_object`` over the TP group (gloo or NCCL)
 at the same point of the build (the executor's first build of a provider that
@@ -116,6 +126,7 @@ def capacity(ctx: BuildContext) -> int:
 def _close(peers: list, local: object) -> None:
     from cuda.bindings import driver
 
+    driver.cuCtxSynchronize()  # this rank's own kernels done with the buffers (result unchecked, as below)
     for p in peers:  # at interpreter exit the context may be gone: nothing left to release
         driver.cuIpcCloseMemHandle(p)
     driver.cuMemFree(local)

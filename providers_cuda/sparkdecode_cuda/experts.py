@@ -223,7 +223,7 @@ class CudaExperts(_Cuda):
         wk = cls.down_warps_k(width, intermediate)
         if wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
-        defines.update({define: int(getattr(cls, attr)) for attr, define in SWITCHES if getattr(cls, attr)})
+        defines.update({define: 1 for attr, define in SWITCHES if getattr(cls, attr)})
         return defines
 
     @classmethod

@@ -8,6 +8,6 @@
 #       v="${ALLPINS/linear=cute.linear_tma/linear=NAME} --provider MODULE:CLASS"
 PINS="--pin boundary=cuda.boundary --pin attention=cuda.attention --pin attention_boundary=cuda.attention_boundary"
 PINS="$PINS --pin moe=cuda.moe --pin final=cuda.final --pin experts=cuda.experts_slice2 --pin all_reduce=cuda.all_reduce"
-ALLPINS="$PINS --pin experts_nvfp4=cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue --pin attention_core=flashinfer.fa2"
+ALLPINS="$PINS --pin experts_nvfp4=cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare --pin attention_core=flashinfer.fa2"
 ALLPINS="$ALLPINS --pin linear=cute.linear_tma"
 export PINS ALLPINS

@@ -509,6 +509,65 @@ def test_down_spare(width, intermediate):
     assert prefetches(plain) > prefetches(variant) > 0  # the first item's, before the PDL wait
 
 
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
+def test_down_claim_ahead(width, intermediate):
+    """_queue_na_spare_claim and _claim_red2 (not registered): _queue_na_spare's defines plus
+    EXPERTS_DOWN_CLAIM_AHEAD (and EXPERTS_DOWN_RED2); spill-free and fitting; the up
+    kernel's PTX is _queue_na_spare's. The down kernel's barriers move as described below,
+    and RED2's reduction buffer is twice the parent's."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
+    claim = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaim
+    red2 = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2
+    base = parent.kernel_defines(width, intermediate, 8)
+    assert claim.kernel_defines(width, intermediate, 8) == {**base, "EXPERTS_DOWN_CLAIM_AHEAD": 1}
+    assert red2.kernel_defines(width, intermediate, 8) == {
+        **base,
+        "EXPERTS_DOWN_CLAIM_AHEAD": 1,
+        "EXPERTS_DOWN_RED2": 1,
+    }
+    assert claim not in plugin.PROVIDERS and red2 not in plugin.PROVIDERS
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    plain = ptx_of(base)
+    wk2 = parent.down_warps_k(width, intermediate)
+
+    def barriers(ptx: str) -> int:
+        return len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx_entry(ptx, "experts_down_kernel")))
+
+    def red_bytes(ptx: str) -> int:
+        entry = ptx_entry(ptx, "experts_down_kernel")
+        return max(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S*red\S*\[(\d+)\]", entry))
+
+    for cls in (claim, red2):
+        defines = cls.kernel_defines(width, intermediate, 8)
+        assert_kernels_fit(defines, cls)
+        ptx = ptx_of(defines)
+        assert ptx_entry(ptx, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+        # Static counts: the claim's barrier at an item's start leaves and one comes on the
+        # path where the rank holds no expert (no K reduction there); with one warp along K
+        # (no barrier in reduce_k) one more on the held path; RED2 drops reduce_k's first.
+        expected = barriers(plain) + (1 if wk2 == 1 else 0) - (1 if cls is red2 and wk2 > 1 else 0)
+        assert barriers(ptx) == expected, cls.name
+    assert red_bytes(ptx_of(red2.kernel_defines(width, intermediate, 8))) == 2 * red_bytes(plain)
+
+
+def test_down_claim_ahead_refuses_other_kernels():
+    """EXPERTS_DOWN_CLAIM_AHEAD without the spare queue kernel, and EXPERTS_DOWN_RED2 without
+    the claim ahead, are compile errors naming them."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    queue_na = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa.kernel_defines(4096, 512, 8)
+    with pytest.raises(AssertionError, match="EXPERTS_DOWN_CLAIM_AHEAD is for"):
+        ptx_of({**queue_na, "EXPERTS_DOWN_CLAIM_AHEAD": 1})
+    spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
+    with pytest.raises(AssertionError, match="EXPERTS_DOWN_RED2 is for"):
+        ptx_of({**spare, "EXPERTS_DOWN_RED2": 1})
+
+
 def test_down_spare_refuses_other_kernels():
     """EXPERTS_DOWN_SPARE outside the lean V3 Marlin kernels is a compile error naming it."""
     from sparkdecode_cuda import nvrtc

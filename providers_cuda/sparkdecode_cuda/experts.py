@@ -133,6 +133,8 @@ SWITCHES = (
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
     ("down_spare", "EXPERTS_DOWN_SPARE"),
+    ("down_claim_ahead", "EXPERTS_DOWN_CLAIM_AHEAD"),
+    ("down_red2", "EXPERTS_DOWN_RED2"),
 )
 
 
@@ -171,6 +173,12 @@ class CudaExperts(_Cuda):
     stream_loads: ClassVar[int] = 0
     # experts.cu's EXPERTS_DOWN_SPARE: the down kernel's only L2 prefetch a block's first item
     down_spare: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_CLAIM_AHEAD: the down kernel's claim of its next item in
+    # flight through the item's GEMM, published before the K reduction's barrier
+    down_claim_ahead: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_RED2: the down kernel's K reduction buffer doubled, one
+    # barrier an item
+    down_red2: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -775,6 +783,32 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
     # Above _queue_na (35): faster chained at 55 and 64 experts and in the step on the H100.
     priority = 40
     down_spare = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaim(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` whose down kernel keeps
+    the claim of its next item in flight through the item's GEMM (experts.cu's
+    EXPERTS_DOWN_CLAIM_AHEAD), where the parent's block waits for the claim's atomic at a
+    barrier when each item starts. The same items: the same bits. Not registered: not yet
+    measured."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_claim"
+    priority = 41
+    down_claim_ahead = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2(
+    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaim
+):
+    """``..._queue_na_spare_claim`` with the down kernel's K reduction buffer doubled
+    (experts.cu's EXPERTS_DOWN_RED2): an item's partials go to the half its count picks, so
+    the reduction needs no barrier before its stores, one barrier an item in place of two
+    (32 KB of static shared memory a block). The same sums: the same bits. Not registered:
+    not yet measured."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_claim_red2"
+    priority = 42
+    down_red2 = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -777,10 +777,13 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
     chained at expert TP 83.7-84.0 us a layer against 84.5-84.6 at 55 experts and 92.5
     against 95.0-95.1 at 64 (62.7-62.9 against 60.9-61.0 at 33), and the 6-layer step
     1528.5-1530.0 us against 1533.4-1539.9 with the same pins (bench/NOTES.md v34; measured
-    as ``_queue_na_spare2``). Dropping only the next item's warm-up was no faster."""
+    as ``_queue_na_spare2``). Dropping only the next item's warm-up was no faster. On the
+    H200, 70.9 us a layer chained against 73.5-73.6 at 55 experts (52.0-52.2 against 54.2
+    at 33, level at 64), and the 62-layer step 9.86 ms against ``_queue``'s 10.03
+    (bench/NOTES.md v35)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare"
-    # Above _queue_na (35): faster chained at 55 and 64 experts and in the step on the H100.
+    # Above _queue_na (35): faster chained and in the step on the H100 and the H200.
     priority = 40
     down_spare = 1
 

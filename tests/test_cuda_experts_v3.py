@@ -553,6 +553,32 @@ def test_down_claim_ahead(width, intermediate):
     assert red_bytes(ptx_of(red2.kernel_defines(width, intermediate, 8))) == 2 * red_bytes(plain)
 
 
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])
+def test_down_sb8(width, intermediate):
+    """_queue_na_spare_sb8 (not registered): _queue_na_spare's defines with the down kernel's
+    batch at 8 steps and 3 blocks an SM; spill-free and fitting there; the up kernel's PTX is
+    _queue_na_spare's; the down loop's code words a batch twice as many."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8
+    base = parent.kernel_defines(width, intermediate, 8)
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_DOWN_SB": 8, "EXPERTS_DOWN_BLOCKS": 3}
+    assert cls not in plugin.PROVIDERS
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+
+    def code_loads(ptx: str) -> int:
+        return len(re.findall(r"ld\.global\.nc\.L1::no_allocate\.v4\.u32", ptx_entry(ptx, "experts_down_kernel")))
+
+    steps = intermediate // parent.down_warps_k(width, intermediate) // 16
+    assert code_loads(plain) == min(steps, 4) and code_loads(variant) == min(steps, 8)
+
+
 def test_down_claim_ahead_refuses_other_kernels():
     """EXPERTS_DOWN_CLAIM_AHEAD without the spare queue kernel, and EXPERTS_DOWN_RED2 without
     the claim ahead, are compile errors naming them."""
@@ -566,6 +592,11 @@ def test_down_claim_ahead_refuses_other_kernels():
     spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
     with pytest.raises(AssertionError, match="EXPERTS_DOWN_RED2 is for"):
         ptx_of({**spare, "EXPERTS_DOWN_RED2": 1})
+    bf16 = experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8)
+    with pytest.raises(AssertionError, match="EXPERTS_DOWN_SB"):
+        ptx_of({**bf16, "EXPERTS_DOWN_SB": 8})
+    with pytest.raises(AssertionError, match="EXPERTS_DOWN_SB"):
+        ptx_of({**spare, "EXPERTS_DOWN_SB": 16})
 
 
 def test_down_spare_refuses_other_kernels():

@@ -136,7 +136,9 @@ def provider(fmt: str):
     -v3half4scatterup with EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
     "-v3half4scatterupqueuenaspare": that with the down kernel's L2 prefetches only its
-    blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenaspareclaim": that with
+    blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenasparesb8": that with the
+    down kernel's batch at 8 steps on 3 blocks an SM (EXPERTS_DOWN_SB),
+    "-v3half4scatterupqueuenaspareclaim": that with
     the claim of the next item in flight through the item (EXPERTS_DOWN_CLAIM_AHEAD),
     "-v3half4scatterupqueuenaspareclaimred2": that with the K reduction's buffer doubled
     (EXPERTS_DOWN_RED2),
@@ -169,6 +171,7 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
         "nvfp4_marlin-v3half4scatterupqueuenaspare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
+        "nvfp4_marlin-v3half4scatterupqueuenasparesb8": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8,
         "nvfp4_marlin-v3half4scatterupqueuenaspareclaim": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaim,
         "nvfp4_marlin-v3half4scatterupqueuenaspareclaimred2": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2
@@ -441,12 +444,16 @@ def test_down_spare_is_queue_na_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuenaspare", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
-@pytest.mark.parametrize("fmt", ["v3half4scatterupqueuenaspareclaim", "v3half4scatterupqueuenaspareclaimred2"])
+@pytest.mark.parametrize(
+    "fmt",
+    ["v3half4scatterupqueuenasparesb8", "v3half4scatterupqueuenaspareclaim", "v3half4scatterupqueuenaspareclaimred2"],
+)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_down_claim_ahead_is_spare_bit_for_bit(shape, fmt):
-    """EXPERTS_DOWN_CLAIM_AHEAD (and EXPERTS_DOWN_RED2) move when the claim is published and
-    where the partials are reduced, not what is summed: the rows equal
-    _half4_scatter_up_queue_na_spare's bit for bit."""
+    """EXPERTS_DOWN_SB changes how many steps are loaded together, EXPERTS_DOWN_CLAIM_AHEAD
+    (and EXPERTS_DOWN_RED2) when the claim is published and where the partials are
+    reduced, not what is summed: the rows equal _half4_scatter_up_queue_na_spare's bit for
+    bit."""
     assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
 
 
@@ -494,6 +501,7 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
     [
         "v3half4scatterupqueue",
         "v3half4scatterupqueuenaspare",
+        "v3half4scatterupqueuenasparesb8",
         "v3half4scatterupqueuenaspareclaim",
         "v3half4scatterupqueuenaspareclaimred2",
     ],

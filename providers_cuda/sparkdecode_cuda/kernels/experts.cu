@@ -159,6 +159,11 @@
 // 8 steps, two batches. On the H100, warming more of the next item (the whole of it) was
 // slower; warming none was faster at 55 and 64 experts, slower at 33 (bench/NOTES.md v33,
 // v34). Prefetches only: the same bits.
+// EXPERTS_DOWN_SB (a define, 4 when absent; 2 or 8, V3 Marlin): the down kernel's steps
+// loaded together, the most of a warp's K-slice a batch holds in registers. At expert TP a
+// warp's item is 8 steps: 8 loads it whole at once, where 4 waits twice. With the blocks an
+// SM at 3 (EXPERTS_DOWN_BLOCKS), 85 registers hold the 48 of the batch's loads. The same
+// MMAs in the same order: the same bits.
 // EXPERTS_DOWN_CLAIM_AHEAD (a define, 0 when absent; with EXPERTS_DOWN_QUEUE and
 // EXPERTS_DOWN_SPARE): the claim of the block's next item stays in flight through the
 // item's GEMM. Without it thread 0 stores the claim when the item starts and the block
@@ -250,6 +255,9 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #ifndef EXPERTS_DOWN_SPARE
 #define EXPERTS_DOWN_SPARE 0
 #endif
+#ifndef EXPERTS_DOWN_SB
+#define EXPERTS_DOWN_SB 4
+#endif
 #ifndef EXPERTS_DOWN_CLAIM_AHEAD
 #define EXPERTS_DOWN_CLAIM_AHEAD 0
 #endif
@@ -300,6 +308,9 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_DOWN_SPARE && !(EXPERTS_V3 && FMT == 2 && EXPERTS_LEAN)
 #error "EXPERTS_DOWN_SPARE is for the V3 Marlin kernels with EXPERTS_LEAN"
+#endif
+#if EXPERTS_DOWN_SB != 4 && !(EXPERTS_V3 && FMT == 2 && (EXPERTS_DOWN_SB == 2 || EXPERTS_DOWN_SB == 8))
+#error "EXPERTS_DOWN_SB (2 or 8) is for the V3 Marlin down kernel"
 #endif
 #if EXPERTS_DOWN_CLAIM_AHEAD && !(EXPERTS_DOWN_QUEUE && EXPERTS_DOWN_SPARE)
 #error "EXPERTS_DOWN_CLAIM_AHEAD is for the EXPERTS_DOWN_QUEUE down kernel with EXPERTS_DOWN_SPARE"
@@ -622,12 +633,12 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
 // block and 8 scale bytes per block: the layout's own fragments (see the top).
 // `steps`: the steps of 16 k from k0, a multiple of the batch SB (the whole slice, STEPS,
 // by default).
-template <int K, int N, int WK_, int NBLK, bool LOOP_PREFETCH = true>
+template <int K, int N, int WK_, int NBLK, bool LOOP_PREFETCH = true, int MAX_SB = 4>
 __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
                                                  const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4],
                                                  int steps) {
   constexpr int STEPS = K / WK_ / 16;
-  constexpr int SB = STEPS < 4 ? STEPS : 4;  // steps loaded together
+  constexpr int SB = STEPS < MAX_SB ? STEPS : MAX_SB;  // steps loaded together
   static_assert(STEPS % SB == 0, "steps per batch");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -859,12 +870,12 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
 // rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default;
 // LOOP_PREFETCH: the lean loop's L2 prefetch of each next batch).
-template <int K, int N, int WK_, int NT, bool LOOP_PREFETCH = true>
+template <int K, int N, int WK_, int NT, bool LOOP_PREFETCH = true, int MAX_SB = 4>
 __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT / TPB], int k0,
                                             const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4],
                                             int steps = K / WK_ / 16) {
 #if FMT == 2
-  warp_gemm_marlin<K, N, WK_, NT / TPB, LOOP_PREFETCH>(W, row0, k0, x, xs, nx, c, steps);
+  warp_gemm_marlin<K, N, WK_, NT / TPB, LOOP_PREFETCH, MAX_SB>(W, row0, k0, x, xs, nx, c, steps);
 #else
   static_assert(NT == 2, "two tiles a warp");
   warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
@@ -1256,8 +1267,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
                                                 nrow0, wk * (I_LOCAL / WK2));
       }
 #endif
-      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, !EXPERTS_DOWN_SPARE>(W, row0, wk * (I_LOCAL / WK2),
-                                                                 act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
+      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, !EXPERTS_DOWN_SPARE, EXPERTS_DOWN_SB>(
+          W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
 #if EXPERTS_DOWN_CLAIM_AHEAD
       if (threadIdx.x == 0) claimed[nth & 1] = (int)gridDim.x + claim;  // ordered by reduce_k's barrier
       reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0, EXPERTS_DOWN_RED2 != 0>(

@@ -577,6 +577,17 @@ def test_down_sb8(width, intermediate):
 
     steps = intermediate // parent.down_warps_k(width, intermediate) // 16
     assert code_loads(plain) == min(steps, 4) and code_loads(variant) == min(steps, 8)
+    # with the claim ahead and one barrier an item as well (_sb8_claim_red2): the same fit
+    both = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8ClaimRed2
+    assert both.kernel_defines(width, intermediate, 8) == {
+        **experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2.kernel_defines(
+            width, intermediate, 8
+        ),
+        "EXPERTS_DOWN_SB": 8,
+        "EXPERTS_DOWN_BLOCKS": 3,
+    }
+    assert both not in plugin.PROVIDERS
+    assert_kernels_fit(both.kernel_defines(width, intermediate, 8), both)
 
 
 def test_down_claim_ahead_refuses_other_kernels():

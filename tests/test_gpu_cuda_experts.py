@@ -141,7 +141,7 @@ def provider(fmt: str):
     "-v3half4scatterupqueuenaspareclaim": that with
     the claim of the next item in flight through the item (EXPERTS_DOWN_CLAIM_AHEAD),
     "-v3half4scatterupqueuenaspareclaimred2": that with the K reduction's buffer doubled
-    (EXPERTS_DOWN_RED2),
+    (EXPERTS_DOWN_RED2), "-v3half4scatterupqueuenasparesb8claimred2": that with -sb8's batch,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -175,6 +175,9 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueuenaspareclaim": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaim,
         "nvfp4_marlin-v3half4scatterupqueuenaspareclaimred2": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenasparesb8claimred2": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8ClaimRed2
         ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -446,7 +449,12 @@ def test_down_spare_is_queue_na_bit_for_bit(shape):
 
 @pytest.mark.parametrize(
     "fmt",
-    ["v3half4scatterupqueuenasparesb8", "v3half4scatterupqueuenaspareclaim", "v3half4scatterupqueuenaspareclaimred2"],
+    [
+        "v3half4scatterupqueuenasparesb8",
+        "v3half4scatterupqueuenaspareclaim",
+        "v3half4scatterupqueuenaspareclaimred2",
+        "v3half4scatterupqueuenasparesb8claimred2",
+    ],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_down_claim_ahead_is_spare_bit_for_bit(shape, fmt):
@@ -504,6 +512,7 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
         "v3half4scatterupqueuenasparesb8",
         "v3half4scatterupqueuenaspareclaim",
         "v3half4scatterupqueuenaspareclaimred2",
+        "v3half4scatterupqueuenasparesb8claimred2",
     ],
 )
 def test_down_queue_resets_over_replays(fmt):

@@ -832,6 +832,19 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2(
     down_red2 = 1
 
 
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8ClaimRed2(
+    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2
+):
+    """``..._claim_red2`` with ``_sb8``'s down kernel batch (8 steps, 3 blocks an SM): the
+    two changes together, for the measure that tells whether their gains add. The same
+    bits. Not registered: not yet measured."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_sb8_claim_red2"
+    priority = 44
+    down_blocks = 3
+    down_sb = 8
+
+
 class CudaExpertsSlice2(_SliceDown, CudaExperts):
     """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
     (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four

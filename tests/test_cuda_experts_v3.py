@@ -591,8 +591,9 @@ def test_down_sb8(width, intermediate):
 
 
 def test_down_claim_ahead_refuses_other_kernels():
-    """EXPERTS_DOWN_CLAIM_AHEAD without the spare queue kernel, and EXPERTS_DOWN_RED2 without
-    the claim ahead, are compile errors naming them."""
+    """EXPERTS_DOWN_CLAIM_AHEAD without the spare queue kernel, EXPERTS_DOWN_RED2 without the
+    claim ahead, and EXPERTS_DOWN_SB outside the V3 Marlin kernels or at another batch than
+    8, are compile errors naming them."""
     from sparkdecode_cuda import nvrtc
 
     if nvrtc.nvrtc_unavailable() is not None:

@@ -795,7 +795,7 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
     """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` whose down kernel loads
     8 steps together (experts.cu's EXPERTS_DOWN_SB = 8; 4 before), on 3 blocks an SM (4
-    before) so that 85 registers hold the batch. At expert TP a warp's item is 8 steps: its
+    before), whose 85 registers a thread hold the batch (78 used). At expert TP a warp's item is 8 steps: its
     loads all in flight at once where the parent waits twice, and 192 steps' loads in flight
     an SM where the parent has 128. The same MMAs in the same order: the same bits. Not
     registered: not yet measured."""
@@ -814,7 +814,7 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaim(CudaExpertsNvfp4Ma
     measured."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_claim"
-    priority = 41
+    priority = 42
     down_claim_ahead = 1
 
 
@@ -828,7 +828,7 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2(
     not yet measured."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_claim_red2"
-    priority = 42
+    priority = 43
     down_red2 = 1
 
 

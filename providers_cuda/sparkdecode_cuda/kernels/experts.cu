@@ -159,7 +159,7 @@
 // 8 steps, two batches. On the H100, warming more of the next item (the whole of it) was
 // slower; warming none was faster at 55 and 64 experts, slower at 33 (bench/NOTES.md v33,
 // v34). Prefetches only: the same bits.
-// EXPERTS_DOWN_SB (a define, 4 when absent; 2 or 8, V3 Marlin): the down kernel's steps
+// EXPERTS_DOWN_SB (a define, 4 when absent; 8, V3 Marlin): the down kernel's steps
 // loaded together, the most of a warp's K-slice a batch holds in registers. At expert TP a
 // warp's item is 8 steps: 8 loads it whole at once, where 4 waits twice. With the blocks an
 // SM at 3 (EXPERTS_DOWN_BLOCKS), 85 registers hold the 48 of the batch's loads. The same
@@ -309,8 +309,8 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #if EXPERTS_DOWN_SPARE && !(EXPERTS_V3 && FMT == 2 && EXPERTS_LEAN)
 #error "EXPERTS_DOWN_SPARE is for the V3 Marlin kernels with EXPERTS_LEAN"
 #endif
-#if EXPERTS_DOWN_SB != 4 && !(EXPERTS_V3 && FMT == 2 && (EXPERTS_DOWN_SB == 2 || EXPERTS_DOWN_SB == 8))
-#error "EXPERTS_DOWN_SB (2 or 8) is for the V3 Marlin down kernel"
+#if EXPERTS_DOWN_SB != 4 && !(EXPERTS_V3 && FMT == 2 && EXPERTS_DOWN_SB == 8)
+#error "EXPERTS_DOWN_SB (8) is for the V3 Marlin down kernel"
 #endif
 #if EXPERTS_DOWN_CLAIM_AHEAD && !(EXPERTS_DOWN_QUEUE && EXPERTS_DOWN_SPARE)
 #error "EXPERTS_DOWN_CLAIM_AHEAD is for the EXPERTS_DOWN_QUEUE down kernel with EXPERTS_DOWN_SPARE"

@@ -138,8 +138,8 @@ def provider(fmt: str):
     "-v3half4scatterupqueuenaspare": that with the down kernel's L2 prefetches only its
     blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenasparesb8": that with the
     down kernel's batch at 8 steps on 3 blocks an SM (EXPERTS_DOWN_SB),
-    "-v3half4scatterupqueuenaspareclaim": that with
-    the claim of the next item in flight through the item (EXPERTS_DOWN_CLAIM_AHEAD),
+    "-v3half4scatterupqueuenaspareclaim": -v3half4scatterupqueuenaspare with the claim of the
+    next item in flight through the item (EXPERTS_DOWN_CLAIM_AHEAD),
     "-v3half4scatterupqueuenaspareclaimred2": that with the K reduction's buffer doubled
     (EXPERTS_DOWN_RED2), "-v3half4scatterupqueuenasparesb8claimred2": that with -sb8's batch,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
@@ -457,7 +457,7 @@ def test_down_spare_is_queue_na_bit_for_bit(shape):
     ],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_down_claim_ahead_is_spare_bit_for_bit(shape, fmt):
+def test_down_spare_forms_are_bit_for_bit(shape, fmt):
     """EXPERTS_DOWN_SB changes how many steps are loaded together, EXPERTS_DOWN_CLAIM_AHEAD
     (and EXPERTS_DOWN_RED2) when the claim is published and where the partials are
     reduced, not what is summed: the rows equal _half4_scatter_up_queue_na_spare's bit for

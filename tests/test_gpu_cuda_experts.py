@@ -136,12 +136,7 @@ def provider(fmt: str):
     -v3half4scatterup with EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
     "-v3half4scatterupqueuenaspare": that with the down kernel's L2 prefetches only its
-    blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenasparesb8": that with the
-    down kernel's batch at 8 steps on 3 blocks an SM (EXPERTS_DOWN_SB),
-    "-v3half4scatterupqueuenaspareclaim": -v3half4scatterupqueuenaspare with the claim of the
-    next item in flight through the item (EXPERTS_DOWN_CLAIM_AHEAD),
-    "-v3half4scatterupqueuenaspareclaimred2": that with the K reduction's buffer doubled
-    (EXPERTS_DOWN_RED2), "-v3half4scatterupqueuenasparesb8claimred2": that with -sb8's batch,
+    blocks' first items' (EXPERTS_DOWN_SPARE),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -171,14 +166,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
         "nvfp4_marlin-v3half4scatterupqueuenaspare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
-        "nvfp4_marlin-v3half4scatterupqueuenasparesb8": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8,
-        "nvfp4_marlin-v3half4scatterupqueuenaspareclaim": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaim,
-        "nvfp4_marlin-v3half4scatterupqueuenaspareclaimred2": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenasparesb8claimred2": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8ClaimRed2
-        ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -447,24 +434,6 @@ def test_down_spare_is_queue_na_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuenaspare", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
-@pytest.mark.parametrize(
-    "fmt",
-    [
-        "v3half4scatterupqueuenasparesb8",
-        "v3half4scatterupqueuenaspareclaim",
-        "v3half4scatterupqueuenaspareclaimred2",
-        "v3half4scatterupqueuenasparesb8claimred2",
-    ],
-)
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_down_spare_forms_are_bit_for_bit(shape, fmt):
-    """EXPERTS_DOWN_SB changes how many steps are loaded together, EXPERTS_DOWN_CLAIM_AHEAD
-    (and EXPERTS_DOWN_RED2) when the claim is published and where the partials are
-    reduced, not what is summed: the rows equal _half4_scatter_up_queue_na_spare's bit for
-    bit."""
-    assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
-
-
 def replays_over_distinct(op, spec, seed: int):
     """One graph of ``op.run`` at 8 rows (captured after an eager run on a side stream),
     replayed 40 times with new x and ids (1 to 64 distinct experts, so the count of items
@@ -504,23 +473,12 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
     return torch.equal(rows.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize(
-    "fmt",
-    [
-        "v3half4scatterupqueue",
-        "v3half4scatterupqueuenaspare",
-        "v3half4scatterupqueuenasparesb8",
-        "v3half4scatterupqueuenaspareclaim",
-        "v3half4scatterupqueuenaspareclaimred2",
-        "v3half4scatterupqueuenasparesb8claimred2",
-    ],
-)
+@pytest.mark.parametrize("fmt", ["v3half4scatterupqueue", "v3half4scatterupqueuenaspare"])
 def test_down_queue_resets_over_replays(fmt):
     """The queue's counter and count of finished blocks are back at zero after every
     launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
-    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue, for
-    _queue_na_spare, whose down kernel warms only its first item, and for its forms that
-    publish each claim later)."""
+    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue and
+    for _queue_na_spare, whose down kernel warms only its first item)."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
     queued = provider(f"nvfp4_marlin-{fmt}").build(context(spec, experts), 0)

@@ -133,8 +133,6 @@ SWITCHES = (
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
     ("down_spare", "EXPERTS_DOWN_SPARE"),
-    ("down_claim_ahead", "EXPERTS_DOWN_CLAIM_AHEAD"),
-    ("down_red2", "EXPERTS_DOWN_RED2"),
 )
 
 
@@ -173,14 +171,6 @@ class CudaExperts(_Cuda):
     stream_loads: ClassVar[int] = 0
     # experts.cu's EXPERTS_DOWN_SPARE: the down kernel's only L2 prefetch a block's first item
     down_spare: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_SB: the V3 Marlin down kernel's steps loaded together (a define where not 4)
-    down_sb: ClassVar[int] = 4
-    # experts.cu's EXPERTS_DOWN_CLAIM_AHEAD: the down kernel's claim of its next item in
-    # flight through the item's GEMM, published before the K reduction's barrier
-    down_claim_ahead: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_RED2: the down kernel's K reduction buffer doubled, one
-    # barrier an item
-    down_red2: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -230,8 +220,6 @@ class CudaExperts(_Cuda):
             defines["EXPERTS_UP_BLOCKS"] = cls.up_blocks
         if cls.down_blocks != BLOCKS_PER_SM:
             defines["EXPERTS_DOWN_BLOCKS"] = cls.down_blocks
-        if cls.down_sb != 4:
-            defines["EXPERTS_DOWN_SB"] = cls.down_sb
         wk = cls.down_warps_k(width, intermediate)
         if wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
@@ -790,59 +778,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
     # Above _queue_na (35): faster chained and in the step on the H100 and the H200.
     priority = 40
     down_spare = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` whose down kernel loads
-    8 steps together (experts.cu's EXPERTS_DOWN_SB = 8; 4 before), on 3 blocks an SM (4
-    before), whose 85 registers a thread hold the batch (78 used). At expert TP a warp's item is 8 steps: its
-    loads all in flight at once where the parent waits twice, and 192 steps' loads in flight
-    an SM where the parent has 128. The same MMAs in the same order: the same bits. Not
-    registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_sb8"
-    priority = 41
-    down_blocks = 3
-    down_sb = 8
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaim(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` whose down kernel keeps
-    the claim of its next item in flight through the item's GEMM (experts.cu's
-    EXPERTS_DOWN_CLAIM_AHEAD), where the parent's block waits for the claim's atomic at a
-    barrier when each item starts. The same items: the same bits. Not registered: not yet
-    measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_claim"
-    priority = 42
-    down_claim_ahead = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2(
-    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaim
-):
-    """``..._queue_na_spare_claim`` with the down kernel's K reduction buffer doubled
-    (experts.cu's EXPERTS_DOWN_RED2): an item's partials go to the half its count picks, so
-    the reduction needs no barrier before its stores, one barrier an item in place of two
-    (32 KB of static shared memory a block). The same sums: the same bits. Not registered:
-    not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_claim_red2"
-    priority = 43
-    down_red2 = 1
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareSb8ClaimRed2(
-    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareClaimRed2
-):
-    """``..._claim_red2`` with ``_sb8``'s down kernel batch (8 steps, 3 blocks an SM): the
-    two changes together, for the measure that tells whether their gains add. The same
-    bits. Not registered: not yet measured."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_sb8_claim_red2"
-    priority = 44
-    down_blocks = 3
-    down_sb = 8
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

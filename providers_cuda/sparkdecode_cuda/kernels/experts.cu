@@ -159,22 +159,6 @@
 // 8 steps, two batches. On the H100, warming more of the next item (the whole of it) was
 // slower; warming none was faster at 55 and 64 experts, slower at 33 (bench/NOTES.md v33,
 // v34). Prefetches only: the same bits.
-// EXPERTS_DOWN_SB (a define, 4 when absent; 8, V3 Marlin): the down kernel's steps
-// loaded together, the most of a warp's K-slice a batch holds in registers. At expert TP a
-// warp's item is 8 steps: 8 loads it whole at once, where 4 waits twice. With the blocks an
-// SM at 3 (EXPERTS_DOWN_BLOCKS), 85 registers hold the 48 of the batch's loads. The same
-// MMAs in the same order: the same bits.
-// EXPERTS_DOWN_CLAIM_AHEAD (a define, 0 when absent; with EXPERTS_DOWN_QUEUE and
-// EXPERTS_DOWN_SPARE): the claim of the block's next item stays in flight through the
-// item's GEMM. Without it thread 0 stores the claim when the item starts and the block
-// waits for it at a barrier, so every item starts one atomic's round trip late; with it
-// thread 0 publishes the claim just before the K reduction's barrier, which orders it
-// before the loop reads it. The same items: the same bits.
-// EXPERTS_DOWN_RED2 (a define, 0 when absent; with EXPERTS_DOWN_CLAIM_AHEAD): the down
-// kernel's K reduction buffer doubled, an item's partials in half nth % 2, so that the
-// reduction needs no barrier before its stores (an item's half was last read two items
-// back, before the barrier of the item between): one barrier an item in place of two.
-// 32 KB of static shared memory a block at the Marlin widths. The same sums: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -255,15 +239,6 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #ifndef EXPERTS_DOWN_SPARE
 #define EXPERTS_DOWN_SPARE 0
 #endif
-#ifndef EXPERTS_DOWN_SB
-#define EXPERTS_DOWN_SB 4
-#endif
-#ifndef EXPERTS_DOWN_CLAIM_AHEAD
-#define EXPERTS_DOWN_CLAIM_AHEAD 0
-#endif
-#ifndef EXPERTS_DOWN_RED2
-#define EXPERTS_DOWN_RED2 0
-#endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
 #endif
@@ -308,15 +283,6 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_DOWN_SPARE && !(EXPERTS_V3 && FMT == 2 && EXPERTS_LEAN)
 #error "EXPERTS_DOWN_SPARE is for the V3 Marlin kernels with EXPERTS_LEAN"
-#endif
-#if EXPERTS_DOWN_SB != 4 && !(EXPERTS_V3 && FMT == 2 && EXPERTS_DOWN_SB == 8)
-#error "EXPERTS_DOWN_SB (8) is for the V3 Marlin down kernel"
-#endif
-#if EXPERTS_DOWN_CLAIM_AHEAD && !(EXPERTS_DOWN_QUEUE && EXPERTS_DOWN_SPARE)
-#error "EXPERTS_DOWN_CLAIM_AHEAD is for the EXPERTS_DOWN_QUEUE down kernel with EXPERTS_DOWN_SPARE"
-#endif
-#if EXPERTS_DOWN_RED2 && !EXPERTS_DOWN_CLAIM_AHEAD
-#error "EXPERTS_DOWN_RED2 is for the EXPERTS_DOWN_CLAIM_AHEAD down kernel"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -633,12 +599,12 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
 // block and 8 scale bytes per block: the layout's own fragments (see the top).
 // `steps`: the steps of 16 k from k0, a multiple of the batch SB (the whole slice, STEPS,
 // by default).
-template <int K, int N, int WK_, int NBLK, bool LOOP_PREFETCH = true, int MAX_SB = 4>
+template <int K, int N, int WK_, int NBLK, bool LOOP_PREFETCH = true>
 __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
                                                  const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4],
                                                  int steps) {
   constexpr int STEPS = K / WK_ / 16;
-  constexpr int SB = STEPS < MAX_SB ? STEPS : MAX_SB;  // steps loaded together
+  constexpr int SB = STEPS < 4 ? STEPS : 4;  // steps loaded together
   static_assert(STEPS % SB == 0, "steps per batch");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -870,12 +836,12 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
 // rows row0[b], K-slice from k0 (Marlin: `steps` steps of 16 k, the whole slice by default;
 // LOOP_PREFETCH: the lean loop's L2 prefetch of each next batch).
-template <int K, int N, int WK_, int NT, bool LOOP_PREFETCH = true, int MAX_SB = 4>
+template <int K, int N, int WK_, int NT, bool LOOP_PREFETCH = true>
 __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT / TPB], int k0,
                                             const bf16_t* __restrict__ x, int xs, int nx, float c[NT][4],
                                             int steps = K / WK_ / 16) {
 #if FMT == 2
-  warp_gemm_marlin<K, N, WK_, NT / TPB, LOOP_PREFETCH, MAX_SB>(W, row0, k0, x, xs, nx, c, steps);
+  warp_gemm_marlin<K, N, WK_, NT / TPB, LOOP_PREFETCH>(W, row0, k0, x, xs, nx, c, steps);
 #else
   static_assert(NT == 2, "two tiles a warp");
   warp_gemm<K, WK_>(W, row0, k0, x, xs, nx, c);
@@ -906,14 +872,12 @@ __device__ __forceinline__ bool owns_tile(int a, int wk) {
 // Adds the warps' partial sums over K in warp order; the warp wk == 0 of each wm
 // ends with the total in c (SCATTER: each tile's total in the warp that owns it,
 // owns_tile, the other tiles of c left as they were). `red`: WARPS * NT * 4 * 32 floats.
-// FREE: red is not read by any warp any more (EXPERTS_DOWN_RED2's other half), so the
-// stores need no barrier before them.
-template <int WK_, int NT, bool SCATTER = false, bool FREE = false>
+template <int WK_, int NT, bool SCATTER = false>
 __device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int wk) {
   const int lane = threadIdx.x & 31;
   constexpr int WARP_FLOATS = NT * 4 * 32;
   if (WK_ > 1) {
-    if (!FREE) __syncthreads();  // red may still be read from the previous item
+    __syncthreads();  // red may still be read from the previous item
     float* mine = red + (wm * WK_ + wk) * WARP_FLOATS;
 #pragma unroll
     for (int a = 0; a < NT; ++a)
@@ -1176,8 +1140,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const float* __restrict__ w2_global,                           // NVFP4: [E_local]
     bf16_t* __restrict__ rows QUEUE_PARAM TRACE_PARAM) {           // [b, TOP_K, P]; EXPERTS_DOWN_QUEUE's counter
   __shared__ Routes routes;
-  constexpr int RED_FLOATS = WARPS * NT2 * 4 * 32;
-  __shared__ float red[(EXPERTS_DOWN_RED2 ? 2 : 1) * RED_FLOATS];
+  __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
   // so the experts are found, and their weights loaded, before this kernel's wait.
   find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
@@ -1225,15 +1188,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   int nth = 0;
   for (int item = blockIdx.x; item < items; item = claimed[nth & 1], ++nth) {
     TRACE_NTH(nth)
-#if EXPERTS_DOWN_CLAIM_AHEAD
-    // Thread 0's claim, first used where it is published (below, before a barrier), so
-    // nothing waits for the atomic before then.
-    int claim = 0;
-    if (threadIdx.x == 0) claim = atomicAdd(queue, 1);
-#else
     if (threadIdx.x == 0) claimed[nth & 1] = (int)gridDim.x + atomicAdd(queue, 1);
     __syncthreads();
-#endif
 #else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     TRACE_ITEM(item)
@@ -1267,23 +1223,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
                                                 nrow0, wk * (I_LOCAL / WK2));
       }
 #endif
-      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, !EXPERTS_DOWN_SPARE, EXPERTS_DOWN_SB>(
-          W, row0, wk * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
-#if EXPERTS_DOWN_CLAIM_AHEAD
-      if (threadIdx.x == 0) claimed[nth & 1] = (int)gridDim.x + claim;  // ordered by reduce_k's barrier
-      reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0, EXPERTS_DOWN_RED2 != 0>(
-          c, red + (EXPERTS_DOWN_RED2 ? (nth & 1) * RED_FLOATS : 0), wm, wk);
-      if (WK2 == 1) __syncthreads();  // reduce_k has none
-#else
+      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, !EXPERTS_DOWN_SPARE>(W, row0, wk * (I_LOCAL / WK2),
+                                                                 act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
       reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
-#endif
     }
-#if EXPERTS_DOWN_CLAIM_AHEAD
-    else {
-      if (threadIdx.x == 0) claimed[nth & 1] = (int)gridDim.x + claim;
-      __syncthreads();
-    }
-#endif
 #if EXPERTS_DOWN_SCATTER
     if (wk >= NT2) continue;  // owns no tile
 #else

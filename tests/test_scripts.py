@@ -67,6 +67,34 @@ def test_experts_bounds_patches_build(monkeypatch, patch, defines):
     assert all(u.spills == 0 and u.stack == 0 for u in usage.values()), usage
 
 
+@pytest.mark.parametrize("blocks", [3, 5])
+def test_experts_bounds_down_blocks_build(blocks):
+    """``--down-blocks``' variant of the pinned Marlin kernel: the define and the grid's
+    blocks an SM at the count asked, and its down kernel built there without spills and
+    fitting (48 registers at 5)."""
+    script = load_script("experts-bounds")
+    from sparkdecode_cuda import experts as experts_mod
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
+    variant = script.with_down_blocks(cls, blocks)
+    assert variant.down_blocks == blocks and variant.name != cls.name
+    defines = variant.kernel_defines(4096, 512, 8)
+    assert defines == {**cls.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_BLOCKS": blocks}
+    nvrtc_or_skip()
+    usage = kernel_usage(experts_mod.SOURCE, defines, experts_mod.COMPILE_OPTIONS)["experts_down_kernel"]
+    assert usage.spills == 0 and usage.stack == 0, usage
+    assert 65536 // (-(-usage.registers * 32 // 256) * 256 * 8) >= blocks, usage
+
+
+def test_experts_bounds_down_blocks_refuses_bad_counts():
+    """``--down-blocks`` takes counts 1 to 8, comma-separated; anything else is refused by name."""
+    script = load_script("experts-bounds")
+    assert script.down_block_counts("") == [] and script.down_block_counts("3,5") == [3, 5]
+    for bad in ("0", "9", "3;5", "x"):
+        with pytest.raises(SystemExit, match="--down-blocks"):
+            script.down_block_counts(bad)
+
+
 def test_experts_bounds_patch_refuses_a_moved_anchor(monkeypatch):
     """A patch whose anchor is not in the source raises rather than measuring the unpatched
     kernels under the patched name."""

@@ -80,3 +80,9 @@ def kernel_ptx(source: str, defines: dict[str, int], options: tuple[str, ...]) -
 
     out, _ = _compiled(source, defines, ["--gpu-architecture=compute_90a", "-std=c++17", *options], ptx)
     return out.decode(errors="replace")
+
+
+def blocks_per_sm(registers: int, threads: int = 256) -> int:
+    """Blocks of ``threads`` an SM's 64K registers hold (a warp's registers allocated in 256s)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return 65536 // (per_warp * (threads // 32))

@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from ptxas_check import Usage, kernel_ptx, kernel_usage
+from ptxas_check import Usage, blocks_per_sm, kernel_ptx, kernel_usage
 from test_cuda_experts_marlin import emulate_gemm_weights
 from test_cuda_experts_nvfp4_lut import MASK, bf16x2, decode_word, prmt
 
@@ -183,12 +183,6 @@ def ptxas_usage(defines: dict[str, int]) -> dict[str, Usage]:
 def ptx_of(defines: dict[str, int]) -> str:
     """experts.cu's PTX under these defines."""
     return kernel_ptx(experts_mod.SOURCE, defines, experts_mod.COMPILE_OPTIONS)
-
-
-def blocks_per_sm(registers: int, threads: int = 256) -> int:
-    """Blocks of ``threads`` an SM's 64K registers hold (a warp's registers allocated in 256s)."""
-    per_warp = -(-registers * 32 // 256) * 256
-    return 65536 // (per_warp * (threads // 32))
 
 
 # SM90's shared memory: 228 KB an SM, at most 227 KB a block, 1 KB of each block's reserved

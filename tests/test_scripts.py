@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from ptxas_check import kernel_usage
+from ptxas_check import blocks_per_sm, kernel_usage
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -83,7 +83,7 @@ def test_experts_bounds_down_blocks_build(blocks):
     nvrtc_or_skip()
     usage = kernel_usage(experts_mod.SOURCE, defines, experts_mod.COMPILE_OPTIONS)["experts_down_kernel"]
     assert usage.spills == 0 and usage.stack == 0, usage
-    assert 65536 // (-(-usage.registers * 32 // 256) * 256 * 8) >= blocks, usage
+    assert blocks_per_sm(usage.registers) >= blocks, usage
 
 
 def test_experts_bounds_down_blocks_refuses_bad_counts():

@@ -361,3 +361,15 @@ def test_multi_gpu_refuses_what_this_machine_cannot_run():
     ):
         done = run(*args)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_sass_loops_reads_opcodes():
+    """sass-loops names an instruction by its opcode (for the counts) or with its modifiers
+    (for ``--loads``), a predicate in front left out either way."""
+    script = load_script("sass-loops")
+    for ins, full, short in [
+        ("LDG.E.NA.128.CONSTANT R24, desc[UR10][R60.64]", "LDG.E.NA.128.CONSTANT", "LDG"),
+        ("@!P0 LDG.E.64.CONSTANT R4, desc[UR8][R40.64+0x1000]", "LDG.E.64.CONSTANT", "LDG"),
+        ("@UP1 HMMA.16816.F32.BF16 R44, R16, R2, R44", "HMMA.16816.F32.BF16", "HMMA"),
+    ]:
+        assert script.full_opcode(ins) == full and script.opcode(ins) == short

@@ -1,0 +1,203 @@
+"""The GPU's clocks, power and clock-event reasons while work runs, sampled by ``nvidia-smi``.
+
+A benchmark times short bursts (twenty replays of a graph); a served step runs back to back
+for as long as requests come. Whether the SMs keep their clock under a sustained stream (or
+the power cap takes it down) is what this tells::
+
+    with ClockWatch(index=0) as watch:
+        with watch.phase("experts"):
+            ...  # work queued and finished inside the phase
+    print(watch.summary("experts"))
+
+The sampler is ``nvidia-smi --query-gpu=... -lms N`` in a subprocess; a thread stamps each
+line with the host's monotonic clock as it arrives, so a sample belongs to the phase whose
+interval holds its stamp (a line arrives within milliseconds of its reading).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+# nvidia-smi's names; drivers before 535 call the reasons ``clocks_throttle_reasons``
+FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "enforced.power.limit", "temperature.gpu")
+REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+# NVML's nvmlClocksEventReasons bits
+REASONS = {
+    0x1: "idle",
+    0x2: "applications clocks",
+    0x4: "power cap",
+    0x8: "hw slowdown",
+    0x10: "sync boost",
+    0x20: "sw thermal",
+    0x40: "hw thermal",
+    0x80: "hw power brake",
+    0x100: "display clocks",
+}
+
+
+class ClockWatchError(RuntimeError):
+    pass
+
+
+def reason_names(mask: int) -> str:
+    """``mask``'s reasons by name ("none" for 0; unknown bits in hex)."""
+    if mask == 0:
+        return "none"
+    names = [name for bit, name in REASONS.items() if mask & bit]
+    rest = mask & ~sum(REASONS)
+    if rest:
+        names.append(hex(rest))
+    return "+".join(names)
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float  # host monotonic seconds when the line arrived
+    sm_mhz: float
+    mem_mhz: float
+    power_w: float
+    limit_w: float
+    temp_c: float
+    reasons: int
+
+
+def parse_line(line: str, at: float) -> Sample | None:
+    """One ``--format=csv,noheader,nounits`` line of FIELDS and a reasons field, or None
+    for a line that is not one (a blank, or ``[N/A]`` where a number belongs)."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != len(FIELDS) + 1:
+        return None
+    try:
+        numbers = [float(p) for p in parts[:-1]]
+        reasons = int(parts[-1], 16)
+    except ValueError:
+        return None
+    return Sample(at, *numbers, reasons)
+
+
+@dataclass(frozen=True)
+class Summary:
+    phase: str
+    seconds: float
+    samples: int
+    sm_mhz_median: float
+    sm_mhz_min: float
+    mem_mhz_median: float
+    power_w_median: float
+    power_w_max: float
+    limit_w: float
+    temp_c_max: float
+    reasons: dict[str, float]  # each reasons mask's name and its share of the samples
+
+    def line(self) -> str:
+        reasons = ", ".join(f"{name} {share:.0%}" for name, share in self.reasons.items())
+        return (
+            f"{self.phase:<40} {self.seconds:5.2f} s {self.samples:4d}  SM {self.sm_mhz_median:5.0f} MHz "
+            f"(min {self.sm_mhz_min:5.0f})  mem {self.mem_mhz_median:5.0f}  power {self.power_w_median:4.0f} W "
+            f"(max {self.power_w_max:4.0f} of {self.limit_w:4.0f})  {self.temp_c_max:3.0f} C  {reasons}"
+        )
+
+
+def summarize(phase: str, seconds: float, samples: list[Sample]) -> Summary:
+    if not samples:
+        raise ClockWatchError(f"phase {phase!r}: no samples in {seconds:.2f} s (run it longer than the interval)")
+    sm = [s.sm_mhz for s in samples]
+    power = [s.power_w for s in samples]
+    counts = Counter(s.reasons for s in samples)
+    return Summary(
+        phase,
+        seconds,
+        len(samples),
+        statistics.median(sm),
+        min(sm),
+        statistics.median(s.mem_mhz for s in samples),
+        statistics.median(power),
+        max(power),
+        samples[-1].limit_w,
+        max(s.temp_c for s in samples),
+        {reason_names(mask): n / len(samples) for mask, n in counts.most_common()},
+    )
+
+
+def query_fields(smi: str, index: int) -> tuple[str, ...]:
+    """FIELDS and the reasons field this driver's nvidia-smi knows."""
+    for reasons in REASON_FIELDS:
+        fields = (*FIELDS, reasons)
+        done = subprocess.run(
+            [smi, f"--id={index}", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        lines = done.stdout.strip().splitlines()
+        if done.returncode == 0 and lines and parse_line(lines[0], 0.0) is not None:
+            return fields
+    raise ClockWatchError(f"nvidia-smi cannot report {', '.join(FIELDS)} with any of {', '.join(REASON_FIELDS)}")
+
+
+class ClockWatch:
+    """Samples GPU ``index`` every ``interval_ms`` while open; ``phase`` marks intervals."""
+
+    def __init__(self, index: int = 0, interval_ms: int = 20, smi: str | None = None):
+        self.smi = smi or shutil.which("nvidia-smi")
+        if self.smi is None:
+            raise ClockWatchError("nvidia-smi is not on PATH: the clock watch needs it")
+        self.index, self.interval_ms = index, interval_ms
+        self.samples: list[Sample] = []
+        self.phases: dict[str, tuple[float, float]] = {}
+        self._proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> ClockWatch:
+        fields = query_fields(self.smi, self.index)
+        self._proc = subprocess.Popen(
+            [
+                self.smi,
+                f"--id={self.index}",
+                f"--query-gpu={','.join(fields)}",
+                "--format=csv,noheader,nounits",
+                f"-lms={self.interval_ms}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        time.sleep(0.2)  # the first lines in
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            sample = parse_line(line, time.monotonic())
+            if sample is not None:
+                self.samples.append(sample)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The samples stamped between entering and leaving belong to ``name``; the work
+        inside must be finished (synchronized) before the block ends."""
+        start = time.monotonic()
+        yield
+        self.phases[name] = (start, time.monotonic())
+
+    def summary(self, name: str) -> Summary:
+        start, end = self.phases[name]
+        return summarize(name, end - start, [s for s in self.samples if start <= s.at <= end])

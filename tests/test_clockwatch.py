@@ -1,0 +1,100 @@
+"""The clock watch (sparkdecode.bench.clockwatch) on the CPU: nvidia-smi's lines parsed, the
+reasons named, the samples put in their phases, and the reasons field an older driver names,
+against a stand-in nvidia-smi."""
+
+from __future__ import annotations
+
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkdecode.bench.clockwatch import (
+    ClockWatch,
+    ClockWatchError,
+    Sample,
+    parse_line,
+    query_fields,
+    reason_names,
+    summarize,
+)
+
+
+def test_parse_line_reads_the_fields():
+    sample = parse_line("1980, 2619, 512.31, 700.00, 45, 0x0000000000000004\n", 3.0)
+    assert sample == Sample(3.0, 1980.0, 2619.0, 512.31, 700.0, 45.0, 0x4)
+
+
+@pytest.mark.parametrize("line", ["", "1980, 2619, [N/A], 700.00, 45, 0x0", "1980, 2619, 5", "a, b, c, d, e, f"])
+def test_parse_line_skips_what_is_not_a_sample(line):
+    assert parse_line(line, 0.0) is None
+
+
+def test_reason_names():
+    assert reason_names(0) == "none"
+    assert reason_names(0x4) == "power cap"
+    assert reason_names(0x4 | 0x20) == "power cap+sw thermal"
+    assert reason_names(0x1000 | 0x1) == "idle+0x1000"
+
+
+def test_summarize_takes_medians_and_reason_shares():
+    samples = [
+        Sample(float(i), mhz, 2619.0, w, 700.0, 40.0 + i, r)
+        for i, (mhz, w, r) in enumerate(
+            [(1980.0, 600.0, 0x0), (1755.0, 699.0, 0x4), (1800.0, 690.0, 0x4), (1980.0, 650.0, 0x0)]
+        )
+    ]
+    s = summarize("x", 1.0, samples)
+    assert (s.samples, s.sm_mhz_median, s.sm_mhz_min, s.power_w_max, s.temp_c_max) == (4, 1890.0, 1755.0, 699.0, 43.0)
+    assert s.reasons == {"none": 0.5, "power cap": 0.5}
+    assert "power cap 50%" in s.line()
+    with pytest.raises(ClockWatchError, match="no samples"):
+        summarize("empty", 0.01, [])
+
+
+FAKE_SMI = """#!/usr/bin/env bash
+# answers like an older driver: no clocks_event_reasons field
+case "$*" in
+  *clocks_event_reasons*) echo 'Field "clocks_event_reasons.active" is not a valid field to query.'; exit 2 ;;
+esac
+case "$*" in
+  *-lms=*) while true; do echo "1755, 2619, 698.5, 700.00, 52, 0x0000000000000004"; sleep 0.01; done ;;
+  *) echo "1980, 2619, 80.1, 700.00, 40, 0x0000000000000001" ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_smi(tmp_path: Path) -> str:
+    path = tmp_path / "nvidia-smi"
+    path.write_text(FAKE_SMI)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_query_fields_falls_back_to_the_older_name(fake_smi):
+    assert query_fields(fake_smi, 0)[-1] == "clocks_throttle_reasons.active"
+
+
+def test_watch_puts_samples_in_their_phase(fake_smi):
+    with ClockWatch(interval_ms=10, smi=fake_smi) as watch:
+        with watch.phase("busy"):
+            time.sleep(0.3)
+    s = watch.summary("busy")
+    assert s.samples >= 3
+    assert (s.sm_mhz_median, s.power_w_max, s.reasons) == (1755.0, 698.5, {"power cap": 1.0})
+
+
+def test_watch_needs_nvidia_smi(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(ClockWatchError, match="nvidia-smi is not on PATH"):
+        ClockWatch()
+
+
+def test_query_fields_names_what_it_could_not_read(tmp_path):
+    path = tmp_path / "nvidia-smi"
+    path.write_text("#!/usr/bin/env bash\necho 'No devices were found'; exit 6\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(ClockWatchError, match="cannot report"):
+        query_fields(str(path), 0)

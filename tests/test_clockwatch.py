@@ -4,7 +4,10 @@ against a stand-in nvidia-smi."""
 
 from __future__ import annotations
 
+import os
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from sparkdecode.bench.clockwatch import (
     query_fields,
     reason_names,
     summarize,
+    windows,
 )
 
 
@@ -98,3 +102,25 @@ def test_query_fields_names_what_it_could_not_read(tmp_path):
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     with pytest.raises(ClockWatchError, match="cannot report"):
         query_fields(str(path), 0)
+
+
+def test_windows_split_the_samples():
+    samples = [Sample(10.0 + 0.1 * i, 1980.0 - i, 2619.0, 500.0, 700.0, 40.0, 0) for i in range(10)]
+    parts = windows(samples, 10.0, 11.0, 0.5)
+    assert [p.samples for p in parts] == [5, 5]
+    assert parts[1].sm_mhz_median == 1973.0
+
+
+def test_clock_watch_script_runs_a_command(fake_smi):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "clock-watch"
+    env = {**os.environ, "PATH": f"{Path(fake_smi).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--window", "0.1", "--", sys.executable, "-c", "import time; time.sleep(0.3)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "(exit 0)" in done.stdout
+    assert "power cap 100%" in done.stdout.splitlines()[-1]

@@ -201,3 +201,16 @@ class ClockWatch:
     def summary(self, name: str) -> Summary:
         start, end = self.phases[name]
         return summarize(name, end - start, [s for s in self.samples if start <= s.at <= end])
+
+
+def windows(samples: list[Sample], start: float, end: float, width: float) -> list[Summary]:
+    """The samples from ``start`` to ``end`` in windows of ``width`` seconds, a summary each
+    (named by its start, in seconds from ``start``); windows with no sample are left out."""
+    out = []
+    at = start
+    while at < end:
+        inside = [s for s in samples if at <= s.at < min(at + width, end)]
+        if inside:
+            out.append(summarize(f"{at - start:7.2f} s", min(width, end - at), inside))
+        at += width
+    return out

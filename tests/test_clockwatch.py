@@ -58,9 +58,9 @@ def test_summarize_takes_medians_and_reason_shares():
 
 
 FAKE_SMI = """#!/usr/bin/env bash
-# answers like an older driver: no clocks_event_reasons field
+# answers like an older driver: no clocks_event_reasons, no power.draw.instant
 case "$*" in
-  *clocks_event_reasons*) echo 'Field "clocks_event_reasons.active" is not a valid field to query.'; exit 2 ;;
+  *clocks_event_reasons*|*power.draw.instant*) echo 'Field is not a valid field to query.'; exit 2 ;;
 esac
 case "$*" in
   *-lms=*) while true; do echo "1755, 2619, 698.5, 700.00, 52, 0x0000000000000004"; sleep 0.01; done ;;
@@ -77,8 +77,26 @@ def fake_smi(tmp_path: Path) -> str:
     return str(path)
 
 
-def test_query_fields_falls_back_to_the_older_name(fake_smi):
-    assert query_fields(fake_smi, 0)[-1] == "clocks_throttle_reasons.active"
+def test_query_fields_falls_back_to_the_older_names(fake_smi):
+    fields = query_fields(fake_smi, 0)
+    assert (fields[2], fields[-1]) == ("power.draw", "clocks_throttle_reasons.active")
+
+
+def test_query_fields_takes_the_instant_power_where_known(tmp_path):
+    path = tmp_path / "nvidia-smi"
+    path.write_text("#!/usr/bin/env bash\necho '1980, 2619, 80.1, 700.00, 40, 0x1'\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    fields = query_fields(str(path), 0)
+    assert (fields[2], fields[-1]) == ("power.draw.instant", "clocks_event_reasons.active")
+
+
+def test_summary_settles_past_the_phase_start():
+    watch = ClockWatch.__new__(ClockWatch)
+    watch.samples = [Sample(float(i), 1980.0, 2619.0, 100.0 * i, 700.0, 40.0, 0) for i in range(10)]
+    watch.phases = {"p": (0.0, 9.0)}
+    assert watch.summary("p").samples == 10
+    settled = watch.summary("p", settle=5.0)
+    assert (settled.samples, settled.power_w_median, settled.seconds) == (5, 700.0, 4.0)
 
 
 def test_watch_puts_samples_in_their_phase(fake_smi):
@@ -86,6 +104,7 @@ def test_watch_puts_samples_in_their_phase(fake_smi):
         with watch.phase("busy"):
             time.sleep(0.3)
     s = watch.summary("busy")
+    assert watch.power_field == "power.draw"
     assert s.samples >= 3
     assert (s.sm_mhz_median, s.power_w_max, s.reasons) == (1755.0, 698.5, {"power cap": 1.0})
 

@@ -26,8 +26,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-# nvidia-smi's names; drivers before 535 call the reasons ``clocks_throttle_reasons``
-FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "enforced.power.limit", "temperature.gpu")
+# nvidia-smi's names. ``power.draw`` is, on recent drivers, an average over a second, so a
+# phase's first second also reads the one before; ``power.draw.instant`` (newer drivers) is
+# the reading itself and is taken where the driver has it. Drivers before 535 call the
+# reasons ``clocks_throttle_reasons``.
+FIELDS = ("clocks.sm", "clocks.mem", "{power}", "enforced.power.limit", "temperature.gpu")
+POWER_FIELDS = ("power.draw.instant", "power.draw")
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 
 # NVML's nvmlClocksEventReasons bits
@@ -129,9 +133,9 @@ def summarize(phase: str, seconds: float, samples: list[Sample]) -> Summary:
 
 
 def query_fields(smi: str, index: int) -> tuple[str, ...]:
-    """FIELDS and the reasons field this driver's nvidia-smi knows."""
-    for reasons in REASON_FIELDS:
-        fields = (*FIELDS, reasons)
+    """FIELDS with the first power field and reasons field this driver's nvidia-smi knows."""
+    for power, reasons in [(p, r) for r in REASON_FIELDS for p in POWER_FIELDS]:
+        fields = (*(f.format(power=power) for f in FIELDS), reasons)
         done = subprocess.run(
             [smi, f"--id={index}", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
             capture_output=True,
@@ -141,7 +145,10 @@ def query_fields(smi: str, index: int) -> tuple[str, ...]:
         lines = done.stdout.strip().splitlines()
         if done.returncode == 0 and lines and parse_line(lines[0], 0.0) is not None:
             return fields
-    raise ClockWatchError(f"nvidia-smi cannot report {', '.join(FIELDS)} with any of {', '.join(REASON_FIELDS)}")
+    raise ClockWatchError(
+        f"nvidia-smi cannot report {', '.join(FIELDS)} with power one of {', '.join(POWER_FIELDS)} "
+        f"and reasons one of {', '.join(REASON_FIELDS)}"
+    )
 
 
 class ClockWatch:
@@ -153,12 +160,13 @@ class ClockWatch:
             raise ClockWatchError("nvidia-smi is not on PATH: the clock watch needs it")
         self.index, self.interval_ms = index, interval_ms
         self.samples: list[Sample] = []
+        self.fields: tuple[str, ...] = ()
         self.phases: dict[str, tuple[float, float]] = {}
         self._proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
 
     def __enter__(self) -> ClockWatch:
-        fields = query_fields(self.smi, self.index)
+        self.fields = fields = query_fields(self.smi, self.index)
         self._proc = subprocess.Popen(
             [
                 self.smi,
@@ -198,8 +206,16 @@ class ClockWatch:
         yield
         self.phases[name] = (start, time.monotonic())
 
-    def summary(self, name: str) -> Summary:
+    @property
+    def power_field(self) -> str:
+        """The power field read (see POWER_FIELDS)."""
+        return self.fields[2] if self.fields else ""
+
+    def summary(self, name: str, settle: float = 0.0) -> Summary:
+        """Phase ``name``'s samples, less its first ``settle`` seconds (where an averaged
+        power reading still holds the phase before)."""
         start, end = self.phases[name]
+        start = min(start + settle, end)
         return summarize(name, end - start, [s for s in self.samples if start <= s.at <= end])
 
 

@@ -168,6 +168,42 @@ def test_bench_cli_errors(capsys):
     assert "reference.linear is already registered" in capsys.readouterr().err
     assert main(["bench", "tiny-tp2-nvfp4-marlin", "--provider", registered]) == 2
     assert "--provider is for configs of one rank, not tiny-tp2-nvfp4-marlin" in capsys.readouterr().err
+    assert main(["bench", "tiny-tp2-nvfp4-marlin", "--watch"]) == 2
+    assert "--watch is for configs of one rank, not tiny-tp2-nvfp4-marlin" in capsys.readouterr().err
+    assert main(["bench", "tiny", "--device", "cpu", "--watch", "--quiet"]) == 2
+    assert "--watch samples a GPU's clocks: it needs --device cuda" in capsys.readouterr().err
+
+
+def test_a_watched_run_records_its_clocks(tmp_path, monkeypatch):
+    """run() with a clock watch (here over a stand-in nvidia-smi) holds each run's clocks
+    through the executor's replays, and the table prints them."""
+    import time
+
+    from fake_smi import fake_smi
+
+    from sparkdecode.bench import runner
+    from sparkdecode.bench.clockwatch import ClockWatch
+    from sparkdecode.bench.report import table
+
+    timed = runner.Timer.time
+
+    def slow(self, work, replays):  # outlasts several samples
+        time.sleep(0.2)
+        return timed(self, work, replays)
+
+    monkeypatch.setattr(runner.Timer, "time", slow)
+    with ClockWatch(interval_ms=10, smi=fake_smi(tmp_path)) as watch:
+        record = run(
+            named("tiny"), device=torch.device("cpu"), contexts=(40,), replays=1, blocks=False, routings=("random",),
+            watch=watch,
+        )  # fmt: skip
+    (r,) = record["runs"]
+    clocks = r["clocks"]
+    assert clocks["power_field"] == "power.draw" and clocks["samples"] >= 5
+    assert (clocks["sm_mhz_median"], clocks["power_w_max"], clocks["reasons"]) == (1755.0, 698.5, {"power cap": 1.0})
+    assert "clocks, context 40 random: SM 1755 MHz" in table(record)
+    assert run(named("tiny"), device=torch.device("cpu"), contexts=(40,), replays=1, blocks=False,
+               routings=("random",))["runs"][0]["clocks"] is None  # fmt: skip
 
 
 def test_max_context_builds_the_executor_as_served(tmp_path, monkeypatch):

@@ -5,18 +5,20 @@ against a stand-in nvidia-smi."""
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from fake_smi import fake_smi as write_fake
+from fake_smi import write_script
 
 from sparkdecode.bench.clockwatch import (
     ClockWatch,
     ClockWatchError,
     Sample,
+    clocks_record,
     parse_line,
     query_fields,
     reason_names,
@@ -57,24 +59,9 @@ def test_summarize_takes_medians_and_reason_shares():
         summarize("empty", 0.01, [])
 
 
-FAKE_SMI = """#!/usr/bin/env bash
-# answers like an older driver: no clocks_event_reasons, no power.draw.instant
-case "$*" in
-  *clocks_event_reasons*|*power.draw.instant*) echo 'Field is not a valid field to query.'; exit 2 ;;
-esac
-case "$*" in
-  *-lms=*) while true; do echo "1755, 2619, 698.5, 700.00, 52, 0x0000000000000004"; sleep 0.01; done ;;
-  *) echo "1980, 2619, 80.1, 700.00, 40, 0x0000000000000001" ;;
-esac
-"""
-
-
 @pytest.fixture
 def fake_smi(tmp_path: Path) -> str:
-    path = tmp_path / "nvidia-smi"
-    path.write_text(FAKE_SMI)
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return str(path)
+    return write_fake(tmp_path)
 
 
 def test_query_fields_falls_back_to_the_older_names(fake_smi):
@@ -83,10 +70,8 @@ def test_query_fields_falls_back_to_the_older_names(fake_smi):
 
 
 def test_query_fields_takes_the_instant_power_where_known(tmp_path):
-    path = tmp_path / "nvidia-smi"
-    path.write_text("#!/usr/bin/env bash\necho '1980, 2619, 80.1, 700.00, 40, 0x1'\n")
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    fields = query_fields(str(path), 0)
+    path = write_script(tmp_path, "#!/usr/bin/env bash\necho '1980, 2619, 80.1, 700.00, 40, 0x1'\n")
+    fields = query_fields(path, 0)
     assert (fields[2], fields[-1]) == ("power.draw.instant", "clocks_event_reasons.active")
 
 
@@ -116,11 +101,9 @@ def test_watch_needs_nvidia_smi(monkeypatch):
 
 
 def test_query_fields_names_what_it_could_not_read(tmp_path):
-    path = tmp_path / "nvidia-smi"
-    path.write_text("#!/usr/bin/env bash\necho 'No devices were found'; exit 6\n")
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    path = write_script(tmp_path, "#!/usr/bin/env bash\necho 'No devices were found'; exit 6\n")
     with pytest.raises(ClockWatchError, match="cannot report"):
-        query_fields(str(path), 0)
+        query_fields(path, 0)
 
 
 def test_windows_split_the_samples():
@@ -143,3 +126,10 @@ def test_clock_watch_script_runs_a_command(fake_smi):
     assert done.returncode == 0, done.stderr
     assert "(exit 0)" in done.stdout
     assert "power cap 100%" in done.stdout.splitlines()[-1]
+
+
+def test_clocks_record_of_a_phase_without_samples():
+    watch = ClockWatch.__new__(ClockWatch)
+    watch.samples, watch.fields = [], ("clocks.sm", "clocks.mem", "power.draw.instant")
+    watch.phases = {"short": (1.0, 1.001)}
+    assert clocks_record(watch, "short") == {"power_field": "power.draw.instant", "samples": 0}

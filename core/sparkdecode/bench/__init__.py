@@ -9,6 +9,8 @@ replayed many times; each block alone in a graph (orientation only), and with
 the step must read over the copy bandwidth measured in the same run (the floor,
 ``floor.py``); a table, a JSON record, and with ``--plot`` a PNG
 (``report.py``). On the CPU it runs eagerly and says it is not a speed claim.
+``--watch`` samples the GPU's SM clock, power and clock-event reasons through the
+executor's timed replays (``clockwatch.py``): whether the step ran at the power cap.
 
 A config of every rank (``tp{2,4,8}-L<N>-bf16``, ``-nvfp4``, ``-nvfp4-marlin``,
 ``tiny-tp{2,4,8}``) spawns one
@@ -27,11 +29,13 @@ gloo, a smoke run.
 | runner.py | one config end to end, into a record |
 | ranks.py | a config of every rank: one process a rank, the step with its collectives and detached, rank 0's record |
 | report.py | table, JSON, PNG |
+| clockwatch.py | the GPU's clocks, power and clock-event reasons sampled by nvidia-smi over phases |
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import sys
 from pathlib import Path
@@ -41,6 +45,7 @@ import torch
 from ..arguments import at_least, device_of, parse_pins
 from ..plugins import discover, provider_class
 from ..spec import read_json
+from .clockwatch import ClockWatch, ClockWatchError, nvidia_smi_index
 from .configs import ROUTINGS, ROWS, BenchConfigError, check_max_context, named
 from .report import PlotUnavailableError, plot, stem, table, write
 from .runner import Progress, run
@@ -133,6 +138,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         metavar="MODULE:CLASS",
         help="streams-tp8-rank: also measure this routed-experts provider class, registered or not (repeatable)",
     )
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="sample the GPU's SM clock, power and clock-event reasons (nvidia-smi) through the executor's timed "
+        "replays, into the record (configs of one rank, on a GPU)",
+    )
     p.set_defaults(run=main)
     return p
 
@@ -173,6 +184,8 @@ def main(args: argparse.Namespace) -> int:
             raise BenchConfigError(f"--one-gpu and --backend are for configs of every rank, not {cfg.name}")
         if cfg.all_ranks and args.provider:
             raise BenchConfigError(f"--provider is for configs of one rank, not {cfg.name}")
+        if cfg.all_ranks and args.watch:
+            raise BenchConfigError(f"--watch is for configs of one rank, not {cfg.name}")
     except BenchConfigError as e:
         print(f"sparkdecode bench: {e}", file=sys.stderr)
         return 2
@@ -202,25 +215,36 @@ def main(args: argparse.Namespace) -> int:
             cfg = cfg.fitting(torch.cuda.mem_get_info(device)[0])
         if device.type == "cuda":
             cfg.check_fits(torch.cuda.mem_get_info(device)[0])
+        if args.watch and device.type != "cuda":
+            raise BenchConfigError("--watch samples a GPU's clocks: it needs --device cuda")
     except BenchConfigError as e:
         print(f"sparkdecode bench: {e}", file=sys.stderr)
         return 2
-    record = run(
-        cfg,
-        device=device,
-        contexts=tuple(args.context) if args.context else None,
-        routings=tuple(dict.fromkeys(args.routing)) if args.routing else ROUTINGS,
-        replays=args.replays,
-        block_replays=args.block_replays,
-        blocks=not args.no_blocks,
-        seed=args.seed,
-        max_context=args.max_context,
-        pins=pins,
-        candidates=tuple(dict.fromkeys(args.candidates)),
-        registry=registry,
-        command=command,
-        progress=Progress(cfg.name, quiet=args.quiet),
-    )
+    with contextlib.ExitStack() as stack:
+        watch = None
+        if args.watch:
+            try:
+                watch = stack.enter_context(ClockWatch(index=nvidia_smi_index(device)))
+            except ClockWatchError as e:
+                print(f"sparkdecode bench: --watch: {e}", file=sys.stderr)
+                return 2
+        record = run(
+            cfg,
+            device=device,
+            contexts=tuple(args.context) if args.context else None,
+            routings=tuple(dict.fromkeys(args.routing)) if args.routing else ROUTINGS,
+            replays=args.replays,
+            block_replays=args.block_replays,
+            blocks=not args.no_blocks,
+            seed=args.seed,
+            max_context=args.max_context,
+            pins=pins,
+            candidates=tuple(dict.fromkeys(args.candidates)),
+            registry=registry,
+            command=command,
+            progress=Progress(cfg.name, quiet=args.quiet),
+            watch=watch,
+        )
     path = write(record, args.out)
     print(table(record))
     print(f"record: {path}")

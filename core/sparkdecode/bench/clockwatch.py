@@ -16,6 +16,7 @@ interval holds its stamp (a line arrives within milliseconds of its reading).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import statistics
 import subprocess
@@ -132,7 +133,19 @@ def summarize(phase: str, seconds: float, samples: list[Sample]) -> Summary:
     )
 
 
-def query_fields(smi: str, index: int) -> tuple[str, ...]:
+def nvidia_smi_index(device) -> str:
+    """nvidia-smi's ``--id`` for a torch CUDA device: its UUID (CUDA's device order and
+    CUDA_VISIBLE_DEVICES need not match nvidia-smi's indices), else its index."""
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid is None:
+        return str(device.index or 0)
+    text = str(uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
+def query_fields(smi: str, index: int | str) -> tuple[str, ...]:
     """FIELDS with the first power field and reasons field this driver's nvidia-smi knows."""
     for power, reasons in [(p, r) for r in REASON_FIELDS for p in POWER_FIELDS]:
         fields = (*(f.format(power=power) for f in FIELDS), reasons)
@@ -152,9 +165,10 @@ def query_fields(smi: str, index: int) -> tuple[str, ...]:
 
 
 class ClockWatch:
-    """Samples GPU ``index`` every ``interval_ms`` while open; ``phase`` marks intervals."""
+    """Samples GPU ``index`` (nvidia-smi's index or UUID) every ``interval_ms`` while open;
+    ``phase`` marks intervals."""
 
-    def __init__(self, index: int = 0, interval_ms: int = 20, smi: str | None = None):
+    def __init__(self, index: int | str = 0, interval_ms: int = 20, smi: str | None = None):
         self.smi = smi or shutil.which("nvidia-smi")
         if self.smi is None:
             raise ClockWatchError("nvidia-smi is not on PATH: the clock watch needs it")
@@ -230,3 +244,13 @@ def windows(samples: list[Sample], start: float, end: float, width: float) -> li
             out.append(summarize(f"{at - start:7.2f} s", min(width, end - at), inside))
         at += width
     return out
+
+
+def clocks_record(watch: ClockWatch, phase: str) -> dict[str, object]:
+    """Phase ``phase``'s summary as a bench record holds it, with the power field read; a
+    phase shorter than the sampling interval gives ``samples`` 0 and nothing else."""
+    try:
+        summary = watch.summary(phase)
+    except ClockWatchError:
+        return {"power_field": watch.power_field, "samples": 0}
+    return {"power_field": watch.power_field, **dataclasses.asdict(summary)}

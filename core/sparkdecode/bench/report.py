@@ -164,6 +164,7 @@ def table(record: dict[str, Any]) -> str:
             f"{run['check']['layers_routed_alike']:>3}/{len(run['distinct_experts']):<2}"
             + ("" if run["check"]["finite"] else "  NOT FINITE")
         )
+    lines += clocks_lines(r["runs"])
     for run in r["runs"]:
         kinds = by_kind(run["blocks"])
         if not any("executor" in k for k in kinds.values()):
@@ -181,6 +182,26 @@ def table(record: dict[str, Any]) -> str:
             )
     lines += candidates_table(record)
     return "\n".join(lines)
+
+
+def clocks_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """The GPU's clocks through each run's executor replays, where the run watched them."""
+    lines = []
+    for run in runs:
+        c = run.get("clocks")
+        if not c:
+            continue
+        where = f"clocks, context {run['context']} {run['routing']}"
+        if not c["samples"]:
+            lines.append(f"{where}: the executor's replays ended before a sample ({c['power_field']})")
+            continue
+        reasons = ", ".join(f"{name} {share:.0%}" for name, share in c["reasons"].items())
+        lines.append(
+            f"{where}: SM {c['sm_mhz_median']:.0f} MHz (min {c['sm_mhz_min']:.0f}), memory {c['mem_mhz_median']:.0f} MHz, "
+            f"{c['power_field']} {c['power_w_median']:.0f} W (max {c['power_w_max']:.0f} of {c['limit_w']:.0f}), "
+            f"{c['temp_c_max']:.0f} C; {c['samples']} samples: {reasons}"
+        )
+    return lines
 
 
 def candidates_table(record: dict[str, Any]) -> list[str]:

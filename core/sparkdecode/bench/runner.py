@@ -26,6 +26,7 @@ from ..layout import measured_seconds
 from ..plugins import Registry, discover
 from ..protocols import HostStep
 from .baseline import TorchBaseline, flashinfer_version
+from .clockwatch import ClockWatch, clocks_record
 from .configs import ROUTINGS, ROWS, BenchConfig
 from .floor import block_bytes, copy_bandwidth, expert_tensors
 from .steer import Routing, candidate_blocks, draw_weights, executor_blocks, executor_routing, filled_cache
@@ -154,12 +155,15 @@ def run(
     registry: Registry | None = None,
     command: str = "",
     progress: Progress | None = None,
+    watch: ClockWatch | None = None,
 ) -> dict[str, Any]:
     """The record of one config (see ``report.py`` for its form). ``candidates``: kinds
     (``attention``, ``attention_core``) whose every supported provider is timed per
     layer, each alone in a graph (steer.candidate_blocks). ``registry``: the providers
     offered to the resolver (default: the discovered ones; ``--provider`` adds to them).
-    ``max_context``: the executor's (a served max_model_len); default each context's own."""
+    ``max_context``: the executor's (a served max_model_len); default each context's own.
+    ``watch``: samples the GPU's clocks through each run's timed executor replays, which the
+    run's record then holds (``clocks``)."""
     progress = progress or Progress(cfg.name, quiet=True)
     registry = registry if registry is not None else discover()
     graphs = device.type == "cuda"
@@ -252,7 +256,11 @@ def run(
             base_replays = replays if once < SLOW_BASELINE_S else min(replays, SLOW_BASELINE_REPLAYS)
             progress(f"{label}: timing {base_replays} replays of the baseline, {replays} of the executor")
             t_base = timer.time(baseline_step, base_replays)
-            t_exec = timer.time(executor_step, replays)
+            if watch is None:
+                t_exec = timer.time(executor_step, replays)
+            else:
+                with watch.phase(label):
+                    t_exec = timer.time(executor_step, replays)
 
             bytes_by_block = block_bytes(weights, context, ROWS, distinct)
             total = sum(b.bytes for b in bytes_by_block)
@@ -296,6 +304,8 @@ def run(
                     "baseline": {**t_base.as_dict(), "fraction_of_floor": floor_s / t_base.median_s},
                     "executor": {**t_exec.as_dict(), "fraction_of_floor": floor_s / t_exec.median_s},
                     "speedup_baseline_over_executor": t_base.median_s / t_exec.median_s,
+                    # the GPU's clocks through the executor's timed replays (--watch)
+                    "clocks": None if watch is None else clocks_record(watch, label),
                     "blocks": per_block,
                 }
             )

@@ -196,10 +196,12 @@ def clocks_lines(runs: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{where}: the executor's replays ended before a sample ({c['power_field']})")
             continue
         reasons = ", ".join(f"{name} {share:.0%}" for name, share in c["reasons"].items())
+        rate = run["bytes"] / run["executor"]["median_s"]  # the step's bytes a second
         lines.append(
             f"{where}: SM {c['sm_mhz_median']:.0f} MHz (min {c['sm_mhz_min']:.0f}), memory {c['mem_mhz_median']:.0f} MHz, "
             f"{c['power_field']} {c['power_w_median']:.0f} W (max {c['power_w_max']:.0f} of {c['limit_w']:.0f}), "
-            f"{c['temp_c_max']:.0f} C; {c['samples']} samples: {reasons}"
+            f"{c['power_w_median'] / (rate / 1e12):.0f} pJ a byte of the floor, {c['temp_c_max']:.0f} C; "
+            f"{c['samples']} samples: {reasons}"
         )
     return lines
 

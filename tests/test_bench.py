@@ -170,6 +170,8 @@ def test_bench_cli_errors(capsys):
     assert "--provider is for configs of one rank, not tiny-tp2-nvfp4-marlin" in capsys.readouterr().err
     assert main(["bench", "tiny-tp2-nvfp4-marlin", "--watch"]) == 2
     assert "--watch is for configs of one rank, not tiny-tp2-nvfp4-marlin" in capsys.readouterr().err
+    assert main(["bench", "streams-tp8-rank", "--watch"]) == 2
+    assert "--watch is for the step's configs, not streams-tp8-rank" in capsys.readouterr().err
     assert main(["bench", "tiny", "--device", "cpu", "--watch", "--quiet"]) == 2
     assert "--watch samples a GPU's clocks: it needs --device cuda" in capsys.readouterr().err
 

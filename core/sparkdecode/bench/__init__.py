@@ -175,6 +175,9 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     if args.config.startswith("streams-"):
+        if args.watch:
+            print(f"sparkdecode bench: --watch is for the step's configs, not {args.config}", file=sys.stderr)
+            return 2
         from .streams import main as streams_main
 
         return streams_main(args)

@@ -4,12 +4,15 @@ and the patched kernels build spill-free, scripts/read-pattern's synthetic kerne
 build in every configuration it runs (NVRTC for sm_90a; skipped without NVRTC), and
 scripts/step-compare runs the bench once a layout (the tiny config, on the CPU),
 scripts/gpu-check keeps its limits and deadline, scripts/ncu-sass-mix reads an
-Nsight Compute source page, and scripts/multi-gpu refuses what a machine cannot run."""
+Nsight Compute source page, scripts/multi-gpu refuses what a machine cannot run, and the
+--watch parts of scripts/read-pattern and scripts/experts-bounds run over a stand-in
+nvidia-smi."""
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -373,3 +376,85 @@ def test_sass_loops_reads_opcodes():
         ("@UP1 HMMA.16816.F32.BF16 R44, R16, R2, R44", "HMMA.16816.F32.BF16", "HMMA"),
     ]:
         assert script.full_opcode(ins) == full and script.opcode(ins) == short
+
+
+class _FakeCuda:
+    """The few cupy.cuda calls read-pattern's chain timing makes, each graph launch 1 ms
+    (slept, so that a sustained phase lasts as long as it says)."""
+
+    def __init__(self):
+        self.launches = 0
+        fake = self
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def begin_capture(self):
+                pass
+
+            def end_capture(self):
+                class Graph:
+                    def launch(self, stream):
+                        time.sleep(1e-3)
+                        fake.launches += 1
+
+                return Graph()
+
+        class Event:
+            def record(self, stream=None):
+                self.at = fake.launches
+
+            def synchronize(self):
+                pass
+
+        self.Stream, self.Event = Stream, Event
+
+    def get_elapsed_time(self, start, end) -> float:
+        return float(end.at - start.at)
+
+
+def test_read_pattern_watch_sustains_each_graph(tmp_path, capsys):
+    """read-pattern --watch: each chained graph then runs back to back inside a watched
+    phase, graph after graph (a stand-in cupy and nvidia-smi)."""
+    import types
+
+    import numpy as np
+    from fake_smi import fake_smi
+
+    from sparkdecode.bench.clockwatch import ClockWatch
+
+    script = load_script("read-pattern")
+    cp = types.SimpleNamespace(cuda=_FakeCuda())
+    with ClockWatch(interval_ms=10, smi=fake_smi(tmp_path)) as watch:
+        script.WATCH[:] = [watch, 1.2]
+        try:
+            for _ in range(2):
+                assert script.chain_seconds(cp, np, lambda s: None, sets=4) == pytest.approx(1e-3 / 4)
+        finally:
+            script.WATCH[:] = []
+    lines = [line for line in capsys.readouterr().out.splitlines() if "sustained" in line]
+    assert len(lines) == 2 and all("power cap" in line for line in lines)
+    assert cp.cuda.launches == 2 * (25 + 1200)
+
+
+def test_experts_bounds_energy_reads_a_settled_phase():
+    """experts-bounds --watch's line for a phase: its rate, its energy a byte (W over TB/s)
+    and its clocks, the phase's first SETTLE seconds left out."""
+    from sparkdecode.bench.clockwatch import ClockWatch, Sample
+
+    script = load_script("experts-bounds")
+    watch = ClockWatch.__new__(ClockWatch)
+    watch.fields = ("clocks.sm", "clocks.mem", "power.draw.instant")
+    # 300 W through the first second (the phase before, averaged in), 700 W after
+    watch.samples = [Sample(0.1 * i, 1755.0, 2619.0, 300.0 if i < 10 else 700.0, 700.0, 50.0, 4) for i in range(30)]
+    watch.phases = {"up": (0.0, 2.95)}
+    line = script.energy(watch, "up", 50e-6, 125e6)  # 125 MB in 50 us: 2.5 TB/s
+    assert line.startswith(" 2.50 TB/s  280 pJ/B")
+    assert "power cap 100%" in line and "SM  1755" in line

@@ -35,6 +35,9 @@ FIELDS = ("clocks.sm", "clocks.mem", "{power}", "enforced.power.limit", "tempera
 POWER_FIELDS = ("power.draw.instant", "power.draw")
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 
+# Seconds of a phase left out of its figures where ``power.draw`` is the averaged reading
+SETTLE_S = 1.0
+
 # NVML's nvmlClocksEventReasons bits
 REASONS = {
     0x1: "idle",
@@ -103,6 +106,10 @@ class Summary:
     temp_c_max: float
     reasons: dict[str, float]  # each reasons mask's name and its share of the samples
 
+    def pj_per_byte(self, bytes_per_s: float) -> float:
+        """The median power over a rate of bytes a second: pJ a byte (W over TB/s)."""
+        return pj_per_byte(self.power_w_median, bytes_per_s)
+
     def line(self) -> str:
         reasons = ", ".join(f"{name} {share:.0%}" for name, share in self.reasons.items())
         return (
@@ -110,6 +117,11 @@ class Summary:
             f"(min {self.sm_mhz_min:5.0f})  mem {self.mem_mhz_median:5.0f}  power {self.power_w_median:4.0f} W "
             f"(max {self.power_w_max:4.0f} of {self.limit_w:4.0f})  {self.temp_c_max:3.0f} C  {reasons}"
         )
+
+
+def pj_per_byte(watts: float, bytes_per_s: float) -> float:
+    """Energy a byte, in pJ, of ``watts`` spent moving ``bytes_per_s``."""
+    return watts / bytes_per_s * 1e12
 
 
 def summarize(phase: str, seconds: float, samples: list[Sample]) -> Summary:

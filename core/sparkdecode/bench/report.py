@@ -20,6 +20,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .clockwatch import pj_per_byte
+
 KIND_ORDER = ("embed", "boundary", "attention (sliding)", "attention (full)", "attention_boundary", "moe", "final")
 
 
@@ -200,7 +202,7 @@ def clocks_lines(runs: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"{where}: SM {c['sm_mhz_median']:.0f} MHz (min {c['sm_mhz_min']:.0f}), memory {c['mem_mhz_median']:.0f} MHz, "
             f"{c['power_field']} {c['power_w_median']:.0f} W (max {c['power_w_max']:.0f} of {c['limit_w']:.0f}), "
-            f"{c['power_w_median'] / (rate / 1e12):.0f} pJ a byte of the floor, {c['temp_c_max']:.0f} C; "
+            f"{pj_per_byte(c['power_w_median'], rate):.0f} pJ a byte of the floor, {c['temp_c_max']:.0f} C; "
             f"{c['samples']} samples: {reasons}"
         )
     return lines

@@ -102,7 +102,7 @@ def test_watch_needs_nvidia_smi(monkeypatch):
 
 def test_query_fields_names_what_it_could_not_read(tmp_path):
     path = write_script(tmp_path, "#!/usr/bin/env bash\necho 'No devices were found'; exit 6\n")
-    with pytest.raises(ClockWatchError, match="cannot report"):
+    with pytest.raises(ClockWatchError, match="--id=0 cannot report .* said: No devices were found"):
         query_fields(path, 0)
 
 
@@ -133,3 +133,17 @@ def test_clocks_record_of_a_phase_without_samples():
     watch.samples, watch.fields = [], ("clocks.sm", "clocks.mem", "power.draw.instant")
     watch.phases = {"short": (1.0, 1.001)}
     assert clocks_record(watch, "short") == {"power_field": "power.draw.instant", "samples": 0}
+
+
+def test_nvidia_smi_index_names_the_gpu_by_uuid(monkeypatch):
+    import types
+
+    import torch
+
+    from sparkdecode.bench.clockwatch import nvidia_smi_index
+
+    bare = "58f79d8b-1c2a-4d3e-8f90-0123456789ab"
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=bare))
+    assert nvidia_smi_index(torch.device("cuda", 1)) == f"GPU-{bare}"
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace())
+    assert nvidia_smi_index(torch.device("cuda", 1)) == "1"

@@ -170,9 +170,10 @@ def query_fields(smi: str, index: int | str) -> tuple[str, ...]:
         lines = done.stdout.strip().splitlines()
         if done.returncode == 0 and lines and parse_line(lines[0], 0.0) is not None:
             return fields
+        said = (done.stdout + done.stderr).strip().splitlines()
     raise ClockWatchError(
-        f"nvidia-smi cannot report {', '.join(FIELDS)} with power one of {', '.join(POWER_FIELDS)} "
-        f"and reasons one of {', '.join(REASON_FIELDS)}"
+        f"nvidia-smi --id={index} cannot report {', '.join(FIELDS)} with power one of {', '.join(POWER_FIELDS)} "
+        f"and reasons one of {', '.join(REASON_FIELDS)} (it said: {said[-1] if said else 'nothing'})"
     )
 
 

@@ -437,10 +437,12 @@ def test_read_pattern_watch_sustains_each_graph(tmp_path, capsys):
         try:
             for _ in range(2):
                 assert script.chain_seconds(cp, np, lambda s: None, sets=4) == pytest.approx(1e-3 / 4)
+            script.sustained_energy(1e9)  # 1 GB a set of 0.25 ms: 4 TB/s at the stand-in's 698.5 W
         finally:
             script.WATCH[:] = []
     lines = [line for line in capsys.readouterr().out.splitlines() if "sustained" in line]
-    assert len(lines) == 2 and all("power cap" in line for line in lines)
+    assert len(lines) == 3 and all("power cap" in line for line in lines[:2])
+    assert lines[2] == "  sustained  4.00 TB/s,  175 pJ/B"
     assert cp.cuda.launches == 2 * (25 + 1200)
 
 

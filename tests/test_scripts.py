@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -228,6 +229,63 @@ def test_gpu_check_limits_and_deadline(tmp_path):
     else:  # it started with what was left of the deadline, not its 60 s
         assert lines[1].startswith("== test_gpu_slow rc=124 ") and "(cut by its " in lines[1], lines[1]
         assert int(lines[1].split("cut by its ")[1].split("s")[0]) <= 6
+
+
+def test_pytest_part_covers_each_test_once():
+    """scripts/pytest_part.py: the N parts of any count are contiguous, cover every item
+    once, and differ in size by at most one; a malformed or out-of-range part is refused."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import pytest_part
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    for count in (0, 1, 5, 215):
+        for n in (1, 2, 3, 7):
+            parts = [list(range(count))[pytest_part.part_slice(count, i, n)] for i in range(1, n + 1)]
+            assert sum(parts, []) == list(range(count))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert pytest_part.parse_part("2/3") == (2, 3)
+    for bad in ("0/2", "3/2", "1", "a/b", "1/2/3"):
+        with pytest.raises(ValueError, match="expected I/N"):
+            pytest_part.parse_part(bad)
+
+
+def test_gpu_check_parts(tmp_path):
+    """scripts/gpu-check -p I/N: each part runs its share of a file's tests (after -k), the
+    parts together run each test once, each part has its own log, and a bad part is refused."""
+    import os
+    import subprocess
+
+    (tmp_path / "test_gpu_five.py").write_text(
+        "import pytest\n\n\n@pytest.mark.gpu\n@pytest.mark.parametrize('i', range(5))\n"
+        "def test_five(i):\n    print(f'ran {i}')\n"
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "GPU_CHECK_LOGS": str(tmp_path / "logs"),
+    }
+
+    def check(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(SCRIPTS / "gpu-check"), *args, str(tmp_path / "test_gpu_five.py")],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
+
+    first, second = check("-p", "1/2"), check("-p", "2/2")
+    assert first.returncode == 0 and second.returncode == 0, first.stdout + second.stdout
+    assert first.stdout.startswith("== test_gpu_five-part1of2 rc=0 ") and "2 passed, 3 deselected" in first.stdout
+    assert second.stdout.startswith("== test_gpu_five-part2of2 rc=0 ") and "3 passed, 2 deselected" in second.stdout
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["test_gpu_five-part1of2.log", "test_gpu_five-part2of2.log"]
+    narrowed = check("-k", "not 0", "-p", "2/2")
+    assert "2 passed, 3 deselected" in narrowed.stdout, narrowed.stdout
+    bad = check("-p", "3/2")
+    assert bad.returncode == 2 and "expected I/N" in bad.stderr
 
 
 def test_ncu_sass_mix_counts_a_page():

@@ -19,7 +19,9 @@ from sparkdecode.bench.clockwatch import (
     ClockWatchError,
     Sample,
     clocks_record,
+    energy_text,
     parse_line,
+    power_budget,
     query_fields,
     reason_names,
     summarize,
@@ -147,3 +149,34 @@ def test_nvidia_smi_index_names_the_gpu_by_uuid(monkeypatch):
     assert nvidia_smi_index(torch.device("cuda", 1)) == f"GPU-{bare}"
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace())
     assert nvidia_smi_index(torch.device("cuda", 1)) == "1"
+
+
+def _watch_of(phases: dict[str, tuple[float, float, float]]) -> ClockWatch:
+    """A watch whose phases (name: start, end, watts) each hold a sample every 0.1 s at a
+    700 W limit."""
+    watch = ClockWatch.__new__(ClockWatch)
+    watch.samples, watch.phases = [], {}
+    for name, (start, end, watts) in phases.items():
+        watch.phases[name] = (start, end)
+        watch.samples += [
+            Sample(start + 0.1 * i, 1980.0, 2619.0, watts, 700.0, 50.0, 0) for i in range(int((end - start) * 10))
+        ]
+    return watch
+
+
+def test_energy_text_takes_off_the_idle_power():
+    """energy_text: the phase's power over the bytes a second, and with an idle phase the
+    part above it; without one, the total alone."""
+    stream = _watch_of({"stream": (10.0, 12.0, 620.0)})
+    assert energy_text(stream, "stream", 2.5e12) == " 248 pJ/B"
+    both = _watch_of({"idle": (0.0, 2.0, 120.0), "stream": (10.0, 12.0, 620.0)})
+    assert energy_text(both, "stream", 2.5e12) == " 248 pJ/B ( 200 above idle)"
+    assert energy_text(both, "idle", 2.5e12) == "  48 pJ/B"
+
+
+def test_power_budget_is_the_limit_less_idle_over_the_stream():
+    """power_budget: (limit - idle) over fraction x copy, named with its figures."""
+    watch = _watch_of({"idle": (0.0, 2.0, 124.0)})
+    line = power_budget(watch, 4.25e12)
+    assert line == "at the 700 W limit, 80% of the copy (3.40 TB/s) may spend at most 169 pJ/B above idle (124 W)"
+    assert "(3.02 TB/s) may spend at most 191 pJ/B" in power_budget(watch, 3.02e12, fraction=1.0)

@@ -504,6 +504,39 @@ def test_read_pattern_watch_sustains_each_graph(tmp_path, capsys):
     assert cp.cuda.launches == 2 * (25 + 1200)
 
 
+def test_read_pattern_watch_baselines_print_the_budget(tmp_path, capsys):
+    """read-pattern --watch's baselines: the idle GPU, the 1 GiB copy's rate and energy a
+    byte (also above idle), and the energy a byte above idle that 80% of the copy may spend
+    at the power limit (a stand-in cupy, each copy 1 ms, and nvidia-smi)."""
+    import types
+
+    from fake_smi import fake_smi
+
+    from sparkdecode.bench.clockwatch import ClockWatch
+
+    script = load_script("read-pattern")
+    cuda = _FakeCuda()
+
+    def copyto(dst, src):
+        time.sleep(1e-3)
+        cuda.launches += 1
+
+    gib = types.SimpleNamespace(nbytes=1 << 30)
+    cp = types.SimpleNamespace(
+        cuda=cuda, uint8="uint8", ones=lambda n, dtype: gib, empty_like=lambda a: gib, copyto=copyto
+    )
+    with ClockWatch(interval_ms=10, smi=fake_smi(tmp_path)) as watch:
+        script.WATCH[:] = [watch, 1.3]
+        try:
+            script.watch_baselines(cp, 1.3)
+        finally:
+            script.WATCH[:] = []
+    out = capsys.readouterr().out.splitlines()
+    # 2 GiB moved a ms: 2.15 TB/s; the stand-in draws 698.5 W in every phase, idle too
+    assert out[2] == "copy 1 GiB back to back: 2.15 TB/s (read + write),  325 pJ/B (   0 above idle)"
+    assert out[4].startswith("at the 700 W limit, 80% of the copy (1.72 TB/s) may spend at most 1 pJ/B above idle")
+
+
 def test_experts_bounds_energy_reads_a_settled_phase():
     """experts-bounds --watch's line for a phase: its rate, its energy a byte (W over TB/s)
     and its clocks, the phase's first SETTLE seconds left out."""
@@ -516,5 +549,10 @@ def test_experts_bounds_energy_reads_a_settled_phase():
     watch.samples = [Sample(0.1 * i, 1755.0, 2619.0, 300.0 if i < 10 else 700.0, 700.0, 50.0, 4) for i in range(30)]
     watch.phases = {"up": (0.0, 2.95)}
     line = script.energy(watch, "up", 50e-6, 125e6)  # 125 MB in 50 us: 2.5 TB/s
-    assert line.startswith(" 2.50 TB/s  280 pJ/B")
+    assert line.startswith(" 2.50 TB/s  280 pJ/B  ")
     assert "power cap 100%" in line and "SM  1755" in line
+    # with the idle GPU watched (125 W), the part above it too
+    watch.samples += [Sample(10.0 + 0.1 * i, 1980.0, 2619.0, 125.0, 700.0, 40.0, 0) for i in range(30)]
+    watch.phases["idle"] = (10.0, 12.95)
+    line = script.energy(watch, "up", 50e-6, 125e6)
+    assert line.startswith(" 2.50 TB/s  280 pJ/B ( 230 above idle)  ")

@@ -124,6 +124,33 @@ def pj_per_byte(watts: float, bytes_per_s: float) -> float:
     return watts / bytes_per_s * 1e12
 
 
+IDLE_PHASE = "idle"  # the phase whose power energy_text takes off (the GPU at rest, its clocks up)
+
+
+def energy_text(watch: ClockWatch, name: str, bytes_per_s: float, settle: float = 0.0) -> str:
+    """Phase ``name``'s energy a byte at ``bytes_per_s``, and, where the watch has an
+    IDLE_PHASE, the part above the idle GPU's power: what the stream itself adds, the
+    figure that carries from one GPU to another of the same chip."""
+    summary = watch.summary(name, settle)
+    text = f"{summary.pj_per_byte(bytes_per_s):4.0f} pJ/B"
+    if IDLE_PHASE in watch.phases and name != IDLE_PHASE:
+        idle = watch.summary(IDLE_PHASE, settle).power_w_median
+        text += f" ({pj_per_byte(summary.power_w_median - idle, bytes_per_s):4.0f} above idle)"
+    return text
+
+
+def power_budget(watch: ClockWatch, copy_bytes_per_s: float, fraction: float = 0.8, settle: float = 0.0) -> str:
+    """The most energy a byte above idle that a stream at ``fraction`` of the copy
+    bandwidth may spend inside the GPU's power limit: (limit - idle power) over the
+    stream's bytes a second, with the watch's IDLE_PHASE."""
+    idle = watch.summary(IDLE_PHASE, settle)
+    rate = fraction * copy_bytes_per_s
+    return (
+        f"at the {idle.limit_w:.0f} W limit, {fraction:.0%} of the copy ({rate / 1e12:.2f} TB/s) may spend at most "
+        f"{pj_per_byte(idle.limit_w - idle.power_w_median, rate):.0f} pJ/B above idle ({idle.power_w_median:.0f} W)"
+    )
+
+
 def summarize(phase: str, seconds: float, samples: list[Sample]) -> Summary:
     if not samples:
         raise ClockWatchError(f"phase {phase!r}: no samples in {seconds:.2f} s (run it longer than the interval)")

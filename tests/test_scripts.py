@@ -131,7 +131,9 @@ def test_read_pattern_kernels_build():
         (script.PATTERN, script.pattern_defines(c))
         for c in script.CONFIGS + script.PACKED_CONFIGS + script.ROTATED_CONFIGS + script.KROWS_CONFIGS
     ]
-    builds += [(script.SPECIALIZED, script.specialized_defines(c)) for c in script.SPECIALIZED_CONFIGS]
+    builds += [
+        (script.SPECIALIZED, script.specialized_defines(c)) for c in script.SPECIALIZED_CONFIGS + script.OWN_CONFIGS
+    ]
     builds += [(script.BOXES, script.boxes_defines(c)) for c in script.BOXES_CONFIGS]
     builds.append((script.AHEAD, {}))
     builds += [(script.AHEAD_LOADS, {"DEPTH": depth}) for _, depth in script.AHEAD_RATE_CONFIGS]

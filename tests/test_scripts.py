@@ -506,6 +506,27 @@ def test_read_pattern_watch_sustains_each_graph(tmp_path, capsys):
     assert cp.cuda.launches == 2 * (25 + 1200)
 
 
+def test_read_pattern_own_runs_its_forms_then_the_baselines(monkeypatch):
+    """read-pattern --own: the own-copy forms through SPECIALIZED, then the every-lane
+    baselines from KROWS_CONFIGS (half rows alone, items and half rows with work 96);
+    with --config, that one form alone."""
+    import argparse
+
+    script = load_script("read-pattern")
+    calls = []
+    monkeypatch.setattr(script, "specialized", lambda cp, np, configs: calls.append(("own", configs)))
+    monkeypatch.setattr(script, "pattern", lambda cp, np, configs: calls.append(("lanes", configs)))
+    modes = dict.fromkeys(("fit", "ahead", "ahead_rate", "boxes", "specialized"), False)
+    script.run_mode(None, None, argparse.Namespace(**modes, own=True, config=None), script.OWN_CONFIGS)
+    assert calls[0] == ("own", script.OWN_CONFIGS)
+    assert all(c[4:] == (1, c[5], 1) for c in script.OWN_CONFIGS)  # stage-contiguous, SELF 1
+    kind, baselines = calls[1]
+    assert kind == "lanes" and [(c[0], c[3], c[-1]) for c in baselines] == [(4, 0, 2), (4, 96, 0), (4, 96, 2)]
+    calls.clear()
+    script.run_mode(None, None, argparse.Namespace(**modes, own=True, config=1), script.OWN_CONFIGS[1:2])
+    assert calls == [("own", script.OWN_CONFIGS[1:2])]
+
+
 def test_read_pattern_watch_baselines_print_the_budget(tmp_path, capsys):
     """read-pattern --watch's baselines: the idle GPU, the 1 GiB copy's rate and energy a
     byte (also above idle), and the energy a byte above idle that 80% of the copy may spend

@@ -40,8 +40,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     text = config.getoption("--part")
     if text is None:
         return
-    keep = items[part_slice(len(items), *parse_part(text))]
-    dropped = [item for item in items if item not in keep]
+    part = part_slice(len(items), *parse_part(text))
+    dropped = items[: part.start] + items[part.stop :]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-    items[:] = keep
+    items[:] = items[part]

@@ -168,10 +168,10 @@ def test_energy_text_takes_off_the_idle_power():
     """energy_text: the phase's power over the bytes a second, and with an idle phase the
     part above it; without one, the total alone."""
     stream = _watch_of({"stream": (10.0, 12.0, 620.0)})
-    assert energy_text(stream, "stream", 2.5e12) == " 248 pJ/B"
+    assert energy_text(stream, stream.summary("stream"), 2.5e12) == " 248 pJ/B"
     both = _watch_of({"idle": (0.0, 2.0, 120.0), "stream": (10.0, 12.0, 620.0)})
-    assert energy_text(both, "stream", 2.5e12) == " 248 pJ/B ( 200 above idle)"
-    assert energy_text(both, "idle", 2.5e12) == "  48 pJ/B"
+    assert energy_text(both, both.summary("stream"), 2.5e12) == " 248 pJ/B ( 200 above idle)"
+    assert energy_text(both, both.summary("idle"), 2.5e12) == "  48 pJ/B"
 
 
 def test_power_budget_is_the_limit_less_idle_over_the_stream():

@@ -127,13 +127,12 @@ def pj_per_byte(watts: float, bytes_per_s: float) -> float:
 IDLE_PHASE = "idle"  # the phase whose power energy_text takes off (the GPU at rest, its clocks up)
 
 
-def energy_text(watch: ClockWatch, name: str, bytes_per_s: float, settle: float = 0.0) -> str:
-    """Phase ``name``'s energy a byte at ``bytes_per_s``, and, where the watch has an
-    IDLE_PHASE, the part above the idle GPU's power: what the stream itself adds, the
-    figure that carries from one GPU to another of the same chip."""
-    summary = watch.summary(name, settle)
+def energy_text(watch: ClockWatch, summary: Summary, bytes_per_s: float, settle: float = 0.0) -> str:
+    """A phase's energy a byte at ``bytes_per_s`` (``summary``: the phase's, from ``watch``),
+    and, where the watch has an IDLE_PHASE, the part above the idle GPU's power: what the
+    stream itself adds, the figure that carries from one GPU to another of the same chip."""
     text = f"{summary.pj_per_byte(bytes_per_s):4.0f} pJ/B"
-    if IDLE_PHASE in watch.phases and name != IDLE_PHASE:
+    if IDLE_PHASE in watch.phases and summary.phase != IDLE_PHASE:
         idle = watch.summary(IDLE_PHASE, settle).power_w_median
         text += f" ({pj_per_byte(summary.power_w_median - idle, bytes_per_s):4.0f} above idle)"
     return text

@@ -111,12 +111,17 @@ class Summary:
         return pj_per_byte(self.power_w_median, bytes_per_s)
 
     def line(self) -> str:
-        reasons = ", ".join(f"{name} {share:.0%}" for name, share in self.reasons.items())
+        reasons = reasons_text(self.reasons)
         return (
             f"{self.phase:<40} {self.seconds:5.2f} s {self.samples:4d}  SM {self.sm_mhz_median:5.0f} MHz "
             f"(min {self.sm_mhz_min:5.0f})  mem {self.mem_mhz_median:5.0f}  power {self.power_w_median:4.0f} W "
             f"(max {self.power_w_max:4.0f} of {self.limit_w:4.0f})  {self.temp_c_max:3.0f} C  {reasons}"
         )
+
+
+def reasons_text(reasons: dict[str, float]) -> str:
+    """A summary's reasons, each with its share of the samples ("power cap 86%, none 14%")."""
+    return ", ".join(f"{name} {share:.0%}" for name, share in reasons.items())
 
 
 def pj_per_byte(watts: float, bytes_per_s: float) -> float:

@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .clockwatch import pj_per_byte
+from .clockwatch import pj_per_byte, reasons_text
 
 KIND_ORDER = ("embed", "boundary", "attention (sliding)", "attention (full)", "attention_boundary", "moe", "final")
 
@@ -197,7 +197,7 @@ def clocks_lines(runs: list[dict[str, Any]]) -> list[str]:
         if not c["samples"]:
             lines.append(f"{where}: the executor's replays ended before a sample ({c['power_field']})")
             continue
-        reasons = ", ".join(f"{name} {share:.0%}" for name, share in c["reasons"].items())
+        reasons = reasons_text(c["reasons"])
         rate = run["bytes"] / run["executor"]["median_s"]  # the step's bytes a second
         lines.append(
             f"{where}: SM {c['sm_mhz_median']:.0f} MHz (min {c['sm_mhz_min']:.0f}), memory {c['mem_mhz_median']:.0f} MHz, "

@@ -511,3 +511,59 @@ def test_down_spare_refuses_other_kernels():
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     with pytest.raises(AssertionError, match="EXPERTS_DOWN_SPARE is for"):
         ptx_of({**experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_SPARE": 1})
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+@pytest.mark.parametrize("own", [2, 3])
+def test_own_rings(width, intermediate, own):
+    """The _own variants (not registered): _queue_na_spare's defines plus EXPERTS_OWN (and 3
+    up blocks an SM for three stages); spill-free and fitting with their rings' dynamic
+    shared memory (8 warps' stages of 4 steps of 576 bytes, an 8-byte barrier each); the
+    down kernel's PTX is _queue_na_spare's; the up kernel's words come by bulk copies
+    counted on mbarriers, with the proxy fence before a stage is refilled, and neither the
+    code and scale words' global loads nor the L2 prefetches are left in it."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
+    cls = {
+        2: experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn,
+        3: experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3,
+    }[own]
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_OWN": own, **({"EXPERTS_UP_BLOCKS": 3} if own == 3 else {})}
+    assert (cls.own, cls.up_blocks) == (own, 4 if own == 2 else 3)
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    dynamic = experts_mod.own_smem_bytes(width, own)
+    assert dynamic == 8 * own * (4 * (512 + 64) + 8)
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls, dynamic)
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, "experts_down_kernel") == ptx_entry(plain, "experts_down_kernel")
+    up, plain_up = ptx_entry(variant, "experts_up_kernel"), ptx_entry(plain, "experts_up_kernel")
+    for needed in ("cp.async.bulk.shared::cluster.global", "mbarrier.try_wait.parity", "fence.proxy.async"):
+        assert needed in up and needed not in plain_up, needed
+    for gone in ("prefetch.global.L2", "ld.global.nc.L1::no_allocate.v4", "ld.global.nc.v2"):
+        assert gone in plain_up and gone not in up, gone
+
+
+def test_own_smem_bytes_follow_a_warps_steps():
+    """own_smem_bytes as experts.cu's OWN_SMEM_BYTES: a stage is a batch of at most 4 steps
+    of a warp's K-slice (P / (warps along K / 2) / 16 steps), and a barrier a stage."""
+    assert experts_mod.own_smem_bytes(4096, 2) == 8 * 2 * (4 * 576 + 8)
+    assert experts_mod.own_smem_bytes(512, 3) == 8 * 3 * (4 * 576 + 8)  # 4 warps along K: 16 steps a warp
+    assert experts_mod.own_smem_bytes(256, 2) == 8 * 2 * (4 * 576 + 8)  # 2 warps along K: 16 steps
+
+
+def test_own_refuses_other_kernels():
+    """EXPERTS_OWN outside the EXPERTS_HALF up kernel, or with one stage, is a compile error
+    naming it."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    occ = experts_mod.CudaExpertsNvfp4MarlinV3Occ.kernel_defines(4096, 512, 8)
+    spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
+    for defines in ({**occ, "EXPERTS_OWN": 2}, {**spare, "EXPERTS_OWN": 1}):
+        with pytest.raises(AssertionError, match="EXPERTS_OWN"):
+            ptx_of(defines)

@@ -244,6 +244,14 @@ class CudaExperts(_Cuda):
             if not t.is_contiguous():
                 raise ValueError(f"layer {layer}: {self.name} takes contiguous expert weights ({name} is strided)")
 
+    def _check_up_copies(self, layer: int) -> None:
+        """The up kernel's asynchronous copies (EXPERTS_RING, EXPERTS_OWN) take 16-byte aligned
+        codes and scales."""
+        for name, t in (("w13", self.experts.w13), ("w13_scale", self.scales[0])):
+            assert t is not None
+            if t.data_ptr() % 16:
+                raise ValueError(f"layer {layer}: {self.name} copies 16-byte aligned tensors ({name} is not)")
+
     def _scale_views(self) -> tuple[torch.Tensor | None, ...]:
         return (None, None, None, None)
 
@@ -552,10 +560,7 @@ class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
-        for name, t in (("w13", self.experts.w13), ("w13_scale", self.scales[0])):
-            assert t is not None
-            if t.data_ptr() % 16:
-                raise ValueError(f"layer {layer}: {self.name} copies 16-byte aligned tensors ({name} is not)")
+        self._check_up_copies(layer)
         self.up_shared = ring_smem_bytes(ctx.spec.P, self.ring)
         self.up.allow_shared(self.up_shared)
         # the largest carveout, so that 3 blocks an SM (3 x 47 KB with the rings) are not cut
@@ -778,6 +783,50 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
     # Above _queue_na (35): faster chained and in the step on the H100 and the H200.
     priority = 40
     down_spare = 1
+
+
+def own_smem_bytes(width: int, stages: int) -> int:
+    """experts.cu's OWN_SMEM_BYTES for pooled width P: the up kernel's dynamic shared memory
+    under EXPERTS_OWN = stages, the 8 warps' rings (a stage: a batch of at most 4 steps of
+    16 k of a warp's 64-row block, 512 code and 64 scale bytes a step) and an 8-byte
+    barrier a stage."""
+    steps = width // (_warps_k(width, CHUNK["nvfp4_marlin"]) // 2) // 16
+    return 8 * stages * (min(steps, 4) * RING_BLOCK_BYTES + 8)
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` with experts.cu's
+    EXPERTS_OWN = ``own``: each up warp copies its own code and scale words into a ring of
+    ``own`` shared-memory stages with bulk copies (cp.async.bulk, an mbarrier a stage), a
+    stage ``own`` stages ahead of the one it decodes, across its items, instead of loading
+    a batch into registers and waiting for it. The same words in the same MMAs in the same
+    order: the same bits. Two stages a warp on 4 blocks an SM (the rings 37 KB a block);
+    ``_own3``: three on 3. Not registered: not yet measured on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2"
+    # experts.cu's EXPERTS_OWN: a warp's stages
+    own: ClassVar[int] = 2
+
+    @classmethod
+    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
+        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_OWN": cls.own}
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        super().__init__(ctx, layer)
+        self._check_up_copies(layer)
+        self.up_shared = own_smem_bytes(ctx.spec.P, self.own)
+        self.up.allow_shared(self.up_shared)
+        # the largest carveout, so that the blocks an SM (4 x 57 KB with the rings) are not cut
+        prefer_max_shared(self.up, f"{self.name}: the up kernel")
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn):
+    """``_own2`` with three stages a warp, on 3 blocks an SM (the rings 55 KB a block).
+    Not registered: not yet measured on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3"
+    own = 3
+    up_blocks = 3
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -159,6 +159,20 @@
 // 8 steps, two batches. On the H100, warming more of the next item (the whole of it) was
 // slower; warming none was faster at 55 and 64 experts, slower at 33 (bench/NOTES.md v33,
 // v34). Prefetches only: the same bits.
+// EXPERTS_OWN (a define, 0 when absent; the EXPERTS_HALF up kernel): each warp's code and
+// scale words come through a ring of S = EXPERTS_OWN stages of its own in shared memory,
+// filled by the warp itself with Hopper bulk copies (cp.async.bulk, an mbarrier a stage),
+// not by loads into registers. A stage is a batch of the Marlin loop (SB steps of 16 k of
+// the warp's one 64-row block: per step its 512 contiguous code bytes and 64 scale bytes,
+// a copy each, lanes 0..2 SB - 1). The warp copies its first S stages when its experts are
+// known (before the PDL wait when the routing is final at launch, EXPERTS_EARLY), and as
+// soon as its lanes have read a stage into registers it copies into it the stage S further
+// on along its items (the next item's first stages during this item's last), so S stages
+// stay in flight while it decodes and multiplies, with no register held for them and no
+// L2 prefetch. x is read as before. The same words in the same MMAs in the same order:
+// the bits of the up kernel without it. The kernel's dynamic shared memory
+// (OWN_SMEM_BYTES) holds the rings and their barriers; `red` keeps only the EXPERTS_HALF
+// sums (TPB tiles a warp).
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -283,6 +297,12 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_DOWN_SPARE && !(EXPERTS_V3 && FMT == 2 && EXPERTS_LEAN)
 #error "EXPERTS_DOWN_SPARE is for the V3 Marlin kernels with EXPERTS_LEAN"
+#endif
+#ifndef EXPERTS_OWN
+#define EXPERTS_OWN 0
+#endif
+#if EXPERTS_OWN && !(EXPERTS_OWN >= 2 && EXPERTS_HALF)
+#error "EXPERTS_OWN (at least 2 stages) is for the EXPERTS_HALF up kernel"
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -699,6 +719,27 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   }
 }
 
+#if EXPERTS_RING || EXPERTS_OWN
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Shared-memory loads at a shared address (ordered after the waits, as the copies are).
+__device__ __forceinline__ uint4 ld_shared_16(u32 a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint2 ld_shared_8(u32 a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
+  return v;
+}
+
+#endif
+
 #if EXPERTS_RING
 // A stage of the up kernel's ring (EXPERTS_RING, see the top): one step of 16 k of a
 // warp's NBLK blocks of 64 rows.
@@ -718,8 +759,6 @@ constexpr int RED1_BYTES = WARPS * NT1 * 4 * 32 * (int)sizeof(float);
 // The up kernel's dynamic shared memory: the rings, `red` over them.
 constexpr int UP_SMEM_BYTES = RING_BYTES > RED1_BYTES ? RING_BYTES : RED1_BYTES;
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
 // 16 bytes from global memory to shared address dst, past L1 (the weights are read once).
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
@@ -728,22 +767,6 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
 // 4 bytes (x, read by every block: through L1).
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-
-// Shared-memory loads at a shared address (ordered after the waits, as the copies are).
-__device__ __forceinline__ uint4 ld_shared_16(u32 a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(a)
-               : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint2 ld_shared_8(u32 a) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
-  return v;
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -831,6 +854,113 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
   }
   cp_async_wait<0>();  // nothing left in flight into the ring (red overlays it)
 }
+#endif
+
+#if EXPERTS_OWN
+// EXPERTS_OWN's rings (see the top). A warp of the EXPERTS_HALF up kernel, (side, hm, hk),
+// takes one 64-row block (its gate or up rows) over its K-slice of P / WKH: OWN_NB stages
+// of OWN_SB steps an item.
+constexpr int OWN_WKH = WK1 / 2;
+constexpr int OWN_STEPS = P_DIM / OWN_WKH / 16;
+constexpr int OWN_SB = OWN_STEPS < 4 ? OWN_STEPS : 4;  // warp_gemm_marlin's batch
+constexpr int OWN_NB = OWN_STEPS / OWN_SB;
+constexpr int OWN_S = EXPERTS_OWN;
+constexpr int OWN_STAGE_BYTES = OWN_SB * (512 + 64);  // the steps' codes, then their scales
+// The kernel's dynamic shared memory: the warps' rings, then their barriers.
+constexpr int OWN_SMEM_BYTES = WARPS * OWN_S * (OWN_STAGE_BYTES + 8);
+static_assert(TPB == 4 && OWN_STEPS % OWN_SB == 0 && 2 * OWN_SB <= 32, "a 64-row block a warp, a copy a lane");
+constexpr long W13_CODE_BYTES = (long)2 * I_LOCAL * (P_DIM / 2), W13_SCALE_BYTES = (long)2 * I_LOCAL * (P_DIM / 16);
+
+struct OwnRing {
+  u32 ring, bars;    // the warp's stages and their full barriers, shared addresses
+  int side, hm, hk;  // the warp's place (EXPERTS_HALF's)
+  int item, nb;      // the next stage to copy: the block's item and its stage
+  int copied, used;  // stages copied and consumed
+
+  // The warp's ring in `smem` (OWN_SMEM_BYTES), its barriers initialized (by the warp; no
+  // other warp touches them).
+  __device__ __forceinline__ void init(const void* smem) {
+    const int warp = threadIdx.x >> 5, hw = warp % (WARPS / 2);
+    side = warp / (WARPS / 2);
+    hm = hw / OWN_WKH;
+    hk = hw % OWN_WKH;
+    ring = smem_u32(smem) + warp * OWN_S * OWN_STAGE_BYTES;
+    bars = smem_u32(smem) + WARPS * OWN_S * OWN_STAGE_BYTES + warp * OWN_S * 8;
+    if ((threadIdx.x & 31) == 0) {
+      for (int s = 0; s < OWN_S; ++s) mbar_init(bars + 8 * s, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+    item = blockIdx.x;
+    nb = copied = used = 0;
+  }
+
+  // The next stage of the warp's items (while any is left) into stage copied % S: lane 0
+  // expects its bytes, lanes 0..SB - 1 copy the steps' codes, SB..2 SB - 1 their scales.
+  // By the whole warp, converged.
+  __device__ __forceinline__ void copy_next(const Routes& r, const unsigned char* __restrict__ w13,
+                                            const unsigned char* __restrict__ w13_scale, int items) {
+    if (item >= items) return;
+    constexpr long N = 2 * I_LOCAL;
+    const int lane = threadIdx.x & 31, s = copied % OWN_S;
+    const long e = r.slot_expert[item / TILES1];
+    const long blk0 = (side ? I_LOCAL : 0) + (item % TILES1 * WM1 + hm) * UP_COLS;
+    const long kt = hk * OWN_STEPS + nb * OWN_SB + lane % OWN_SB;  // the lane's row of 16 k
+    const u32 dst = ring + s * OWN_STAGE_BYTES, bar = bars + 8 * s;
+    if (lane == 0) mbar_expect_tx(bar, OWN_STAGE_BYTES);
+    __syncwarp();
+    if (lane < OWN_SB)
+      bulk_copy(dst + 512 * lane, w13 + e * W13_CODE_BYTES + (kt * 2 * N + 2 * blk0) * 4, 512, bar);
+    else if (lane < 2 * OWN_SB)
+      bulk_copy(dst + OWN_SB * 512 + 64 * (lane - OWN_SB), w13_scale + e * W13_SCALE_BYTES + kt * N + blk0, 64, bar);
+    ++copied;
+    if (++nb == OWN_NB) {
+      nb = 0;
+      item += gridDim.x;
+    }
+  }
+
+  // The warp's first S stages.
+  __device__ __forceinline__ void fill(const Routes& r, const unsigned char* __restrict__ w13,
+                                       const unsigned char* __restrict__ w13_scale, int items) {
+#pragma unroll 1
+    for (int s = 0; s < OWN_S; ++s) copy_next(r, w13, w13_scale, items);
+  }
+
+  // warp_gemm_marlin's V3 loop over the warp's K-slice of the current item (its stages in
+  // order), the words from the ring: each stage read into registers, then refilled with the
+  // stage S further on, then its MMAs.
+  __device__ __forceinline__ void gemm(const Routes& r, const unsigned char* __restrict__ w13,
+                                       const unsigned char* __restrict__ w13_scale, int items,
+                                       const bf16_t* __restrict__ x, int xs, int nx, float c[TPB][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int a = 0; a < TPB; ++a)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
+    const bool xrow = g < nx;
+    const u32* xp = reinterpret_cast<const u32*>(x + (long)g * xs + hk * (P_DIM / OWN_WKH) + 2 * t);
+#pragma unroll 1
+    for (int st = 0; st < OWN_NB; ++st) {
+      const int s = used % OWN_S;
+      const u32 stage = ring + s * OWN_STAGE_BYTES;
+      mbar_wait(bars + 8 * s, (used / OWN_S) & 1);
+      ++used;
+      uint4 q[OWN_SB][1];
+      uint2 sc[OWN_SB][1];
+#pragma unroll
+      for (int sb = 0; sb < OWN_SB; ++sb) {
+        q[sb][0] = ld_shared_16(stage + 512 * sb + 16 * lane);
+        sc[sb][0] = ld_shared_8(stage + OWN_SB * 512 + 64 * sb + 8 * g);
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads before the copies over them
+      __syncwarp();
+      copy_next(r, w13, w13_scale, items);
+      marlin_batch_mma<1, OWN_SB>(q, sc, xp, xrow, c);
+      xp += OWN_SB * 8;
+    }
+  }
+};
 #endif
 
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
@@ -993,13 +1123,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   u32 smem_bytes;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
   if (smem_bytes < UP_SMEM_BYTES) __trap();  // launched without the rings' shared memory
+#elif EXPERTS_OWN
+  extern __shared__ uint4 up_smem[];           // OWN_SMEM_BYTES: the warps' rings and their barriers
+  __shared__ float red[WARPS * TPB * 4 * 32];  // EXPERTS_HALF's sums
+  u32 smem_bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+  if (smem_bytes < OWN_SMEM_BYTES) __trap();  // launched without the rings' shared memory
+  OwnRing own;
+  own.init(up_smem);
 #else
   __shared__ float red[WARPS * NT1 * 4 * 32];
 #endif
 #if EXPERTS_EARLY
   if (ids_final) {
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
+#if EXPERTS_OWN
+    own.fill(routes, w13, w13_scale, routes.n_slots * TILES1);
+#else
     half_first_prefetch(routes, w13, w13_scale, w13_global);
+#endif
     pdl_wait();  // x comes from the kernel before
     pdl_launch_dependents();
   } else
@@ -1008,6 +1150,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     pdl_wait();  // x and ids come from the kernels before
     pdl_launch_dependents();
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
+#if EXPERTS_OWN
+    own.fill(routes, w13, w13_scale, routes.n_slots * TILES1);
+#endif
   }
   TRACE_START
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
@@ -1028,6 +1173,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const int e = routes.slot_expert[slot];
     const int i0 = (tile * WM1 + hm) * UP_COLS;
     const Weights W = up_weights(w13, w13_scale, w13_global, e);
+    float h[TPB][4];  // this side's tiles
+#if EXPERTS_OWN
+    own.gemm(routes, w13, w13_scale, items, x, x_stride, b, h);
+#else
     const int row0[1] = {side ? I_LOCAL + i0 : i0};
     if (item + (int)gridDim.x < items) {  // the next item's first batch
       const int next = item + gridDim.x, n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
@@ -1035,8 +1184,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
       prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
           up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
     }
-    float h[TPB][4];  // this side's tiles
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
+#endif
 #if EXPERTS_UP_SCATTER
     // Each warp of a side adds the tiles it owns (a % WKH == hk: OWN of them, or where
     // there are more warps than tiles, tile hk alone), the up side passes them over, and

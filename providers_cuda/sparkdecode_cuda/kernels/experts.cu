@@ -876,6 +876,9 @@ struct OwnRing {
   int side, hm, hk;  // the warp's place (EXPERTS_HALF's)
   int item, nb;      // the next stage to copy: the block's item and its stage
   int copied, used;  // stages copied and consumed
+  // The lane's copy of the next stage (lanes 0..SB - 1: step `lane`'s 512 code bytes; SB..2 SB - 1:
+  // step lane - SB's 64 scale bytes): its source, set once an item and advanced a stage at a time.
+  const unsigned char* src;
 
   // The warp's ring in `smem` (OWN_SMEM_BYTES), its barriers initialized (by the warp; no
   // other warp touches them).
@@ -895,34 +898,46 @@ struct OwnRing {
     nb = copied = used = 0;
   }
 
+  // src at the first stage of `item` (while one is left).
+  __device__ __forceinline__ void locate(const Routes& r, const unsigned char* __restrict__ w13,
+                                         const unsigned char* __restrict__ w13_scale, int items) {
+    if (item >= items) return;
+    constexpr long N = 2 * I_LOCAL;
+    const int lane = threadIdx.x & 31;
+    const long e = r.slot_expert[item / TILES1];
+    const long blk0 = (side ? I_LOCAL : 0) + (item % TILES1 * WM1 + hm) * UP_COLS;
+    const long kt = hk * OWN_STEPS + lane % OWN_SB;  // the lane's row of 16 k
+    src = lane < OWN_SB ? w13 + e * W13_CODE_BYTES + (kt * 2 * N + 2 * blk0) * 4
+                        : w13_scale + e * W13_SCALE_BYTES + kt * N + blk0;
+  }
+
   // The next stage of the warp's items (while any is left) into stage copied % S: lane 0
-  // expects its bytes, lanes 0..SB - 1 copy the steps' codes, SB..2 SB - 1 their scales.
-  // By the whole warp, converged.
+  // expects its bytes, lanes 0..2 SB - 1 copy theirs. By the whole warp, converged.
   __device__ __forceinline__ void copy_next(const Routes& r, const unsigned char* __restrict__ w13,
                                             const unsigned char* __restrict__ w13_scale, int items) {
     if (item >= items) return;
     constexpr long N = 2 * I_LOCAL;
     const int lane = threadIdx.x & 31, s = copied % OWN_S;
-    const long e = r.slot_expert[item / TILES1];
-    const long blk0 = (side ? I_LOCAL : 0) + (item % TILES1 * WM1 + hm) * UP_COLS;
-    const long kt = hk * OWN_STEPS + nb * OWN_SB + lane % OWN_SB;  // the lane's row of 16 k
-    const u32 dst = ring + s * OWN_STAGE_BYTES, bar = bars + 8 * s;
+    const bool codes = lane < OWN_SB;
+    const u32 bar = bars + 8 * s;
     if (lane == 0) mbar_expect_tx(bar, OWN_STAGE_BYTES);
     __syncwarp();
-    if (lane < OWN_SB)
-      bulk_copy(dst + 512 * lane, w13 + e * W13_CODE_BYTES + (kt * 2 * N + 2 * blk0) * 4, 512, bar);
-    else if (lane < 2 * OWN_SB)
-      bulk_copy(dst + OWN_SB * 512 + 64 * (lane - OWN_SB), w13_scale + e * W13_SCALE_BYTES + kt * N + blk0, 64, bar);
+    if (lane < 2 * OWN_SB)
+      bulk_copy(ring + s * OWN_STAGE_BYTES + (codes ? 512 * lane : OWN_SB * 512 + 64 * (lane - OWN_SB)), src,
+                codes ? 512 : 64, bar);
+    src += codes ? OWN_SB * 8 * N : OWN_SB * N;  // a stage's rows of 16 k further
     ++copied;
     if (++nb == OWN_NB) {
       nb = 0;
       item += gridDim.x;
+      locate(r, w13, w13_scale, items);
     }
   }
 
   // The warp's first S stages.
   __device__ __forceinline__ void fill(const Routes& r, const unsigned char* __restrict__ w13,
                                        const unsigned char* __restrict__ w13_scale, int items) {
+    locate(r, w13, w13_scale, items);
 #pragma unroll 1
     for (int s = 0; s < OWN_S; ++s) copy_next(r, w13, w13_scale, items);
   }

@@ -244,13 +244,17 @@ class CudaExperts(_Cuda):
             if not t.is_contiguous():
                 raise ValueError(f"layer {layer}: {self.name} takes contiguous expert weights ({name} is strided)")
 
-    def _check_up_copies(self, layer: int) -> None:
-        """The up kernel's asynchronous copies (EXPERTS_RING, EXPERTS_OWN) take 16-byte aligned
-        codes and scales."""
+    def _up_rings(self, layer: int, nbytes: int) -> None:
+        """The up kernel with rings of asynchronous copies in ``nbytes`` of dynamic shared memory
+        a block (EXPERTS_RING, EXPERTS_OWN): its codes and scales 16-byte aligned, each launch
+        given the rings, and the largest carveout, so that the blocks an SM are not cut."""
         for name, t in (("w13", self.experts.w13), ("w13_scale", self.scales[0])):
             assert t is not None
             if t.data_ptr() % 16:
                 raise ValueError(f"layer {layer}: {self.name} copies 16-byte aligned tensors ({name} is not)")
+        self.up_shared = nbytes
+        self.up.allow_shared(nbytes)
+        prefer_max_shared(self.up, f"{self.name}: the up kernel")
 
     def _scale_views(self) -> tuple[torch.Tensor | None, ...]:
         return (None, None, None, None)
@@ -560,11 +564,7 @@ class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
-        self._check_up_copies(layer)
-        self.up_shared = ring_smem_bytes(ctx.spec.P, self.ring)
-        self.up.allow_shared(self.up_shared)
-        # the largest carveout, so that 3 blocks an SM (3 x 47 KB with the rings) are not cut
-        prefer_max_shared(self.up, f"{self.name}: the up kernel")
+        self._up_rings(layer, ring_smem_bytes(ctx.spec.P, self.ring))  # 3 blocks an SM: 3 x 47 KB
 
 
 # The largest I-slice the Slice variant's down kernel takes on one warp along K (expert TP at
@@ -813,11 +813,7 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn(CudaExpertsNvfp4Marl
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
-        self._check_up_copies(layer)
-        self.up_shared = own_smem_bytes(ctx.spec.P, self.own)
-        self.up.allow_shared(self.up_shared)
-        # the largest carveout, so that the blocks an SM (4 x 57 KB with the rings) are not cut
-        prefer_max_shared(self.up, f"{self.name}: the up kernel")
+        self._up_rings(layer, own_smem_bytes(ctx.spec.P, self.own))  # _own2: 4 blocks an SM, 4 x 57 KB
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn):

@@ -870,6 +870,7 @@ constexpr int OWN_STAGE_BYTES = OWN_SB * (512 + 64);  // the steps' codes, then 
 constexpr int OWN_SMEM_BYTES = WARPS * OWN_S * (OWN_STAGE_BYTES + 8);
 static_assert(TPB == 4 && OWN_STEPS % OWN_SB == 0 && 2 * OWN_SB <= 32, "a 64-row block a warp, a copy a lane");
 constexpr long W13_CODE_BYTES = (long)2 * I_LOCAL * (P_DIM / 2), W13_SCALE_BYTES = (long)2 * I_LOCAL * (P_DIM / 16);
+constexpr long OWN_N = 2 * I_LOCAL;  // W13's rows
 
 struct OwnRing {
   u32 ring, bars;    // the warp's stages and their full barriers, shared addresses
@@ -902,13 +903,12 @@ struct OwnRing {
   __device__ __forceinline__ void locate(const Routes& r, const unsigned char* __restrict__ w13,
                                          const unsigned char* __restrict__ w13_scale, int items) {
     if (item >= items) return;
-    constexpr long N = 2 * I_LOCAL;
     const int lane = threadIdx.x & 31;
     const long e = r.slot_expert[item / TILES1];
     const long blk0 = (side ? I_LOCAL : 0) + (item % TILES1 * WM1 + hm) * UP_COLS;
     const long kt = hk * OWN_STEPS + lane % OWN_SB;  // the lane's row of 16 k
-    src = lane < OWN_SB ? w13 + e * W13_CODE_BYTES + (kt * 2 * N + 2 * blk0) * 4
-                        : w13_scale + e * W13_SCALE_BYTES + kt * N + blk0;
+    src = lane < OWN_SB ? w13 + e * W13_CODE_BYTES + (kt * 2 * OWN_N + 2 * blk0) * 4
+                        : w13_scale + e * W13_SCALE_BYTES + kt * OWN_N + blk0;
   }
 
   // The next stage of the warp's items (while any is left) into stage copied % S: lane 0
@@ -916,7 +916,6 @@ struct OwnRing {
   __device__ __forceinline__ void copy_next(const Routes& r, const unsigned char* __restrict__ w13,
                                             const unsigned char* __restrict__ w13_scale, int items) {
     if (item >= items) return;
-    constexpr long N = 2 * I_LOCAL;
     const int lane = threadIdx.x & 31, s = copied % OWN_S;
     const bool codes = lane < OWN_SB;
     const u32 bar = bars + 8 * s;
@@ -925,7 +924,7 @@ struct OwnRing {
     if (lane < 2 * OWN_SB)
       bulk_copy(ring + s * OWN_STAGE_BYTES + (codes ? 512 * lane : OWN_SB * 512 + 64 * (lane - OWN_SB)), src,
                 codes ? 512 : 64, bar);
-    src += codes ? OWN_SB * 8 * N : OWN_SB * N;  // a stage's rows of 16 k further
+    src += codes ? OWN_SB * 8 * OWN_N : OWN_SB * OWN_N;  // a stage's rows of 16 k further
     ++copied;
     if (++nb == OWN_NB) {
       nb = 0;

@@ -567,3 +567,55 @@ def test_own_refuses_other_kernels():
     for defines in ({**occ, "EXPERTS_OWN": 2}, {**spare, "EXPERTS_OWN": 1}):
         with pytest.raises(AssertionError, match="EXPERTS_OWN"):
             ptx_of(defines)
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+@pytest.mark.parametrize("own", [2, 3])
+def test_own_tma(width, intermediate, own):
+    """The _own_tma variants (not registered): the _own defines plus EXPERTS_OWN_TMA; spill-free
+    and fitting; the up kernel's stages come by 2-D tensor copies from its two 128-byte
+    tensor-map parameters, no one-dimensional bulk copy is left, and the down kernel's PTX is
+    _queue_na_spare's."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    base_cls = {
+        2: experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn,
+        3: experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3,
+    }[own]
+    cls = {
+        2: experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma,
+        3: experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma,
+    }[own]
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**base_cls.kernel_defines(width, intermediate, 8), "EXPERTS_OWN_TMA": 1}
+    assert (cls.own, cls.up_blocks) == (base_cls.own, base_cls.up_blocks)
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls, experts_mod.own_smem_bytes(width, own))
+    spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(width, intermediate, 8)
+    variant = ptx_of(defines)
+    assert ptx_entry(variant, "experts_down_kernel") == ptx_entry(ptx_of(spare), "experts_down_kernel")
+    up = ptx_entry(variant, "experts_up_kernel")
+    copies = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier", up)
+    assert copies and len(copies) % 2 == 0  # codes and scales, wherever a stage is copied (fills, loop)
+    assert "cp.async.bulk.shared::cluster.global" not in up
+    assert len(re.findall(r"\.param \.align 64 \.b8 experts_up_kernel_param_\d+\[128\]", up)) == 2
+
+
+def test_own_tma_boxes_and_refusal():
+    """own_tma_boxes: W13's codes as uint32 rows of 4I words (16I bytes) and its scales as
+    bytes rows of 2I, E_local * P / 16 rows each, a box of 4 rows of a 64-row block (128 words,
+    64 bytes); EXPERTS_OWN_TMA without EXPERTS_OWN is a compile error naming it."""
+    from sparkdecode_cuda import nvrtc
+
+    codes, scales = experts_mod.own_tma_boxes(4096, 512, 256)
+    assert codes == ((2048, 256 * 256), 8192, (128, 4))
+    assert scales == ((1024, 256 * 256), 1024, (64, 4))
+    codes, scales = experts_mod.own_tma_boxes(4096, 4096, 32)  # EP at TP 8: whole experts, 32 a rank
+    assert codes == ((16384, 32 * 256), 65536, (128, 4)) and scales == ((8192, 32 * 256), 8192, (64, 4))
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
+    with pytest.raises(AssertionError, match="EXPERTS_OWN_TMA is for"):
+        ptx_of({**spare, "EXPERTS_OWN_TMA": 1})

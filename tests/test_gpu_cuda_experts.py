@@ -138,7 +138,8 @@ def provider(fmt: str):
     "-v3half4scatterupqueuenaspare": that with the down kernel's L2 prefetches only its
     blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenaspareown2" / "own3":
     that with each up warp's words through its own ring of 2 / 3 stages filled by bulk copies
-    (EXPERTS_OWN),
+    (EXPERTS_OWN), "own2tma" / "own3tma": those with a stage's words by two tensor copies
+    (EXPERTS_OWN_TMA),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1, the
     two _own and the two V3 bulk unregistered)."""
@@ -173,6 +174,12 @@ def provider(fmt: str):
         ),
         "nvfp4_marlin-v3half4scatterupqueuenaspareown3": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenaspareown2tma": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenaspareown3tma": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma
         ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -488,6 +495,8 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
         "v3half4scatterupqueuenaspare",
         "v3half4scatterupqueuenaspareown2",
         "v3half4scatterupqueuenaspareown3",
+        "v3half4scatterupqueuenaspareown2tma",
+        "v3half4scatterupqueuenaspareown3tma",
     ],
 )
 def test_down_queue_resets_over_replays(fmt):
@@ -531,7 +540,10 @@ def assert_same_rows(shape: str, fmt: str, base: str) -> None:
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
 
 
-@pytest.mark.parametrize("fmt", ["v3half4scatterupqueuenaspareown2", "v3half4scatterupqueuenaspareown3"])
+OWN_FORMATS = [f"v3half4scatterupqueuenaspareown{v}" for v in ("2", "3", "2tma", "3tma")]
+
+
+@pytest.mark.parametrize("fmt", OWN_FORMATS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_own_rings_are_spare_bit_for_bit(fmt, shape):
     """EXPERTS_OWN moves the up kernel's code and scale words through each warp's ring of
@@ -540,7 +552,7 @@ def test_own_rings_are_spare_bit_for_bit(fmt, shape):
     assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
 
 
-@pytest.mark.parametrize("fmt", ["v3half4scatterupqueuenaspareown2", "v3half4scatterupqueuenaspareown3"])
+@pytest.mark.parametrize("fmt", OWN_FORMATS)
 @pytest.mark.parametrize("shape", ["tiny-ep2", "tp8-rank-expert-tp"])
 def test_own_rings_with_final_routing(fmt, shape):
     """With the routing final at launch, the _own rings' first stages are copied before the

@@ -28,7 +28,7 @@ exact quantized model than the reference's (which rounds every weight to bf16).
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -297,6 +297,10 @@ class CudaExperts(_Cuda):
             ptr(self.act),
         ]
 
+    def _up_map_args(self) -> list[Arg]:
+        """The up kernel's tensor maps, its last arguments (EXPERTS_OWN_TMA; none otherwise)."""
+        return []
+
     def _down_args(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> list[Arg]:
         """The down kernel's arguments (those of every experts kernel's down, first):
         the activations of b rows, the routes, w2 and its scales, the routed rows."""
@@ -317,7 +321,7 @@ class CudaExperts(_Cuda):
 
     def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
         """The up kernel alone (x -> act), as ``run`` launches it."""
-        up = [*self._up_args(x, topk.ids), *self._routing_args(topk)]
+        up = [*self._up_args(x, topk.ids), *self._routing_args(topk), *self._up_map_args()]
         self.up.launch((self.grid_up, 1, 1), (256, 1, 1), up, shared=self.up_shared)
 
     def launch_down(self, b: int, topk: RoutedTopk, rows: torch.Tensor) -> None:
@@ -821,6 +825,91 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3(CudaExpertsNvfp4Mar
     Not registered: not yet measured on a GPU."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3"
+    own = 3
+    up_blocks = 3
+
+
+class TmaBox(NamedTuple):
+    """A 2-D tensor map's shape: its elements a row and rows, the row stride in bytes, the box
+    (elements, rows)."""
+
+    dims: tuple[int, int]
+    row_bytes: int
+    box: tuple[int, int]
+
+
+def own_tma_boxes(width: int, intermediate: int, num_local: int) -> tuple[TmaBox, TmaBox]:
+    """experts.cu's EXPERTS_OWN_TMA maps of this rank's W13 at pooled width P: its codes as
+    uint32 [E_local * P / 16, 4I] and its scale bytes as uint8 [E_local * P / 16, 2I]; a box is
+    one stage, a batch of rows of 16 k (at most 4) of a warp's 64-row block (128 words, 64
+    bytes a row)."""
+    rows = num_local * width // 16
+    steps = width // (_warps_k(width, CHUNK["nvfp4_marlin"]) // 2) // 16
+    batch = min(steps, 4)
+    return (
+        TmaBox((4 * intermediate, rows), 16 * intermediate, (128, batch)),
+        TmaBox((2 * intermediate, rows), 2 * intermediate, (64, batch)),
+    )
+
+
+def tensor_map_2d(t: torch.Tensor, shape: TmaBox, uint32: bool, who: str) -> object:
+    """A tiled tensor map over ``t`` (no swizzle, no L2 promotion, no interleave)."""
+    from cuda.bindings import driver
+
+    kinds = driver.CUtensorMapDataType
+    err, tensor_map = driver.cuTensorMapEncodeTiled(
+        kinds.CU_TENSOR_MAP_DATA_TYPE_UINT32 if uint32 else kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        2,
+        t.data_ptr(),
+        [driver.cuuint64_t(d) for d in shape.dims],
+        [driver.cuuint64_t(shape.row_bytes)],
+        [driver.cuuint32_t(b) for b in shape.box],
+        [driver.cuuint32_t(1), driver.cuuint32_t(1)],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{who}: cuTensorMapEncodeTiled {shape}: {err}")
+    return tensor_map
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn):
+    """``_own2`` with experts.cu's EXPERTS_OWN_TMA: a stage's words come by two tensor copies
+    (``cp.async.bulk.tensor.2d``, lane 0: a box of 4 rows of the warp's block out of the codes,
+    one out of the scales) in place of 8 one-dimensional copies, which ptxas issues one lane
+    at a time (bench/NOTES.md v39). The two tensor maps over vLLM's tensors are made at
+    build. The same bytes in the same places: the same bits. Not registered: not yet
+    measured on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_tma"
+
+    @classmethod
+    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
+        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_OWN_TMA": 1}
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        super().__init__(ctx, layer)
+        codes, scales = own_tma_boxes(ctx.spec.P, self.intermediate, self.experts.num_local)
+        w13_scale = self.scales[0]
+        assert w13_scale is not None
+        self.up_maps = (
+            tensor_map_2d(self.experts.w13, codes, True, f"layer {layer}: {self.name}: w13"),
+            tensor_map_2d(w13_scale, scales, False, f"layer {layer}: {self.name}: w13_scale"),
+        )
+
+    def _up_map_args(self) -> list[Arg]:
+        return [Arg(m, None) for m in self.up_maps]
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma(
+    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma
+):
+    """``_own2_tma`` with three stages a warp, on 3 blocks an SM. Not registered: not yet
+    measured on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3_tma"
     own = 3
     up_blocks = 3
 

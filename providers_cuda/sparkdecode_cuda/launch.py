@@ -52,10 +52,11 @@ def _ensure_context(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Arg:
-    """A kernel argument with its C type: a pointer (int or tensor), int or float."""
+    """A kernel argument with its C type: a pointer (int or tensor), int or float; or, with
+    ctype None, a cuda-python object passed by value from its ``getPtr()`` (a tensor map)."""
 
     value: object
-    ctype: type
+    ctype: type | None
 
 
 def ptr(t: torch.Tensor | None) -> Arg:

@@ -173,6 +173,14 @@
 // the bits of the up kernel without it. The kernel's dynamic shared memory
 // (OWN_SMEM_BYTES) holds the rings and their barriers; `red` keeps only the EXPERTS_HALF
 // sums (TPB tiles a warp).
+// EXPERTS_OWN_TMA (a define, 0 when absent; with EXPERTS_OWN): a stage's words come by two
+// tensor copies (cp.async.bulk.tensor.2d, lane 0) in place of 2 SB one-dimensional ones, a
+// box of SB rows of 16 k of the warp's block: its 512 code bytes a row out of W13's rows of
+// 8N bytes, and its 64 scale bytes a row out of the scales' rows of N. The kernel takes the
+// two tensor maps (TmaMap, by value) after its other arguments: W13's codes as uint32
+// [E_local * P / 16, 2N] and its scale bytes as uint8 [E_local * P / 16, N], no swizzle, so
+// a box lands in the stage as the one-dimensional copies put it. The same bytes in the
+// same places: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -303,6 +311,21 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_OWN && !(EXPERTS_OWN >= 2 && EXPERTS_HALF)
 #error "EXPERTS_OWN (at least 2 stages) is for the EXPERTS_HALF up kernel"
+#endif
+#ifndef EXPERTS_OWN_TMA
+#define EXPERTS_OWN_TMA 0
+#endif
+#if EXPERTS_OWN_TMA && !EXPERTS_OWN
+#error "EXPERTS_OWN_TMA is for the EXPERTS_OWN up kernel"
+#endif
+#if EXPERTS_OWN_TMA
+// A CUtensorMap's 128 opaque bytes, passed by value (__grid_constant__).
+struct __align__(64) TmaMap {
+  unsigned long long words[16];
+};
+#define OWN_TMA_PARAM , const __grid_constant__ TmaMap w13_map, const __grid_constant__ TmaMap w13_scale_map
+#else
+#define OWN_TMA_PARAM
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -872,14 +895,33 @@ static_assert(TPB == 4 && OWN_STEPS % OWN_SB == 0 && 2 * OWN_SB <= 32, "a 64-row
 constexpr long W13_CODE_BYTES = (long)2 * I_LOCAL * (P_DIM / 2), W13_SCALE_BYTES = (long)2 * I_LOCAL * (P_DIM / 16);
 constexpr long OWN_N = 2 * I_LOCAL;  // W13's rows
 
+#if EXPERTS_OWN_TMA
+// The box at column x, row y of the tensor map at generic address `map` into shared `dst`
+// (128-byte aligned), counted on `bar`.
+__device__ __forceinline__ void tensor_copy_2d(u32 dst, unsigned long long map, int x, int y, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+#endif
+
 struct OwnRing {
   u32 ring, bars;    // the warp's stages and their full barriers, shared addresses
   int side, hm, hk;  // the warp's place (EXPERTS_HALF's)
   int item, nb;      // the next stage to copy: the block's item and its stage
   int copied, used;  // stages copied and consumed
+#if EXPERTS_OWN_TMA
+  // The tensor maps' generic addresses (the kernel's parameters), and the next stage's box:
+  // the code words' column 2 blk0, the scales' blk0, and the rows' first (of E_local * P / 16).
+  unsigned long long code_map, scale_map;
+  int blk0, row;
+#else
   // The lane's copy of the next stage (lanes 0..SB - 1: step `lane`'s 512 code bytes; SB..2 SB - 1:
   // step lane - SB's 64 scale bytes): its source, set once an item and advanced a stage at a time.
   const unsigned char* src;
+#endif
 
   // The warp's ring in `smem` (OWN_SMEM_BYTES), its barriers initialized (by the warp; no
   // other warp touches them).
@@ -903,12 +945,18 @@ struct OwnRing {
   __device__ __forceinline__ void locate(const Routes& r, const unsigned char* __restrict__ w13,
                                          const unsigned char* __restrict__ w13_scale, int items) {
     if (item >= items) return;
-    const int lane = threadIdx.x & 31;
     const long e = r.slot_expert[item / TILES1];
-    const long blk0 = (side ? I_LOCAL : 0) + (item % TILES1 * WM1 + hm) * UP_COLS;
+    const long block = (side ? I_LOCAL : 0) + (item % TILES1 * WM1 + hm) * UP_COLS;
+#if EXPERTS_OWN_TMA
+    blk0 = block;
+    row = e * (P_DIM / 16) + hk * OWN_STEPS;
+#else
+    const int lane = threadIdx.x & 31;
+    const long blk0 = block;
     const long kt = hk * OWN_STEPS + lane % OWN_SB;  // the lane's row of 16 k
     src = lane < OWN_SB ? w13 + e * W13_CODE_BYTES + (kt * 2 * OWN_N + 2 * blk0) * 4
                         : w13_scale + e * W13_SCALE_BYTES + kt * OWN_N + blk0;
+#endif
   }
 
   // The next stage of the warp's items (while any is left) into stage copied % S: lane 0
@@ -917,14 +965,24 @@ struct OwnRing {
                                             const unsigned char* __restrict__ w13_scale, int items) {
     if (item >= items) return;
     const int lane = threadIdx.x & 31, s = copied % OWN_S;
-    const bool codes = lane < OWN_SB;
     const u32 bar = bars + 8 * s;
+#if EXPERTS_OWN_TMA
+    if (lane == 0) {
+      const u32 dst = ring + s * OWN_STAGE_BYTES;
+      mbar_expect_tx(bar, OWN_STAGE_BYTES);
+      tensor_copy_2d(dst, code_map, 2 * blk0, row, bar);
+      tensor_copy_2d(dst + OWN_SB * 512, scale_map, blk0, row, bar);
+    }
+    row += OWN_SB;  // a stage's rows of 16 k further
+#else
+    const bool codes = lane < OWN_SB;
     if (lane == 0) mbar_expect_tx(bar, OWN_STAGE_BYTES);
     __syncwarp();
     if (lane < 2 * OWN_SB)
       bulk_copy(ring + s * OWN_STAGE_BYTES + (codes ? 512 * lane : OWN_SB * 512 + 64 * (lane - OWN_SB)), src,
                 codes ? 512 : 64, bar);
     src += codes ? OWN_SB * 8 * OWN_N : OWN_SB * OWN_N;  // a stage's rows of 16 k further
+#endif
     ++copied;
     if (++nb == OWN_NB) {
       nb = 0;
@@ -1126,9 +1184,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
 #if EXPERTS_EARLY
     bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
-    int ids_final TRACE_PARAM) {                                   // the ids complete at launch (see the top)
+    int ids_final TRACE_PARAM OWN_TMA_PARAM) {                     // the ids complete at launch (see the top)
 #else
-    bf16_t* __restrict__ act TRACE_PARAM) {                        // [slots, 8, I_LOCAL]
+    bf16_t* __restrict__ act TRACE_PARAM OWN_TMA_PARAM) {          // [slots, 8, I_LOCAL]
 #endif
   __shared__ Routes routes;
 #if EXPERTS_RING
@@ -1138,13 +1196,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
   if (smem_bytes < UP_SMEM_BYTES) __trap();  // launched without the rings' shared memory
 #elif EXPERTS_OWN
-  extern __shared__ uint4 up_smem[];           // OWN_SMEM_BYTES: the warps' rings and their barriers
+  extern __shared__ __align__(128) uint4 up_smem[];  // OWN_SMEM_BYTES: the warps' rings and their barriers
   __shared__ float red[WARPS * TPB * 4 * 32];  // EXPERTS_HALF's sums
   u32 smem_bytes;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
   if (smem_bytes < OWN_SMEM_BYTES) __trap();  // launched without the rings' shared memory
   OwnRing own;
   own.init(up_smem);
+#if EXPERTS_OWN_TMA
+  own.code_map = reinterpret_cast<unsigned long long>(&w13_map);
+  own.scale_map = reinterpret_cast<unsigned long long>(&w13_scale_map);
+#endif
 #else
   __shared__ float red[WARPS * NT1 * 4 * 32];
 #endif

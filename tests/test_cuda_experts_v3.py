@@ -194,14 +194,14 @@ def blocks_per_sm_smem(nbytes: int) -> int:
     return SM_SHARED // (nbytes + BLOCK_RESERVED) if nbytes <= BLOCK_SHARED_MAX else 0
 
 
-def assert_kernels_fit(defines: dict[str, int], cls: type, up_shared: int = 0) -> None:
+def assert_kernels_fit(defines: dict[str, int], cls: type, up_shared: int = 0, down_shared: int = 0) -> None:
     """Both kernels under ``defines``: no stack or spills, and the registers and shared
-    memory (static, plus ``up_shared`` dynamic for the up kernel) of the blocks an SM ``cls``
+    memory (static, plus ``up_shared`` and ``down_shared`` dynamic) of the blocks an SM ``cls``
     launches each on."""
     usage = ptxas_usage(defines)
     for kernel, blocks, shared in (
         ("experts_up_kernel", cls.up_blocks, up_shared),
-        ("experts_down_kernel", cls.down_blocks, 0),
+        ("experts_down_kernel", cls.down_blocks, down_shared),
     ):
         u = usage[kernel]
         assert u.stack == 0 and u.spills == 0, (kernel, usage)
@@ -619,3 +619,55 @@ def test_own_tma_boxes_and_refusal():
     spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
     with pytest.raises(AssertionError, match="EXPERTS_OWN_TMA is for"):
         ptx_of({**spare, "EXPERTS_OWN_TMA": 1})
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+@pytest.mark.parametrize("tma", [0, 1])
+def test_own_down(width, intermediate, tma):
+    """The _own2_down2 variants (not registered): _own2's (or _own2_tma's) defines plus
+    EXPERTS_OWN_DOWN = 2; both kernels spill-free and fitting with their rings (the down
+    kernel's: 8 warps' 2 stages of 4 steps of W2's block); the down kernel's words come by
+    bulk copies (one-dimensional, or tensor copies with EXPERTS_OWN_TMA) on mbarriers, with
+    neither its code loads nor its L2 warm-up left."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    m = experts_mod
+    parent = (
+        m.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma
+        if tma
+        else m.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn
+    )
+    cls = (
+        m.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDownTma
+        if tma
+        else m.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDown
+    )
+    defines = cls.kernel_defines(width, intermediate, 8)
+    assert defines == {**parent.kernel_defines(width, intermediate, 8), "EXPERTS_OWN_DOWN": 2}
+    assert (cls.own, cls.own_down, cls.up_blocks, cls.down_blocks) == (2, 2, 4, 4)
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    down_ring = m.own_ring_bytes(intermediate, cls.down_warps_k(width, intermediate), 2)
+    assert down_ring == 8 * 2 * (4 * (512 + 64) + 8)
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls, m.own_smem_bytes(width, 2), down_ring)
+    down = ptx_entry(ptx_of(defines), "experts_down_kernel")
+    copy = "cp.async.bulk.tensor.2d.shared::cluster.global" if tma else "cp.async.bulk.shared::cluster.global"
+    for needed in (copy, "mbarrier.try_wait.parity", "fence.proxy.async"):
+        assert needed in down, needed
+    for gone in ("prefetch.global.L2", "ld.global.nc.L1::no_allocate.v4", "ld.global.nc.v2"):
+        assert gone not in down, gone
+
+
+def test_own_down_refusals():
+    """EXPERTS_OWN_DOWN outside the V3 Marlin kernels, or with the queue and more stages than a
+    warp's stages an item (expert TP's slice: 2), is a compile error naming it."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
+    bf16 = experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8)
+    for defines in ({**bf16, "EXPERTS_OWN_DOWN": 2}, {**spare, "EXPERTS_OWN_DOWN": 3}):
+        with pytest.raises(AssertionError, match="EXPERTS_OWN_DOWN"):
+            ptx_of(defines)

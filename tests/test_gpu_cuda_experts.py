@@ -139,7 +139,8 @@ def provider(fmt: str):
     blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenaspareown2" / "own3":
     that with each up warp's words through its own ring of 2 / 3 stages filled by bulk copies
     (EXPERTS_OWN), "own2tma" / "own3tma": those with a stage's words by two tensor copies
-    (EXPERTS_OWN_TMA),
+    (EXPERTS_OWN_TMA), "own2down2" / "own2down2tma": own2 / own2tma with the down kernel's
+    warps on the same rings (EXPERTS_OWN_DOWN),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1, the
     two _own and the two V3 bulk unregistered)."""
@@ -180,6 +181,12 @@ def provider(fmt: str):
         ),
         "nvfp4_marlin-v3half4scatterupqueuenaspareown3tma": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenaspareown2down2": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDown
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenaspareown2down2tma": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDownTma
         ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -497,6 +504,8 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
         "v3half4scatterupqueuenaspareown3",
         "v3half4scatterupqueuenaspareown2tma",
         "v3half4scatterupqueuenaspareown3tma",
+        "v3half4scatterupqueuenaspareown2down2",
+        "v3half4scatterupqueuenaspareown2down2tma",
     ],
 )
 def test_down_queue_resets_over_replays(fmt):
@@ -540,7 +549,7 @@ def assert_same_rows(shape: str, fmt: str, base: str) -> None:
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
 
 
-OWN_FORMATS = [f"v3half4scatterupqueuenaspareown{v}" for v in ("2", "3", "2tma", "3tma")]
+OWN_FORMATS = [f"v3half4scatterupqueuenaspareown{v}" for v in ("2", "3", "2tma", "3tma", "2down2", "2down2tma")]
 
 
 @pytest.mark.parametrize("fmt", OWN_FORMATS)

@@ -150,6 +150,8 @@ class CudaExperts(_Cuda):
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
     # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
     up_shared: int = 0
+    # the down kernel's (EXPERTS_OWN_DOWN's rings; none otherwise)
+    down_shared: int = 0
     # experts.cu's EXPERTS_ROUTE_MASK: the down kernel's epilogue over per-row route masks
     route_mask: ClassVar[int] = 0
     # experts.cu's EXPERTS_LEAN: the V3 Marlin loop's prefetch pointers and shift on the FMA pipe
@@ -246,15 +248,22 @@ class CudaExperts(_Cuda):
 
     def _up_rings(self, layer: int, nbytes: int) -> None:
         """The up kernel with rings of asynchronous copies in ``nbytes`` of dynamic shared memory
-        a block (EXPERTS_RING, EXPERTS_OWN): its codes and scales 16-byte aligned, each launch
-        given the rings, and the largest carveout, so that the blocks an SM are not cut."""
-        for name, t in (("w13", self.experts.w13), ("w13_scale", self.scales[0])):
+        a block (EXPERTS_RING, EXPERTS_OWN)."""
+        self.up_shared = self._rings(layer, self.up, (("w13", self.experts.w13), ("w13_scale", self.scales[0])), nbytes)
+
+    def _rings(
+        self, layer: int, kernel: Kernel, copied: tuple[tuple[str, torch.Tensor | None], ...], nbytes: int
+    ) -> int:
+        """A kernel with rings of asynchronous copies in ``nbytes`` of dynamic shared memory a
+        block: the tensors it copies 16-byte aligned, its launches allowed the rings, and the
+        largest carveout, so that the blocks an SM are not cut. Returns ``nbytes``."""
+        for name, t in copied:
             assert t is not None
             if t.data_ptr() % 16:
                 raise ValueError(f"layer {layer}: {self.name} copies 16-byte aligned tensors ({name} is not)")
-        self.up_shared = nbytes
-        self.up.allow_shared(nbytes)
-        prefer_max_shared(self.up, f"{self.name}: the up kernel")
+        kernel.allow_shared(nbytes)
+        prefer_max_shared(kernel, f"{self.name}: {kernel.name}")
+        return nbytes
 
     def _scale_views(self) -> tuple[torch.Tensor | None, ...]:
         return (None, None, None, None)
@@ -301,6 +310,10 @@ class CudaExperts(_Cuda):
         """The up kernel's tensor maps, its last arguments (EXPERTS_OWN_TMA; none otherwise)."""
         return []
 
+    def _down_map_args(self) -> list[Arg]:
+        """The down kernel's tensor maps, its last arguments (EXPERTS_OWN_TMA; none otherwise)."""
+        return []
+
     def _down_args(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> list[Arg]:
         """The down kernel's arguments (those of every experts kernel's down, first):
         the activations of b rows, the routes, w2 and its scales, the routed rows."""
@@ -326,7 +339,8 @@ class CudaExperts(_Cuda):
 
     def launch_down(self, b: int, topk: RoutedTopk, rows: torch.Tensor) -> None:
         """The down kernel alone (act -> rows, b rows of x), as ``run`` launches it."""
-        self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(b, topk.ids, rows))
+        down = [*self._down_args(b, topk.ids, rows), *self._down_map_args()]
+        self.down.launch((self.grid_down, 1, 1), (256, 1, 1), down, shared=self.down_shared)
 
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
@@ -789,13 +803,18 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
     down_spare = 1
 
 
+def own_ring_bytes(k: int, warps_k: int, stages: int) -> int:
+    """experts.cu's Own<UP>::SMEM_BYTES: a kernel's dynamic shared memory under EXPERTS_OWN or
+    EXPERTS_OWN_DOWN = stages, over K with warps_k warps along it: the 8 warps' rings (a stage:
+    a batch of at most 4 steps of 16 k of a warp's 64-row block, 512 code and 64 scale bytes a
+    step) and an 8-byte barrier a stage."""
+    return 8 * stages * (min(k // warps_k // 16, 4) * RING_BLOCK_BYTES + 8)
+
+
 def own_smem_bytes(width: int, stages: int) -> int:
-    """experts.cu's OWN_SMEM_BYTES for pooled width P: the up kernel's dynamic shared memory
-    under EXPERTS_OWN = stages, the 8 warps' rings (a stage: a batch of at most 4 steps of
-    16 k of a warp's 64-row block, 512 code and 64 scale bytes a step) and an 8-byte
-    barrier a stage."""
-    steps = width // (_warps_k(width, CHUNK["nvfp4_marlin"]) // 2) // 16
-    return 8 * stages * (min(steps, 4) * RING_BLOCK_BYTES + 8)
+    """The EXPERTS_OWN up kernel's own_ring_bytes at pooled width P (EXPERTS_HALF: half the
+    warps along K a side)."""
+    return own_ring_bytes(width, _warps_k(width, CHUNK["nvfp4_marlin"]) // 2, stages)
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
@@ -810,14 +829,23 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn(CudaExpertsNvfp4Marl
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2"
     # experts.cu's EXPERTS_OWN: a warp's stages
     own: ClassVar[int] = 2
+    # experts.cu's EXPERTS_OWN_DOWN: the down kernel's warps' stages (0: its loads as registered)
+    own_down: ClassVar[int] = 0
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
-        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_OWN": cls.own}
+        defines = {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_OWN": cls.own}
+        if cls.own_down:
+            defines["EXPERTS_OWN_DOWN"] = cls.own_down
+        return defines
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
         self._up_rings(layer, own_smem_bytes(ctx.spec.P, self.own))  # _own2: 4 blocks an SM, 4 x 57 KB
+        if self.own_down:
+            w2 = (("w2", self.experts.w2), ("w2_scale", self.scales[2]))
+            wk = self.down_warps_k(ctx.spec.P, self.intermediate)
+            self.down_shared = self._rings(layer, self.down, w2, own_ring_bytes(self.intermediate, wk, self.own_down))
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn):
@@ -838,18 +866,19 @@ class TmaBox(NamedTuple):
     box: tuple[int, int]
 
 
+def own_boxes(k: int, n: int, warps_k: int, num_local: int) -> tuple[TmaBox, TmaBox]:
+    """experts.cu's EXPERTS_OWN_TMA maps of a Marlin weight of N rows over K (warps_k warps
+    along K): its codes as uint32 [E_local * K / 16, 2N] and its scale bytes as uint8
+    [E_local * K / 16, N]; a box is one stage, a batch of rows of 16 k (at most 4) of a warp's
+    64-row block (128 words, 64 bytes a row)."""
+    rows, batch = num_local * k // 16, min(k // warps_k // 16, 4)
+    return TmaBox((2 * n, rows), 8 * n, (128, batch)), TmaBox((n, rows), n, (64, batch))
+
+
 def own_tma_boxes(width: int, intermediate: int, num_local: int) -> tuple[TmaBox, TmaBox]:
-    """experts.cu's EXPERTS_OWN_TMA maps of this rank's W13 at pooled width P: its codes as
-    uint32 [E_local * P / 16, 4I] and its scale bytes as uint8 [E_local * P / 16, 2I]; a box is
-    one stage, a batch of rows of 16 k (at most 4) of a warp's 64-row block (128 words, 64
-    bytes a row)."""
-    rows = num_local * width // 16
-    steps = width // (_warps_k(width, CHUNK["nvfp4_marlin"]) // 2) // 16
-    batch = min(steps, 4)
-    return (
-        TmaBox((4 * intermediate, rows), 16 * intermediate, (128, batch)),
-        TmaBox((2 * intermediate, rows), 2 * intermediate, (64, batch)),
-    )
+    """The EXPERTS_OWN up kernel's own_boxes: this rank's W13 (2I rows over P) at pooled
+    width P, half the warps along K a side (EXPERTS_HALF)."""
+    return own_boxes(width, 2 * intermediate, _warps_k(width, CHUNK["nvfp4_marlin"]) // 2, num_local)
 
 
 def tensor_map_2d(t: torch.Tensor, shape: TmaBox, uint32: bool, who: str) -> object:
@@ -891,16 +920,28 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma(CudaExpertsNvfp4M
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
-        codes, scales = own_tma_boxes(ctx.spec.P, self.intermediate, self.experts.num_local)
-        w13_scale = self.scales[0]
-        assert w13_scale is not None
+        e, (w13_scale, _, w2_scale, _) = self.experts, self.scales
+        assert w13_scale is not None and w2_scale is not None
+        who = f"layer {layer}: {self.name}"
+        codes, scales = own_tma_boxes(ctx.spec.P, self.intermediate, e.num_local)
         self.up_maps = (
-            tensor_map_2d(self.experts.w13, codes, True, f"layer {layer}: {self.name}: w13"),
-            tensor_map_2d(w13_scale, scales, False, f"layer {layer}: {self.name}: w13_scale"),
+            tensor_map_2d(e.w13, codes, True, f"{who}: w13"),
+            tensor_map_2d(w13_scale, scales, False, f"{who}: w13_scale"),
         )
+        self.down_maps: tuple[object, ...] = ()
+        if self.own_down:
+            wk = self.down_warps_k(ctx.spec.P, self.intermediate)
+            codes, scales = own_boxes(self.intermediate, ctx.spec.P, wk, e.num_local)
+            self.down_maps = (
+                tensor_map_2d(e.w2, codes, True, f"{who}: w2"),
+                tensor_map_2d(w2_scale, scales, False, f"{who}: w2_scale"),
+            )
 
     def _up_map_args(self) -> list[Arg]:
         return [Arg(m, None) for m in self.up_maps]
+
+    def _down_map_args(self) -> list[Arg]:
+        return [Arg(m, None) for m in self.down_maps]
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma(
@@ -912,6 +953,26 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma(
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3_tma"
     own = 3
     up_blocks = 3
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDown(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn):
+    """``_own2`` with experts.cu's EXPERTS_OWN_DOWN = 2: the down kernel's warps take the same
+    rings (2 stages of W2's 64-row block a warp, 37 KB a block, 4 blocks an SM), their first
+    stages copied before the PDL wait in place of the first item's L2 warm-up, the next item
+    from the queue as before. The same bits. Not registered: not yet measured on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_down2"
+    own_down = 2
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDownTma(
+    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma
+):
+    """``_own2_down2`` with both kernels' stages by two tensor copies each (EXPERTS_OWN_TMA; four
+    tensor maps made at build). The same bits. Not registered: not yet measured on a GPU."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_down2_tma"
+    own_down = 2
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

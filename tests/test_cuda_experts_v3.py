@@ -555,20 +555,6 @@ def test_own_smem_bytes_follow_a_warps_steps():
     assert experts_mod.own_smem_bytes(256, 2) == 8 * 2 * (4 * 576 + 8)  # 2 warps along K: 16 steps
 
 
-def test_own_refuses_other_kernels():
-    """EXPERTS_OWN outside the EXPERTS_HALF up kernel, or with one stage, is a compile error
-    naming it."""
-    from sparkdecode_cuda import nvrtc
-
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    occ = experts_mod.CudaExpertsNvfp4MarlinV3Occ.kernel_defines(4096, 512, 8)
-    spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
-    for defines in ({**occ, "EXPERTS_OWN": 2}, {**spare, "EXPERTS_OWN": 1}):
-        with pytest.raises(AssertionError, match="EXPERTS_OWN"):
-            ptx_of(defines)
-
-
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
 @pytest.mark.parametrize("own", [2, 3])
 def test_own_tma(width, intermediate, own):
@@ -603,22 +589,17 @@ def test_own_tma(width, intermediate, own):
     assert len(re.findall(r"\.param \.align 64 \.b8 experts_up_kernel_param_\d+\[128\]", up)) == 2
 
 
-def test_own_tma_boxes_and_refusal():
+def test_own_tma_boxes():
     """own_tma_boxes: W13's codes as uint32 rows of 4I words (16I bytes) and its scales as
     bytes rows of 2I, E_local * P / 16 rows each, a box of 4 rows of a 64-row block (128 words,
-    64 bytes); EXPERTS_OWN_TMA without EXPERTS_OWN is a compile error naming it."""
-    from sparkdecode_cuda import nvrtc
-
+    64 bytes); own_boxes the same for W2 (P rows over I)."""
     codes, scales = experts_mod.own_tma_boxes(4096, 512, 256)
     assert codes == ((2048, 256 * 256), 8192, (128, 4))
     assert scales == ((1024, 256 * 256), 1024, (64, 4))
     codes, scales = experts_mod.own_tma_boxes(4096, 4096, 32)  # EP at TP 8: whole experts, 32 a rank
     assert codes == ((16384, 32 * 256), 65536, (128, 4)) and scales == ((8192, 32 * 256), 8192, (64, 4))
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
-    with pytest.raises(AssertionError, match="EXPERTS_OWN_TMA is for"):
-        ptx_of({**spare, "EXPERTS_OWN_TMA": 1})
+    codes, scales = experts_mod.own_boxes(512, 4096, 4, 256)  # W2 at expert TP: 4 warps along K, 8 steps
+    assert codes == ((8192, 256 * 32), 32768, (128, 4)) and scales == ((4096, 256 * 32), 4096, (64, 4))
 
 
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
@@ -659,15 +640,26 @@ def test_own_down(width, intermediate, tma):
         assert gone not in down, gone
 
 
-def test_own_down_refusals():
-    """EXPERTS_OWN_DOWN outside the V3 Marlin kernels, or with the queue and more stages than a
-    warp's stages an item (expert TP's slice: 2), is a compile error naming it."""
+@pytest.mark.parametrize(
+    "base,define,value",
+    [
+        ("occ", "EXPERTS_OWN", 2),  # not the EXPERTS_HALF up kernel
+        ("spare", "EXPERTS_OWN", 1),  # one stage
+        ("spare", "EXPERTS_OWN_TMA", 1),  # no ring
+        ("bf16", "EXPERTS_OWN_DOWN", 2),  # not the V3 Marlin down kernel
+        ("spare", "EXPERTS_OWN_DOWN", 3),  # the queue: more stages than an item's 2 at expert TP
+    ],
+)
+def test_own_defines_refuse(base, define, value):
+    """The ring defines where they cannot apply: a compile error naming the define."""
     from sparkdecode_cuda import nvrtc
 
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    spare = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
-    bf16 = experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8)
-    for defines in ({**bf16, "EXPERTS_OWN_DOWN": 2}, {**spare, "EXPERTS_OWN_DOWN": 3}):
-        with pytest.raises(AssertionError, match="EXPERTS_OWN_DOWN"):
-            ptx_of(defines)
+    cls = {
+        "occ": experts_mod.CudaExpertsNvfp4MarlinV3Occ,
+        "spare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
+        "bf16": experts_mod.CudaExpertsSlice2,
+    }[base]
+    with pytest.raises(AssertionError, match=define):
+        ptx_of({**cls.kernel_defines(4096, 512, 8), define: value})

@@ -760,7 +760,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   }
 }
 
-#if EXPERTS_RING || EXPERTS_OWN
+#if EXPERTS_RING || EXPERTS_OWN || EXPERTS_OWN_DOWN
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // Shared-memory loads at a shared address (ordered after the waits, as the copies are).

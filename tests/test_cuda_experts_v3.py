@@ -640,6 +640,33 @@ def test_own_down(width, intermediate, tma):
         assert gone not in down, gone
 
 
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096)])
+@pytest.mark.parametrize("tma", [0, 1])
+def test_down_rings_alone(width, intermediate, tma):
+    """The _down2 variants (not registered): _queue_na_spare's defines plus EXPERTS_OWN_DOWN
+    (and EXPERTS_OWN_TMA); fitting; the up kernel's PTX is _queue_na_spare's, the down kernel's
+    words come by the rings' copies."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    m = experts_mod
+    spare = m.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
+    cls = (
+        m.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownTma
+        if tma
+        else m.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDown
+    )
+    defines, base = cls.kernel_defines(width, intermediate, 8), spare.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_OWN_DOWN": 2, **({"EXPERTS_OWN_TMA": 1} if tma else {})}
+    assert cls not in plugin.PROVIDERS and cls.name not in {c.name for c in plugin.PROVIDERS}
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls, 0, m.own_ring_bytes(intermediate, cls.down_warps_k(width, intermediate), 2))
+    variant = ptx_of(defines)
+    assert ptx_entry(variant, "experts_up_kernel") == ptx_entry(ptx_of(base), "experts_up_kernel")
+    down = ptx_entry(variant, "experts_down_kernel")
+    assert ("cp.async.bulk.tensor.2d" if tma else "cp.async.bulk.shared::cluster.global") in down
+
+
 @pytest.mark.parametrize(
     "base,define,value",
     [

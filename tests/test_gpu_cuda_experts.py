@@ -140,7 +140,8 @@ def provider(fmt: str):
     that with each up warp's words through its own ring of 2 / 3 stages filled by bulk copies
     (EXPERTS_OWN), "own2tma" / "own3tma": those with a stage's words by two tensor copies
     (EXPERTS_OWN_TMA), "own2down2" / "own2down2tma": own2 / own2tma with the down kernel's
-    warps on the same rings (EXPERTS_OWN_DOWN),
+    warps on the same rings (EXPERTS_OWN_DOWN), "down2" / "down2tma": the down kernel's rings
+    alone,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1, the
     two _own and the two V3 bulk unregistered)."""
@@ -187,6 +188,12 @@ def provider(fmt: str):
         ),
         "nvfp4_marlin-v3half4scatterupqueuenaspareown2down2tma": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDownTma
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenasparedown2": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDown
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenasparedown2tma": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownTma
         ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -506,6 +513,8 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
         "v3half4scatterupqueuenaspareown3tma",
         "v3half4scatterupqueuenaspareown2down2",
         "v3half4scatterupqueuenaspareown2down2tma",
+        "v3half4scatterupqueuenasparedown2",
+        "v3half4scatterupqueuenasparedown2tma",
     ],
 )
 def test_down_queue_resets_over_replays(fmt):
@@ -549,7 +558,10 @@ def assert_same_rows(shape: str, fmt: str, base: str) -> None:
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
 
 
-OWN_FORMATS = [f"v3half4scatterupqueuenaspareown{v}" for v in ("2", "3", "2tma", "3tma", "2down2", "2down2tma")]
+OWN_FORMATS = [
+    f"v3half4scatterupqueuenaspare{v}"
+    for v in ("own2", "own3", "own2tma", "own3tma", "own2down2", "own2down2tma", "down2", "down2tma")
+]
 
 
 @pytest.mark.parametrize("fmt", OWN_FORMATS)

@@ -817,46 +817,6 @@ def own_smem_bytes(width: int, stages: int) -> int:
     return own_ring_bytes(width, _warps_k(width, CHUNK["nvfp4_marlin"]) // 2, stages)
 
 
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` with experts.cu's
-    EXPERTS_OWN = ``own``: each up warp copies its own code and scale words into a ring of
-    ``own`` shared-memory stages with bulk copies (cp.async.bulk, an mbarrier a stage), a
-    stage ``own`` stages ahead of the one it decodes, across its items, instead of loading
-    a batch into registers and waiting for it. The same words in the same MMAs in the same
-    order: the same bits. Two stages a warp on 4 blocks an SM (the rings 37 KB a block);
-    ``_own3``: three on 3. Not registered: not yet measured on a GPU."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2"
-    # experts.cu's EXPERTS_OWN: a warp's stages
-    own: ClassVar[int] = 2
-    # experts.cu's EXPERTS_OWN_DOWN: the down kernel's warps' stages (0: its loads as registered)
-    own_down: ClassVar[int] = 0
-
-    @classmethod
-    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
-        defines = {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_OWN": cls.own}
-        if cls.own_down:
-            defines["EXPERTS_OWN_DOWN"] = cls.own_down
-        return defines
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        self._up_rings(layer, own_smem_bytes(ctx.spec.P, self.own))  # _own2: 4 blocks an SM, 4 x 57 KB
-        if self.own_down:
-            w2 = (("w2", self.experts.w2), ("w2_scale", self.scales[2]))
-            wk = self.down_warps_k(ctx.spec.P, self.intermediate)
-            self.down_shared = self._rings(layer, self.down, w2, own_ring_bytes(self.intermediate, wk, self.own_down))
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn):
-    """``_own2`` with three stages a warp, on 3 blocks an SM (the rings 55 KB a block).
-    Not registered: not yet measured on a GPU."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3"
-    own = 3
-    up_blocks = 3
-
-
 class TmaBox(NamedTuple):
     """A 2-D tensor map's shape: its elements a row and rows, the row stride in bytes, the box
     (elements, rows)."""
@@ -904,38 +864,59 @@ def tensor_map_2d(t: torch.Tensor, shape: TmaBox, uint32: bool, who: str) -> obj
     return tensor_map
 
 
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn):
-    """``_own2`` with experts.cu's EXPERTS_OWN_TMA: a stage's words come by two tensor copies
-    (``cp.async.bulk.tensor.2d``, lane 0: a box of 4 rows of the warp's block out of the codes,
-    one out of the scales) in place of 8 one-dimensional copies, which ptxas issues one lane
-    at a time (bench/NOTES.md v39). The two tensor maps over vLLM's tensors are made at
-    build. The same bytes in the same places: the same bits. Not registered: not yet
-    measured on a GPU."""
+class _OwnRings(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` with its warps' own rings
+    of shared-memory stages (bench/NOTES.md v39): each warp copies its own code and scale words
+    into them with bulk copies, an mbarrier a stage, a ring ahead of the stage it decodes and
+    across its items, instead of loading a batch into registers and waiting for it; the first
+    stages before the PDL wait where the weights may be read then. ``own``: the up kernel's
+    stages (experts.cu's EXPERTS_OWN; 0: its loads as registered); ``own_down``: the down
+    kernel's (EXPERTS_OWN_DOWN); ``own_tma``: a stage by two tensor copies from lane 0 (a box
+    of 4 rows of the warp's block out of the codes, one out of the scales) in place of 8
+    one-dimensional copies, which ptxas issues a lane at a time (EXPERTS_OWN_TMA; the tensor
+    maps over vLLM's tensors made at build). The same words in the same MMAs in the same
+    order: the same bits. Not registered: not yet measured on a GPU."""
 
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_tma"
+    own: ClassVar[int] = 0
+    own_down: ClassVar[int] = 0
+    own_tma: ClassVar[bool] = False
 
     @classmethod
     def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
-        return {**super().kernel_defines(width, intermediate, top_k), "EXPERTS_OWN_TMA": 1}
+        defines = super().kernel_defines(width, intermediate, top_k)
+        for value, define in (
+            (cls.own, "EXPERTS_OWN"),
+            (cls.own_down, "EXPERTS_OWN_DOWN"),
+            (cls.own_tma, "EXPERTS_OWN_TMA"),
+        ):
+            if value:
+                defines[define] = int(value)
+        return defines
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
         e, (w13_scale, _, w2_scale, _) = self.experts, self.scales
         assert w13_scale is not None and w2_scale is not None
-        who = f"layer {layer}: {self.name}"
-        codes, scales = own_tma_boxes(ctx.spec.P, self.intermediate, e.num_local)
-        self.up_maps = (
-            tensor_map_2d(e.w13, codes, True, f"{who}: w13"),
-            tensor_map_2d(w13_scale, scales, False, f"{who}: w13_scale"),
-        )
+        who, width, wk = f"layer {layer}: {self.name}", ctx.spec.P, self.down_warps_k(ctx.spec.P, self.intermediate)
+        self.up_maps: tuple[object, ...] = ()
         self.down_maps: tuple[object, ...] = ()
+        if self.own:  # 4 blocks an SM with 2 stages: 4 x 57 KB
+            self._up_rings(layer, own_smem_bytes(width, self.own))
+            if self.own_tma:
+                codes, scales = own_tma_boxes(width, self.intermediate, e.num_local)
+                self.up_maps = (
+                    tensor_map_2d(e.w13, codes, True, f"{who}: w13"),
+                    tensor_map_2d(w13_scale, scales, False, f"{who}: w13_scale"),
+                )
         if self.own_down:
-            wk = self.down_warps_k(ctx.spec.P, self.intermediate)
-            codes, scales = own_boxes(self.intermediate, ctx.spec.P, wk, e.num_local)
-            self.down_maps = (
-                tensor_map_2d(e.w2, codes, True, f"{who}: w2"),
-                tensor_map_2d(w2_scale, scales, False, f"{who}: w2_scale"),
-            )
+            w2 = (("w2", e.w2), ("w2_scale", w2_scale))
+            self.down_shared = self._rings(layer, self.down, w2, own_ring_bytes(self.intermediate, wk, self.own_down))
+            if self.own_tma:
+                codes, scales = own_boxes(self.intermediate, width, wk, e.num_local)
+                self.down_maps = (
+                    tensor_map_2d(e.w2, codes, True, f"{who}: w2"),
+                    tensor_map_2d(w2_scale, scales, False, f"{who}: w2_scale"),
+                )
 
     def _up_map_args(self) -> list[Arg]:
         return [Arg(m, None) for m in self.up_maps]
@@ -944,35 +925,64 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma(CudaExpertsNvfp4M
         return [Arg(m, None) for m in self.down_maps]
 
 
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma(
-    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma
-):
-    """``_own2_tma`` with three stages a warp, on 3 blocks an SM. Not registered: not yet
-    measured on a GPU."""
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn(_OwnRings):
+    """The up kernel's warps on rings of two stages, 4 blocks an SM (the rings 37 KB a block)."""
 
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3_tma"
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2"
+    own = 2
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3(_OwnRings):
+    """The up kernel's warps on rings of three stages, 3 blocks an SM (the rings 55 KB a block)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3"
     own = 3
     up_blocks = 3
 
 
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDown(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn):
-    """``_own2`` with experts.cu's EXPERTS_OWN_DOWN = 2: the down kernel's warps take the same
-    rings (2 stages of W2's 64-row block a warp, 37 KB a block, 4 blocks an SM), their first
-    stages copied before the PDL wait in place of the first item's L2 warm-up, the next item
-    from the queue as before. The same bits. Not registered: not yet measured on a GPU."""
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma(_OwnRings):
+    """``_own2`` with its stages by tensor copies."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_tma"
+    own, own_tma = 2, True
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma(_OwnRings):
+    """``_own3`` with its stages by tensor copies."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3_tma"
+    own, own_tma = 3, True
+    up_blocks = 3
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDown(_OwnRings):
+    """``_own2`` and the down kernel's warps on rings of two stages of W2's block (37 KB a block,
+    4 blocks an SM; with the queue, the ring runs at most an item ahead: at expert TP two
+    stages)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_down2"
-    own_down = 2
+    own, own_down = 2, 2
 
 
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDownTma(
-    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma
-):
-    """``_own2_down2`` with both kernels' stages by two tensor copies each (EXPERTS_OWN_TMA; four
-    tensor maps made at build). The same bits. Not registered: not yet measured on a GPU."""
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDownTma(_OwnRings):
+    """``_own2_down2`` with both kernels' stages by tensor copies (four tensor maps)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_down2_tma"
+    own, own_down, own_tma = 2, 2, True
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDown(_OwnRings):
+    """The registered up kernel, and the down kernel's warps on rings of two stages."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_down2"
     own_down = 2
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownTma(_OwnRings):
+    """``_down2`` with the down kernel's stages by tensor copies."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_down2_tma"
+    own_down, own_tma = 2, True
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -144,7 +144,7 @@ def provider(fmt: str):
     alone,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1, the
-    two _own and the two V3 bulk unregistered)."""
+    eight ring forms and the two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -567,9 +567,10 @@ OWN_FORMATS = [
 @pytest.mark.parametrize("fmt", OWN_FORMATS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_own_rings_are_spare_bit_for_bit(fmt, shape):
-    """EXPERTS_OWN moves the up kernel's code and scale words through each warp's ring of
-    bulk copies, not what the MMAs are given: the rows equal _half4_scatter_up_queue_na_spare's
-    bit for bit (the final-False path: the rings filled after the PDL wait)."""
+    """The rings (EXPERTS_OWN, EXPERTS_OWN_DOWN, EXPERTS_OWN_TMA) move the code and scale words
+    through each warp's stages, not what the MMAs are given: the rows equal
+    _half4_scatter_up_queue_na_spare's bit for bit (the final-False path: the up kernel's
+    rings filled after its PDL wait, the down kernel's before it)."""
     assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
 
 

@@ -136,15 +136,10 @@ def provider(fmt: str):
     -v3half4scatterup with EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
     "-v3half4scatterupqueuenaspare": that with the down kernel's L2 prefetches only its
-    blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenaspareown2" / "own3":
-    that with each up warp's words through its own ring of 2 / 3 stages filled by bulk copies
-    (EXPERTS_OWN), "own2tma" / "own3tma": those with a stage's words by two tensor copies
-    (EXPERTS_OWN_TMA), "own2down2" / "own2down2tma": own2 / own2tma with the down kernel's
-    warps on the same rings (EXPERTS_OWN_DOWN), "down2" / "down2tma": the down kernel's rings
-    alone,
+    blocks' first items' (EXPERTS_DOWN_SPARE),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
-    checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1, the
-    eight ring forms and the two V3 bulk unregistered)."""
+    checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
+    two V3 bulk unregistered)."""
     return {
         "bf16": experts_mod.CudaExperts,
         "bf16-slice2": experts_mod.CudaExpertsSlice2,
@@ -171,30 +166,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
         "nvfp4_marlin-v3half4scatterupqueuenaspare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
-        "nvfp4_marlin-v3half4scatterupqueuenaspareown2": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenaspareown3": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenaspareown2tma": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenaspareown3tma": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenaspareown2down2": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDown
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenaspareown2down2tma": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDownTma
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenasparedown2": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDown
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenasparedown2tma": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownTma
-        ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -502,27 +473,12 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
     return torch.equal(rows.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize(
-    "fmt",
-    [
-        "v3half4scatterupqueue",
-        "v3half4scatterupqueuenaspare",
-        "v3half4scatterupqueuenaspareown2",
-        "v3half4scatterupqueuenaspareown3",
-        "v3half4scatterupqueuenaspareown2tma",
-        "v3half4scatterupqueuenaspareown3tma",
-        "v3half4scatterupqueuenaspareown2down2",
-        "v3half4scatterupqueuenaspareown2down2tma",
-        "v3half4scatterupqueuenasparedown2",
-        "v3half4scatterupqueuenasparedown2tma",
-    ],
-)
+@pytest.mark.parametrize("fmt", ["v3half4scatterupqueue", "v3half4scatterupqueuenaspare"])
 def test_down_queue_resets_over_replays(fmt):
     """The queue's counter and count of finished blocks are back at zero after every
     launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
-    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue, for
-    _queue_na_spare, whose down kernel warms only its first item, and for the _own rings,
-    whose stages and barrier phases start again at every launch)."""
+    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue and
+    for _queue_na_spare, whose down kernel warms only its first item)."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
     queued = provider(f"nvfp4_marlin-{fmt}").build(context(spec, experts), 0)
@@ -558,47 +514,16 @@ def assert_same_rows(shape: str, fmt: str, base: str) -> None:
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
 
 
-OWN_FORMATS = [
-    f"v3half4scatterupqueuenaspare{v}"
-    for v in ("own2", "own3", "own2tma", "own3tma", "own2down2", "own2down2tma", "down2", "down2tma")
-]
-
-
-@pytest.mark.parametrize("fmt", OWN_FORMATS)
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_own_rings_are_spare_bit_for_bit(fmt, shape):
-    """The rings (EXPERTS_OWN, EXPERTS_OWN_DOWN, EXPERTS_OWN_TMA) move the code and scale words
-    through each warp's stages, not what the MMAs are given: the rows equal
-    _half4_scatter_up_queue_na_spare's bit for bit (the final-False path: the up kernel's
-    rings filled after its PDL wait, the down kernel's before it)."""
-    assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
-
-
-@pytest.mark.parametrize("fmt", OWN_FORMATS)
-@pytest.mark.parametrize("shape", ["tiny-ep2", "tp8-rank-expert-tp"])
-def test_own_rings_with_final_routing(fmt, shape):
-    """With the routing final at launch, the _own rings' first stages are copied before the
-    PDL wait: eagerly and over replays of one graph with new ids, the rows are
-    _half4_scatter_up_queue_na_spare's bit for bit (assert_early_routing_is)."""
-    assert_early_routing_is(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_early_routing_is_half4_bit_for_bit(shape):
-    """EXPERTS_EARLY as cuda.moe runs it: the rows are _half4's bit for bit
-    (assert_early_routing_is)."""
-    assert_early_routing_is(shape, "nvfp4_marlin-v3half4early", "nvfp4_marlin-v3half4")
-
-
-def assert_early_routing_is(shape: str, fmt: str, base: str) -> None:
-    """``fmt`` run as cuda.moe runs an EXPERTS_EARLY kernel: the ids written on a side stream
-    (the routing) joined back by an event, so they are final when the experts launch, and
-    the up kernel reads them before its PDL wait. Eagerly and over replays of one graph with
-    new ids each time, and with final False, the rows are ``base``'s bit for bit."""
+    """EXPERTS_EARLY as cuda.moe runs it: the ids written on a side stream (the routing)
+    joined back by an event, so they are final when the experts launch; the up kernel reads
+    them before its PDL wait. Eagerly and over replays of one graph with new ids each time,
+    and with final False, the rows are _half4's bit for bit."""
     spec, sharding = SHAPES[shape]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=29)
-    early = provider(fmt).build(context(spec, experts), 0)
-    plain = provider(base).build(context(spec, experts), 0)
+    early = provider("nvfp4_marlin-v3half4early").build(context(spec, experts), 0)
+    plain = provider("nvfp4_marlin-v3half4").build(context(spec, experts), 0)
     g = torch.Generator().manual_seed(31)
     b, k = 8, spec.top_k
     x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()

@@ -28,7 +28,7 @@ exact quantized model than the reference's (which rounds every weight to bf16).
 from __future__ import annotations
 
 import math
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
@@ -150,8 +150,6 @@ class CudaExperts(_Cuda):
     down_blocks: ClassVar[int] = BLOCKS_PER_SM
     # the up kernel's dynamic shared memory a launch (EXPERTS_RING's rings; none otherwise)
     up_shared: int = 0
-    # the down kernel's (EXPERTS_OWN_DOWN's rings; none otherwise)
-    down_shared: int = 0
     # experts.cu's EXPERTS_ROUTE_MASK: the down kernel's epilogue over per-row route masks
     route_mask: ClassVar[int] = 0
     # experts.cu's EXPERTS_LEAN: the V3 Marlin loop's prefetch pointers and shift on the FMA pipe
@@ -246,25 +244,6 @@ class CudaExperts(_Cuda):
             if not t.is_contiguous():
                 raise ValueError(f"layer {layer}: {self.name} takes contiguous expert weights ({name} is strided)")
 
-    def _up_rings(self, layer: int, nbytes: int) -> None:
-        """The up kernel with rings of asynchronous copies in ``nbytes`` of dynamic shared memory
-        a block (EXPERTS_RING, EXPERTS_OWN)."""
-        self.up_shared = self._rings(layer, self.up, (("w13", self.experts.w13), ("w13_scale", self.scales[0])), nbytes)
-
-    def _rings(
-        self, layer: int, kernel: Kernel, copied: tuple[tuple[str, torch.Tensor | None], ...], nbytes: int
-    ) -> int:
-        """A kernel with rings of asynchronous copies in ``nbytes`` of dynamic shared memory a
-        block: the tensors it copies 16-byte aligned, its launches allowed the rings, and the
-        largest carveout, so that the blocks an SM are not cut. Returns ``nbytes``."""
-        for name, t in copied:
-            assert t is not None
-            if t.data_ptr() % 16:
-                raise ValueError(f"layer {layer}: {self.name} copies 16-byte aligned tensors ({name} is not)")
-        kernel.allow_shared(nbytes)
-        prefer_max_shared(kernel, f"{self.name}: {kernel.name}")
-        return nbytes
-
     def _scale_views(self) -> tuple[torch.Tensor | None, ...]:
         return (None, None, None, None)
 
@@ -306,14 +285,6 @@ class CudaExperts(_Cuda):
             ptr(self.act),
         ]
 
-    def _up_map_args(self) -> list[Arg]:
-        """The up kernel's tensor maps, its last arguments (EXPERTS_OWN_TMA; none otherwise)."""
-        return []
-
-    def _down_map_args(self) -> list[Arg]:
-        """The down kernel's tensor maps, its last arguments (EXPERTS_OWN_TMA; none otherwise)."""
-        return []
-
     def _down_args(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> list[Arg]:
         """The down kernel's arguments (those of every experts kernel's down, first):
         the activations of b rows, the routes, w2 and its scales, the routed rows."""
@@ -334,13 +305,12 @@ class CudaExperts(_Cuda):
 
     def launch_up(self, x: torch.Tensor, topk: RoutedTopk) -> None:
         """The up kernel alone (x -> act), as ``run`` launches it."""
-        up = [*self._up_args(x, topk.ids), *self._routing_args(topk), *self._up_map_args()]
+        up = [*self._up_args(x, topk.ids), *self._routing_args(topk)]
         self.up.launch((self.grid_up, 1, 1), (256, 1, 1), up, shared=self.up_shared)
 
     def launch_down(self, b: int, topk: RoutedTopk, rows: torch.Tensor) -> None:
         """The down kernel alone (act -> rows, b rows of x), as ``run`` launches it."""
-        down = [*self._down_args(b, topk.ids, rows), *self._down_map_args()]
-        self.down.launch((self.grid_down, 1, 1), (256, 1, 1), down, shared=self.down_shared)
+        self.down.launch((self.grid_down, 1, 1), (256, 1, 1), self._down_args(b, topk.ids, rows))
 
     def run(self, inputs: ExpertsInput, topk: RoutedTopk, rows: torch.Tensor) -> None:
         x, ids = inputs.x, topk.ids
@@ -582,7 +552,14 @@ class CudaExpertsNvfp4MarlinV3Ring(CudaExpertsNvfp4MarlinV3Occ):
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
-        self._up_rings(layer, ring_smem_bytes(ctx.spec.P, self.ring))  # 3 blocks an SM: 3 x 47 KB
+        for name, t in (("w13", self.experts.w13), ("w13_scale", self.scales[0])):
+            assert t is not None
+            if t.data_ptr() % 16:
+                raise ValueError(f"layer {layer}: {self.name} copies 16-byte aligned tensors ({name} is not)")
+        self.up_shared = ring_smem_bytes(ctx.spec.P, self.ring)
+        self.up.allow_shared(self.up_shared)
+        # the largest carveout, so that 3 blocks an SM (3 x 47 KB with the rings) are not cut
+        prefer_max_shared(self.up, f"{self.name}: the up kernel")
 
 
 # The largest I-slice the Slice variant's down kernel takes on one warp along K (expert TP at
@@ -801,188 +778,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
     # Above _queue_na (35): faster chained and in the step on the H100 and the H200.
     priority = 40
     down_spare = 1
-
-
-def own_ring_bytes(k: int, warps_k: int, stages: int) -> int:
-    """experts.cu's Own<UP>::SMEM_BYTES: a kernel's dynamic shared memory under EXPERTS_OWN or
-    EXPERTS_OWN_DOWN = stages, over K with warps_k warps along it: the 8 warps' rings (a stage:
-    a batch of at most 4 steps of 16 k of a warp's 64-row block, 512 code and 64 scale bytes a
-    step) and an 8-byte barrier a stage."""
-    return 8 * stages * (min(k // warps_k // 16, 4) * RING_BLOCK_BYTES + 8)
-
-
-def own_smem_bytes(width: int, stages: int) -> int:
-    """The EXPERTS_OWN up kernel's own_ring_bytes at pooled width P (EXPERTS_HALF: half the
-    warps along K a side)."""
-    return own_ring_bytes(width, _warps_k(width, CHUNK["nvfp4_marlin"]) // 2, stages)
-
-
-class TmaBox(NamedTuple):
-    """A 2-D tensor map's shape: its elements a row and rows, the row stride in bytes, the box
-    (elements, rows)."""
-
-    dims: tuple[int, int]
-    row_bytes: int
-    box: tuple[int, int]
-
-
-def own_boxes(k: int, n: int, warps_k: int, num_local: int) -> tuple[TmaBox, TmaBox]:
-    """experts.cu's EXPERTS_OWN_TMA maps of a Marlin weight of N rows over K (warps_k warps
-    along K): its codes as uint32 [E_local * K / 16, 2N] and its scale bytes as uint8
-    [E_local * K / 16, N]; a box is one stage, a batch of rows of 16 k (at most 4) of a warp's
-    64-row block (128 words, 64 bytes a row)."""
-    rows, batch = num_local * k // 16, min(k // warps_k // 16, 4)
-    return TmaBox((2 * n, rows), 8 * n, (128, batch)), TmaBox((n, rows), n, (64, batch))
-
-
-def own_tma_boxes(width: int, intermediate: int, num_local: int) -> tuple[TmaBox, TmaBox]:
-    """The EXPERTS_OWN up kernel's own_boxes: this rank's W13 (2I rows over P) at pooled
-    width P, half the warps along K a side (EXPERTS_HALF)."""
-    return own_boxes(width, 2 * intermediate, _warps_k(width, CHUNK["nvfp4_marlin"]) // 2, num_local)
-
-
-def tensor_map_2d(t: torch.Tensor, shape: TmaBox, uint32: bool, who: str) -> object:
-    """A tiled tensor map over ``t`` (no swizzle, no L2 promotion, no interleave)."""
-    from cuda.bindings import driver
-
-    kinds = driver.CUtensorMapDataType
-    err, tensor_map = driver.cuTensorMapEncodeTiled(
-        kinds.CU_TENSOR_MAP_DATA_TYPE_UINT32 if uint32 else kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
-        2,
-        t.data_ptr(),
-        [driver.cuuint64_t(d) for d in shape.dims],
-        [driver.cuuint64_t(shape.row_bytes)],
-        [driver.cuuint32_t(b) for b in shape.box],
-        [driver.cuuint32_t(1), driver.cuuint32_t(1)],
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-    )
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{who}: cuTensorMapEncodeTiled {shape}: {err}")
-    return tensor_map
-
-
-class _OwnRings(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` with its warps' own rings
-    of shared-memory stages (bench/NOTES.md v39): each warp copies its own code and scale words
-    into them with bulk copies, an mbarrier a stage, a ring ahead of the stage it decodes and
-    across its items, instead of loading a batch into registers and waiting for it; the first
-    stages before the PDL wait where the weights may be read then. ``own``: the up kernel's
-    stages (experts.cu's EXPERTS_OWN; 0: its loads as registered); ``own_down``: the down
-    kernel's (EXPERTS_OWN_DOWN); ``own_tma``: a stage by two tensor copies from lane 0 (a box
-    of 4 rows of the warp's block out of the codes, one out of the scales) in place of 8
-    one-dimensional copies, which ptxas issues a lane at a time (EXPERTS_OWN_TMA; the tensor
-    maps over vLLM's tensors made at build). The same words in the same MMAs in the same
-    order: the same bits. Not registered: not yet measured on a GPU."""
-
-    own: ClassVar[int] = 0
-    own_down: ClassVar[int] = 0
-    own_tma: ClassVar[bool] = False
-
-    @classmethod
-    def kernel_defines(cls, width: int, intermediate: int, top_k: int) -> dict[str, int]:
-        defines = super().kernel_defines(width, intermediate, top_k)
-        for value, define in (
-            (cls.own, "EXPERTS_OWN"),
-            (cls.own_down, "EXPERTS_OWN_DOWN"),
-            (cls.own_tma, "EXPERTS_OWN_TMA"),
-        ):
-            if value:
-                defines[define] = int(value)
-        return defines
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        e, (w13_scale, _, w2_scale, _) = self.experts, self.scales
-        assert w13_scale is not None and w2_scale is not None
-        who, width, wk = f"layer {layer}: {self.name}", ctx.spec.P, self.down_warps_k(ctx.spec.P, self.intermediate)
-        self.up_maps: tuple[object, ...] = ()
-        self.down_maps: tuple[object, ...] = ()
-        if self.own:  # 4 blocks an SM with 2 stages: 4 x 57 KB
-            self._up_rings(layer, own_smem_bytes(width, self.own))
-            if self.own_tma:
-                codes, scales = own_tma_boxes(width, self.intermediate, e.num_local)
-                self.up_maps = (
-                    tensor_map_2d(e.w13, codes, True, f"{who}: w13"),
-                    tensor_map_2d(w13_scale, scales, False, f"{who}: w13_scale"),
-                )
-        if self.own_down:
-            w2 = (("w2", e.w2), ("w2_scale", w2_scale))
-            self.down_shared = self._rings(layer, self.down, w2, own_ring_bytes(self.intermediate, wk, self.own_down))
-            if self.own_tma:
-                codes, scales = own_boxes(self.intermediate, width, wk, e.num_local)
-                self.down_maps = (
-                    tensor_map_2d(e.w2, codes, True, f"{who}: w2"),
-                    tensor_map_2d(w2_scale, scales, False, f"{who}: w2_scale"),
-                )
-
-    def _up_map_args(self) -> list[Arg]:
-        return [Arg(m, None) for m in self.up_maps]
-
-    def _down_map_args(self) -> list[Arg]:
-        return [Arg(m, None) for m in self.down_maps]
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn(_OwnRings):
-    """The up kernel's warps on rings of two stages, 4 blocks an SM (the rings 37 KB a block)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2"
-    own = 2
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3(_OwnRings):
-    """The up kernel's warps on rings of three stages, 3 blocks an SM (the rings 55 KB a block)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3"
-    own = 3
-    up_blocks = 3
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnTma(_OwnRings):
-    """``_own2`` with its stages by tensor copies."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_tma"
-    own, own_tma = 2, True
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwn3Tma(_OwnRings):
-    """``_own3`` with its stages by tensor copies."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own3_tma"
-    own, own_tma = 3, True
-    up_blocks = 3
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDown(_OwnRings):
-    """``_own2`` and the down kernel's warps on rings of two stages of W2's block (37 KB a block,
-    4 blocks an SM; with the queue, the ring runs at most an item ahead: at expert TP two
-    stages)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_down2"
-    own, own_down = 2, 2
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareOwnDownTma(_OwnRings):
-    """``_own2_down2`` with both kernels' stages by tensor copies (four tensor maps)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_own2_down2_tma"
-    own, own_down, own_tma = 2, 2, True
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDown(_OwnRings):
-    """The registered up kernel, and the down kernel's warps on rings of two stages."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_down2"
-    own_down = 2
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownTma(_OwnRings):
-    """``_down2`` with the down kernel's stages by tensor copies."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_down2_tma"
-    own_down, own_tma = 2, True
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

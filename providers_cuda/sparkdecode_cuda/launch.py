@@ -52,11 +52,10 @@ def _ensure_context(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Arg:
-    """A kernel argument with its C type: a pointer (int or tensor), int or float; or, with
-    ctype None, a cuda-python object passed by value from its ``getPtr()`` (a tensor map)."""
+    """A kernel argument with its C type: a pointer (int or tensor), int or float."""
 
     value: object
-    ctype: type | None
+    ctype: type
 
 
 def ptr(t: torch.Tensor | None) -> Arg:

@@ -159,33 +159,6 @@
 // 8 steps, two batches. On the H100, warming more of the next item (the whole of it) was
 // slower; warming none was faster at 55 and 64 experts, slower at 33 (bench/NOTES.md v33,
 // v34). Prefetches only: the same bits.
-// EXPERTS_OWN (a define, 0 when absent; the EXPERTS_HALF up kernel): each warp's code and
-// scale words come through a ring of S = EXPERTS_OWN stages of its own in shared memory,
-// filled by the warp itself with Hopper bulk copies (cp.async.bulk, an mbarrier a stage),
-// not by loads into registers. A stage is a batch of the Marlin loop (SB steps of 16 k of
-// the warp's one 64-row block: per step its 512 contiguous code bytes and 64 scale bytes,
-// a copy each, lanes 0..2 SB - 1). The warp copies its first S stages when its experts are
-// known (before the PDL wait when the routing is final at launch, EXPERTS_EARLY), and as
-// soon as its lanes have read a stage into registers it copies into it the stage S further
-// on along its items (the next item's first stages during this item's last), so S stages
-// stay in flight while it decodes and multiplies, with no register held for them and no
-// L2 prefetch. x is read as before. The same words in the same MMAs in the same order:
-// the bits of the up kernel without it. The kernel's dynamic shared memory
-// (Own<true>::SMEM_BYTES) holds the rings and their barriers; `red` keeps only the
-// EXPERTS_HALF sums (TPB tiles a warp).
-// EXPERTS_OWN_DOWN (a define, 0 when absent; the V3 Marlin down kernel): the same rings, of
-// S = EXPERTS_OWN_DOWN stages, for the down kernel's warps (a 64-row block of W2 over a
-// warp's K-slice, Own<false>): the first stages copied before the PDL wait (in place of the
-// first item's L2 warm-up), x (act) read after it as before. With EXPERTS_DOWN_QUEUE only the
-// item after the one a block computes is known, so S is at most a warp's stages an item.
-// EXPERTS_OWN_TMA (a define, 0 when absent; with EXPERTS_OWN or EXPERTS_OWN_DOWN): a stage's words come by two
-// tensor copies (cp.async.bulk.tensor.2d, lane 0) in place of 2 SB one-dimensional ones, a
-// box of SB rows of 16 k of the warp's block: its 512 code bytes a row out of W13's rows of
-// 8N bytes, and its 64 scale bytes a row out of the scales' rows of N. A kernel with a ring
-// takes the two tensor maps (TmaMap, by value) after its other arguments: its weight's codes
-// as uint32 [E_local * K / 16, 2N] and its scale bytes as uint8 [E_local * K / 16, N], no
-// swizzle, so a box lands in the stage as the one-dimensional copies put it. The same bytes
-// in the same places: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -310,40 +283,6 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_DOWN_SPARE && !(EXPERTS_V3 && FMT == 2 && EXPERTS_LEAN)
 #error "EXPERTS_DOWN_SPARE is for the V3 Marlin kernels with EXPERTS_LEAN"
-#endif
-#ifndef EXPERTS_OWN
-#define EXPERTS_OWN 0
-#endif
-#if EXPERTS_OWN && !(EXPERTS_OWN >= 2 && EXPERTS_HALF)
-#error "EXPERTS_OWN (at least 2 stages) is for the EXPERTS_HALF up kernel"
-#endif
-#ifndef EXPERTS_OWN_DOWN
-#define EXPERTS_OWN_DOWN 0
-#endif
-#if EXPERTS_OWN_DOWN && !(EXPERTS_OWN_DOWN >= 2 && EXPERTS_V3 && FMT == 2)
-#error "EXPERTS_OWN_DOWN (at least 2 stages) is for the V3 Marlin down kernel (EXPERTS_V2 = 2, FMT 2)"
-#endif
-#ifndef EXPERTS_OWN_TMA
-#define EXPERTS_OWN_TMA 0
-#endif
-#if EXPERTS_OWN_TMA && !(EXPERTS_OWN || EXPERTS_OWN_DOWN)
-#error "EXPERTS_OWN_TMA is for the EXPERTS_OWN and EXPERTS_OWN_DOWN kernels"
-#endif
-#if EXPERTS_OWN_TMA
-// A CUtensorMap's 128 opaque bytes, passed by value (__grid_constant__).
-struct __align__(64) TmaMap {
-  unsigned long long words[16];
-};
-#endif
-#if EXPERTS_OWN_TMA && EXPERTS_OWN
-#define OWN_TMA_PARAM , const __grid_constant__ TmaMap w13_map, const __grid_constant__ TmaMap w13_scale_map
-#else
-#define OWN_TMA_PARAM
-#endif
-#if EXPERTS_OWN_TMA && EXPERTS_OWN_DOWN
-#define OWN_DOWN_TMA_PARAM , const __grid_constant__ TmaMap w2_map, const __grid_constant__ TmaMap w2_scale_map
-#else
-#define OWN_DOWN_TMA_PARAM
 #endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
@@ -760,27 +699,6 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   }
 }
 
-#if EXPERTS_RING || EXPERTS_OWN || EXPERTS_OWN_DOWN
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// Shared-memory loads at a shared address (ordered after the waits, as the copies are).
-__device__ __forceinline__ uint4 ld_shared_16(u32 a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(a)
-               : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint2 ld_shared_8(u32 a) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
-  return v;
-}
-
-#endif
-
 #if EXPERTS_RING
 // A stage of the up kernel's ring (EXPERTS_RING, see the top): one step of 16 k of a
 // warp's NBLK blocks of 64 rows.
@@ -800,6 +718,8 @@ constexpr int RED1_BYTES = WARPS * NT1 * 4 * 32 * (int)sizeof(float);
 // The up kernel's dynamic shared memory: the rings, `red` over them.
 constexpr int UP_SMEM_BYTES = RING_BYTES > RED1_BYTES ? RING_BYTES : RED1_BYTES;
 
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
 // 16 bytes from global memory to shared address dst, past L1 (the weights are read once).
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
@@ -808,6 +728,22 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
 // 4 bytes (x, read by every block: through L1).
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Shared-memory loads at a shared address (ordered after the waits, as the copies are).
+__device__ __forceinline__ uint4 ld_shared_16(u32 a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint2 ld_shared_8(u32 a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -895,183 +831,6 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
   }
   cp_async_wait<0>();  // nothing left in flight into the ring (red overlays it)
 }
-#endif
-
-#if EXPERTS_OWN || EXPERTS_OWN_DOWN
-// The rings of EXPERTS_OWN (the up kernel) and EXPERTS_OWN_DOWN (the down kernel), see the
-// top. A warp takes one 64-row Marlin block of an item over its K-slice: BATCHES stages of
-// SB steps of 16 k.
-template <bool UP>
-struct Own {
-  static constexpr int K = UP ? P_DIM : I_LOCAL;
-  static constexpr long N = UP ? 2 * I_LOCAL : P_DIM;  // the GEMM's rows
-  static constexpr int WKX = UP ? WK1 / 2 : WK2;       // warps along K (EXPERTS_HALF's a side for up)
-  static constexpr int STEPS = K / WKX / 16;
-  static constexpr int SB = STEPS < 4 ? STEPS : 4;  // warp_gemm_marlin's batch
-  static constexpr int BATCHES = STEPS / SB;  // stages an item
-  static constexpr int S = UP ? EXPERTS_OWN : EXPERTS_OWN_DOWN;
-  static constexpr int TILES = UP ? TILES1 : TILES2;
-  static constexpr int STAGE_BYTES = SB * (512 + 64);  // the steps' codes, then their scales
-  // The kernel's dynamic shared memory: the warps' rings, then their barriers.
-  static constexpr int SMEM_BYTES = WARPS * S * (STAGE_BYTES + 8);
-  static constexpr long CODE_BYTES = N * (K / 2), SCALE_BYTES = N * (K / 16);  // an expert's
-  // Down with EXPERTS_DOWN_QUEUE: the item after the one being computed is known (claimed),
-  // the one after that is not, so the ring may run at most an item ahead.
-  static constexpr bool QUEUE = !UP && EXPERTS_DOWN_QUEUE;
-  static_assert(TPB == 4 && STEPS % SB == 0 && 2 * SB <= 32, "a 64-row block a warp, a copy a lane");
-  static_assert(!QUEUE || S <= BATCHES, "EXPERTS_OWN_DOWN with EXPERTS_DOWN_QUEUE: at most a warp's stages an item");
-};
-
-#if EXPERTS_OWN_TMA
-// The box at column x, row y of the tensor map at generic address `map` into shared `dst`
-// (128-byte aligned), counted on `bar`.
-__device__ __forceinline__ void tensor_copy_2d(u32 dst, unsigned long long map, int x, int y, u32 bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-          dst),
-      "l"(map), "r"(x), "r"(y), "r"(bar)
-      : "memory");
-}
-#endif
-
-template <bool UP>
-struct OwnRing {
-  using O = Own<UP>;
-  u32 ring, bars;  // the warp's stages and their full barriers, shared addresses
-  // The warp's block in an item: rows rows0 + (item % TILES) * tile_rows; its K-slice from row kt0 of 16 k.
-  int rows0, tile_rows, kt0;
-  int item, nb;      // the next stage to copy: its item and its stage in it
-  bool pending;      // the item is done: the next stage is the next item's first
-  int copied, used;  // stages copied and consumed
-#if EXPERTS_OWN_TMA
-  // The tensor maps' generic addresses (the kernel's parameters), and the next stage's box:
-  // the code words' column 2 blk0, the scales' blk0, and its first row (of E_local * K / 16).
-  unsigned long long code_map, scale_map;
-  int blk0, row;
-#else
-  // The lane's copy of the next stage (lanes 0..SB - 1: step `lane`'s 512 code bytes; SB..2 SB - 1:
-  // step lane - SB's 64 scale bytes): its source, set once an item and advanced a stage at a time.
-  const unsigned char* src;
-#endif
-
-  // The warp's ring in `smem` (Own<UP>::SMEM_BYTES), its barriers initialized (by the warp; no
-  // other warp touches them); its first item is the block's.
-  __device__ __forceinline__ void init(const void* smem, int rows0_, int tile_rows_, int kt0_) {
-    const int warp = threadIdx.x >> 5;
-    rows0 = rows0_;
-    tile_rows = tile_rows_;
-    kt0 = kt0_;
-    ring = smem_u32(smem) + warp * O::S * O::STAGE_BYTES;
-    bars = smem_u32(smem) + WARPS * O::S * O::STAGE_BYTES + warp * O::S * 8;
-    if ((threadIdx.x & 31) == 0) {
-      for (int s = 0; s < O::S; ++s) mbar_init(bars + 8 * s, 1);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncwarp();
-    item = blockIdx.x;
-    nb = copied = used = 0;
-    pending = false;
-  }
-
-  // The copy's source at the first stage of `item` (while one is left).
-  __device__ __forceinline__ void locate(const Routes& r, const unsigned char* __restrict__ w,
-                                         const unsigned char* __restrict__ w_scale, int items) {
-    if (item >= items) return;
-    const long e = r.slot_expert[item / O::TILES];
-    const long block = rows0 + (long)(item % O::TILES) * tile_rows;
-#if EXPERTS_OWN_TMA
-    (void)w;
-    (void)w_scale;
-    blk0 = block;
-    row = e * (O::K / 16) + kt0;
-#else
-    const int lane = threadIdx.x & 31;
-    const long kt = kt0 + lane % O::SB;  // the lane's row of 16 k
-    src = lane < O::SB ? w + e * O::CODE_BYTES + (kt * 2 * O::N + 2 * block) * 4
-                       : w_scale + e * O::SCALE_BYTES + kt * O::N + block;
-#endif
-  }
-
-  // The next stage (while one is left) into stage copied % S. `next`: the item after the one
-  // the warp computes (with the queue; otherwise every gridDim.x-th item follows). Lane 0
-  // expects its bytes, and copies them (EXPERTS_OWN_TMA) or lanes 0..2 SB - 1 do. By the
-  // whole warp, converged.
-  __device__ __forceinline__ void copy_next(const Routes& r, const unsigned char* __restrict__ w,
-                                            const unsigned char* __restrict__ w_scale, int items, int next) {
-    if (pending) {
-      item = O::QUEUE ? next : item + (int)gridDim.x;
-      pending = false;
-      locate(r, w, w_scale, items);
-    }
-    if (item >= items) return;
-    const int lane = threadIdx.x & 31, s = copied % O::S;
-    const u32 bar = bars + 8 * s;
-#if EXPERTS_OWN_TMA
-    if (lane == 0) {
-      const u32 dst = ring + s * O::STAGE_BYTES;
-      mbar_expect_tx(bar, O::STAGE_BYTES);
-      tensor_copy_2d(dst, code_map, 2 * blk0, row, bar);
-      tensor_copy_2d(dst + O::SB * 512, scale_map, blk0, row, bar);
-    }
-    row += O::SB;  // a stage's rows of 16 k further
-#else
-    const bool codes = lane < O::SB;
-    if (lane == 0) mbar_expect_tx(bar, O::STAGE_BYTES);
-    __syncwarp();
-    if (lane < 2 * O::SB)
-      bulk_copy(ring + s * O::STAGE_BYTES + (codes ? 512 * lane : O::SB * 512 + 64 * (lane - O::SB)), src,
-                codes ? 512 : 64, bar);
-    src += codes ? O::SB * 8 * O::N : O::SB * O::N;  // a stage's rows of 16 k further
-#endif
-    ++copied;
-    if (++nb == O::BATCHES) {
-      nb = 0;
-      pending = true;
-    }
-  }
-
-  // The warp's first S stages (its first item's, while the queue gives no other).
-  __device__ __forceinline__ void fill(const Routes& r, const unsigned char* __restrict__ w,
-                                       const unsigned char* __restrict__ w_scale, int items) {
-    locate(r, w, w_scale, items);
-#pragma unroll 1
-    for (int s = 0; s < O::S; ++s) copy_next(r, w, w_scale, items, items);
-  }
-
-  // warp_gemm_marlin's V3 loop over the warp's K-slice of the item it computes (its stages in
-  // order), the words from the ring: each stage read into registers, then refilled with the
-  // stage S further on, then its MMAs. x: 8 rows at stride xs (rows >= nx as 0).
-  __device__ __forceinline__ void gemm(const Routes& r, const unsigned char* __restrict__ w,
-                                       const unsigned char* __restrict__ w_scale, int items, int next,
-                                       const bf16_t* __restrict__ x, int xs, int nx, float c[TPB][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int a = 0; a < TPB; ++a)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
-    const bool xrow = g < nx;
-    const u32* xp = reinterpret_cast<const u32*>(x + (long)g * xs + kt0 * 16 + 2 * t);
-#pragma unroll 1
-    for (int st = 0; st < O::BATCHES; ++st) {
-      const int s = used % O::S;
-      const u32 stage = ring + s * O::STAGE_BYTES;
-      mbar_wait(bars + 8 * s, (used / O::S) & 1);
-      ++used;
-      uint4 q[O::SB][1];
-      uint2 sc[O::SB][1];
-#pragma unroll
-      for (int sb = 0; sb < O::SB; ++sb) {
-        q[sb][0] = ld_shared_16(stage + 512 * sb + 16 * lane);
-        sc[sb][0] = ld_shared_8(stage + O::SB * 512 + 64 * sb + 8 * g);
-      }
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads before the copies over them
-      __syncwarp();
-      copy_next(r, w, w_scale, items, next);
-      marlin_batch_mma<1, O::SB>(q, sc, xp, xrow, c);
-      xp += O::SB * 8;
-    }
-  }
-};
 #endif
 
 // A warp's NT tiles of an expert's GEMM of N rows over K: its blocks of TPB tiles at
@@ -1223,9 +982,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const float* __restrict__ w13_global,                          // NVFP4: [E_local, 2]; Marlin: [E_local]
 #if EXPERTS_EARLY
     bf16_t* __restrict__ act,                                      // [slots, 8, I_LOCAL]
-    int ids_final TRACE_PARAM OWN_TMA_PARAM) {                     // the ids complete at launch (see the top)
+    int ids_final TRACE_PARAM) {                                   // the ids complete at launch (see the top)
 #else
-    bf16_t* __restrict__ act TRACE_PARAM OWN_TMA_PARAM) {          // [slots, 8, I_LOCAL]
+    bf16_t* __restrict__ act TRACE_PARAM) {                        // [slots, 8, I_LOCAL]
 #endif
   __shared__ Routes routes;
 #if EXPERTS_RING
@@ -1234,34 +993,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   u32 smem_bytes;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
   if (smem_bytes < UP_SMEM_BYTES) __trap();  // launched without the rings' shared memory
-#elif EXPERTS_OWN
-  extern __shared__ __align__(128) uint4 up_smem[];  // Own<true>::SMEM_BYTES: the warps' rings and their barriers
-  __shared__ float red[WARPS * TPB * 4 * 32];  // EXPERTS_HALF's sums
-  u32 smem_bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-  if (smem_bytes < Own<true>::SMEM_BYTES) __trap();  // launched without the rings' shared memory
-  OwnRing<true> own;
-  {
-    // EXPERTS_HALF's warp (side, hm, hk): the gate (0) or up (1) rows of its item, its K-slice
-    const int warp = threadIdx.x >> 5, hw = warp % (WARPS / 2), hk = hw % Own<true>::WKX;
-    own.init(up_smem, (warp / (WARPS / 2) ? I_LOCAL : 0) + hw / Own<true>::WKX * UP_COLS, WM1 * UP_COLS,
-             hk * Own<true>::STEPS);
-  }
-#if EXPERTS_OWN_TMA
-  own.code_map = reinterpret_cast<unsigned long long>(&w13_map);
-  own.scale_map = reinterpret_cast<unsigned long long>(&w13_scale_map);
-#endif
 #else
   __shared__ float red[WARPS * NT1 * 4 * 32];
 #endif
 #if EXPERTS_EARLY
   if (ids_final) {
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-#if EXPERTS_OWN
-    own.fill(routes, w13, w13_scale, routes.n_slots * TILES1);
-#else
     half_first_prefetch(routes, w13, w13_scale, w13_global);
-#endif
     pdl_wait();  // x comes from the kernel before
     pdl_launch_dependents();
   } else
@@ -1270,9 +1008,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     pdl_wait();  // x and ids come from the kernels before
     pdl_launch_dependents();
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-#if EXPERTS_OWN
-    own.fill(routes, w13, w13_scale, routes.n_slots * TILES1);
-#endif
   }
   TRACE_START
   const int warp = threadIdx.x >> 5, wm = warp / WK1, wk = warp % WK1;
@@ -1293,10 +1028,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
     const int e = routes.slot_expert[slot];
     const int i0 = (tile * WM1 + hm) * UP_COLS;
     const Weights W = up_weights(w13, w13_scale, w13_global, e);
-    float h[TPB][4];  // this side's tiles
-#if EXPERTS_OWN
-    own.gemm(routes, w13, w13_scale, items, items, x, x_stride, b, h);
-#else
     const int row0[1] = {side ? I_LOCAL + i0 : i0};
     if (item + (int)gridDim.x < items) {  // the next item's first batch
       const int next = item + gridDim.x, n0 = (next % TILES1 * WM1 + hm) * UP_COLS;
@@ -1304,8 +1035,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
       prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
           up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / TILES1]), nrow0, hk * (P_DIM / WKH));
     }
+    float h[TPB][4];  // this side's tiles
     expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, hk * (P_DIM / WKH), x, x_stride, b, h);
-#endif
 #if EXPERTS_UP_SCATTER
     // Each warp of a side adds the tiles it owns (a % WKH == hk: OWN of them, or where
     // there are more warps than tiles, tile hk alone), the up side passes them over, and
@@ -1407,7 +1138,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]
     const unsigned char* __restrict__ w2_scale,                    // NVFP4: [E_local, P, I/16]
     const float* __restrict__ w2_global,                           // NVFP4: [E_local]
-    bf16_t* __restrict__ rows QUEUE_PARAM TRACE_PARAM OWN_DOWN_TMA_PARAM) {  // [b, TOP_K, P]; EXPERTS_DOWN_QUEUE's counter
+    bf16_t* __restrict__ rows QUEUE_PARAM TRACE_PARAM) {           // [b, TOP_K, P]; EXPERTS_DOWN_QUEUE's counter
   __shared__ Routes routes;
   __shared__ float red[WARPS * NT2 * 4 * 32];
   // The ids were final before the up kernel passed its wait (and let this one start),
@@ -1429,21 +1160,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n_slots = routes.n_slots;
   const int items = (n_slots > 0 ? n_slots : 1) * TILES2;
-#if EXPERTS_OWN_DOWN
-  extern __shared__ __align__(128) uint4 down_smem[];  // Own<false>::SMEM_BYTES: the warps' rings and their barriers
-  {
-    u32 smem_bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-    if (smem_bytes < Own<false>::SMEM_BYTES) __trap();  // launched without the rings' shared memory
-  }
-  OwnRing<false> own;
-  own.init(down_smem, wm * DOWN_ROWS, WM2 * DOWN_ROWS, wk * Own<false>::STEPS);
-#if EXPERTS_OWN_TMA
-  own.code_map = reinterpret_cast<unsigned long long>(&w2_map);
-  own.scale_map = reinterpret_cast<unsigned long long>(&w2_scale_map);
-#endif
-  own.fill(routes, w2, w2_scale, n_slots * TILES2);  // the first stages' weights before waiting for act
-#else
   constexpr long EXPERT_BYTES = (long)P_DIM * (FMT >= 1 ? I_LOCAL / 2 : I_LOCAL * 2);
   // Warm the first item's weights into L2 before waiting for act.
   if (n_slots > 0 && (int)blockIdx.x < items) {
@@ -1462,7 +1178,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
 #endif
   }
-#endif
   pdl_wait();
   pdl_launch_dependents();
   TRACE_START
@@ -1490,14 +1205,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #if EXPERTS_V3
       out_scale = W.global_lo;
 #endif
-#if EXPERTS_OWN_DOWN
-#if EXPERTS_DOWN_QUEUE
-      const int next = claimed[nth & 1];  // the item after this one
-#else
-      const int next = items;  // the ring finds every gridDim.x-th item itself
-#endif
-      own.gemm(routes, w2, w2_scale, n_slots * TILES2, next, act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
-#else
       int row0[NT2 / TPB];  // blocks of TPB tiles
 #pragma unroll
       for (int r = 0; r < NT2 / TPB; ++r) row0[r] = p0 + 16 * TPB * r;
@@ -1518,7 +1225,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #endif
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2, !EXPERTS_DOWN_SPARE>(W, row0, wk * (I_LOCAL / WK2),
                                                                  act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
-#endif
       reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
     }
 #if EXPERTS_DOWN_SCATTER

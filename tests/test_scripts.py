@@ -46,6 +46,7 @@ def nvrtc_or_skip():
     "patch,defines",
     [
         ("patch_decode", {"EXPERTS_NO_DECODE": 1}),
+        ("patch_tail", {"EXPERTS_NO_TAIL": 1}),
         ("patch_packed_loads", {"EXPERTS_PACKED_LOADS": 1}),
         ("patch_packed_loads", {"EXPERTS_PACKED_LOADS": 2}),
     ],
@@ -69,6 +70,34 @@ def test_experts_bounds_patches_build(monkeypatch, patch, defines):
     )
     assert set(usage) >= {"experts_up_kernel", "experts_down_kernel"}
     assert all(u.spills == 0 and u.stack == 0 for u in usage.values()), usage
+
+
+def test_experts_bounds_no_tail_keeps_the_mmas(monkeypatch):
+    """``--no-tail``'s down kernel (the registered pin's defines): its MMAs all stay (their
+    sums are kept live), its item tails' K reduction and stores go (what is left: one
+    guarded store, and the zeros of a launch that holds no expert), and the up kernel is
+    unchanged."""
+    nvrtc = nvrtc_or_skip()
+    from ptxas_check import kernel_ptx
+
+    from sparkdecode_cuda import experts as experts_mod
+
+    def entry(ptx: str, kernel: str) -> str:
+        start = ptx.index(f".entry {kernel}(")
+        end = ptx.find(".entry ", start + 1)
+        return ptx[start : end if end >= 0 else len(ptx)]
+
+    defines = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
+    options = experts_mod.COMPILE_OPTIONS
+    plain = kernel_ptx(experts_mod.SOURCE, defines, options)
+    monkeypatch.setattr(nvrtc, "source", nvrtc.source)  # restored after the test
+    load_script("experts-bounds").patch_tail()
+    bound = kernel_ptx(experts_mod.SOURCE, {**defines, "EXPERTS_NO_TAIL": 1}, options)
+    assert entry(bound, "experts_up_kernel") == entry(plain, "experts_up_kernel")
+    down, down_plain = entry(bound, "experts_down_kernel"), entry(plain, "experts_down_kernel")
+    assert down.count("mma.sync") == down_plain.count("mma.sync") > 0
+    assert down.count("st.global") < down_plain.count("st.global")
+    assert down.count("st.shared") < down_plain.count("st.shared")
 
 
 @pytest.mark.parametrize("blocks", [3, 5])

@@ -511,3 +511,45 @@ def test_down_spare_refuses_other_kernels():
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     with pytest.raises(AssertionError, match="EXPERTS_DOWN_SPARE is for"):
         ptx_of({**experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_SPARE": 1})
+
+
+@pytest.mark.parametrize("width,intermediate,cluster", [(4096, 512, 8), (4096, 4096, 8), (512, 512, 4)])
+def test_up_rows(width, intermediate, cluster):
+    """_queue_na_spare_rows (not registered): _queue_na_spare's defines plus EXPERTS_UP_ROWS.
+    The down kernel's PTX is _queue_na_spare's. The up kernel is a cluster of WK1 blocks
+    (8 at P 4096, 4 at the tiny P 512) with the same MMAs, its K-slices' sums read across
+    the cluster (mapa) between cluster barriers; it fits 4 blocks an SM. ptxas spills a few
+    bytes at P 4096, outside the K loop, whose SASS is the registered loop's but for 4-6
+    instructions (bench/NOTES.md v40)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_UP_ROWS": 1}
+    assert cls not in plugin.PROVIDERS
+    assert experts_mod.rows_unsupported(width, intermediate) is None
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    usage = ptxas_usage(defines)["experts_up_kernel"]
+    assert usage.spills <= 32 and blocks_per_sm(usage.registers) >= cls.up_blocks, usage
+    assert blocks_per_sm_smem(usage.smem) >= cls.up_blocks, usage
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, "experts_down_kernel") == ptx_entry(plain, "experts_down_kernel")
+    up, up_plain = ptx_entry(variant, "experts_up_kernel"), ptx_entry(plain, "experts_up_kernel")
+    assert f".reqnctapercluster {cluster}, 1, 1" in up and ".reqnctapercluster" not in up_plain
+    assert up.count("mma.sync") == up_plain.count("mma.sync")
+    assert up.count("barrier.cluster.arrive") == 2 and "mapa.shared::cluster" in up
+
+
+def test_up_rows_refusals():
+    """EXPERTS_UP_ROWS outside the EXPERTS_HALF up kernel is a compile error naming it, and
+    the provider refuses shapes whose I-slice is not whole items (512 columns) by name."""
+    from sparkdecode_cuda import nvrtc
+
+    assert "multiples of 512" in experts_mod.rows_unsupported(4096, 256)
+    assert "2 warps along K" in experts_mod.rows_unsupported(128, 512)
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    with pytest.raises(AssertionError, match="EXPERTS_UP_ROWS is for the EXPERTS_HALF up kernel"):
+        ptx_of({**experts_mod.CudaExpertsNvfp4MarlinV3Occ.kernel_defines(4096, 512, 8), "EXPERTS_UP_ROWS": 1})

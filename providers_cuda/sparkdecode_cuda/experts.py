@@ -133,6 +133,7 @@ SWITCHES = (
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
     ("down_spare", "EXPERTS_DOWN_SPARE"),
+    ("up_rows", "EXPERTS_UP_ROWS"),
 )
 
 
@@ -171,6 +172,9 @@ class CudaExperts(_Cuda):
     stream_loads: ClassVar[int] = 0
     # experts.cu's EXPERTS_DOWN_SPARE: the down kernel's only L2 prefetch a block's first item
     down_spare: ClassVar[int] = 0
+    # experts.cu's EXPERTS_UP_ROWS: the EXPERTS_HALF up kernel's items read in half rows, a
+    # cluster of blocks an item
+    up_rows: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -778,6 +782,49 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
     # Above _queue_na (35): faster chained and in the step on the H100 and the H200.
     priority = 40
     down_spare = 1
+
+
+def rows_unsupported(width: int, intermediate: int) -> str | None:
+    """Why EXPERTS_UP_ROWS' up kernel cannot take pooled width P and this rank's I-slice
+    (an item is 8 warps' 64-row blocks of I, its cluster 2 to 8 blocks along K), or None."""
+    cols = 8 * UP_COLS["nvfp4_marlin"]
+    if intermediate % cols:
+        return f"this rank's moe_intermediate_size {intermediate}: the half-rows up kernel takes multiples of {cols}"
+    if _warps_k(width, CHUNK["nvfp4_marlin"]) < 2:
+        return f"moe_hidden_size {width}: the half-rows up kernel needs at least 2 warps along K"
+    return None
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` whose up kernel reads
+    its weights in half rows (experts.cu's EXPERTS_UP_ROWS): an item is 512 columns of I of
+    one expert, run by a cluster of WK1 blocks (8 at P 4096), each block the gate or the up
+    rows over a quarter of K, a warp a 64-row block, so a block reads 4 KB of each k-row
+    where the registered block reads two runs of 512 bytes. The K-slices are added through
+    distributed shared memory in the registered kernel's order: the same bits. Not
+    registered: built for the H200, where half rows' loads alone read 20% faster than the
+    item order's (bench/NOTES.md v36, v40)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_rows"
+    up_rows = 1
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        d, s = deployment, deployment.spec
+        intermediate = s.I // d.tp if d.expert_parallel == "tp" else s.I
+        return super().unsupported(deployment) or rows_unsupported(s.P, intermediate)
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        super().__init__(ctx, layer)
+        why = rows_unsupported(self.width, self.intermediate)
+        if why:
+            raise ValueError(f"layer {layer}: {self.name}: {why}")
+        # whole clusters, at most an item each and the blocks an SM allow
+        cluster = _warps_k(self.width, CHUNK[self.format])
+        slots = min(MAX_ROUTES, ctx.max_rows * ctx.spec.top_k, self.experts.num_local)
+        items = max(slots, 1) * (self.intermediate // (8 * UP_COLS[self.format]))
+        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        self.grid_up = cluster * max(1, min(items, self.up_blocks * sms // cluster))
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -159,6 +159,19 @@
 // 8 steps, two batches. On the H100, warming more of the next item (the whole of it) was
 // slower; warming none was faster at 55 and 64 experts, slower at 33 (bench/NOTES.md v33,
 // v34). Prefetches only: the same bits.
+// EXPERTS_UP_ROWS (a define, 0 when absent; the EXPERTS_HALF up kernel): the up kernel's
+// items read in half rows. An item is WARPS * UP_COLS (512) columns of I of one expert,
+// run by a thread-block cluster of WK1 blocks: block (side, q) of the cluster (rank side *
+// WKH + q) reads the item's gate rows (side 0) or up rows (side 1) over the K-quarter q
+// (WKH = WK1 / 2 of them), a warp a 64-row block, so the block's 8 warps read 8 adjacent
+// blocks: 4 KB of each k-row of 16 k, where an EXPERTS_HALF block reads 512 bytes of the
+// gate rows and 512 of the up rows. Each warp runs the same K loop over the same K-slice
+// as the EXPERTS_HALF warp (side, hk = q) of that 64-row block; its sums go to its block's
+// shared memory, and after a cluster barrier each block finishes its share of the item's
+// 64-row blocks: the K-slices' sums added in slice order through distributed shared
+// memory (reduce_k's order), SwiGLU and the store. The same sums in the same order: the
+// same bits. The grid is whole clusters (`__cluster_dims__`); a cluster takes every
+// (gridDim.x / WK1)-th item.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -284,6 +297,15 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #if EXPERTS_DOWN_SPARE && !(EXPERTS_V3 && FMT == 2 && EXPERTS_LEAN)
 #error "EXPERTS_DOWN_SPARE is for the V3 Marlin kernels with EXPERTS_LEAN"
 #endif
+#ifndef EXPERTS_UP_ROWS
+#define EXPERTS_UP_ROWS 0
+#endif
+#if EXPERTS_UP_ROWS && !EXPERTS_HALF
+#error "EXPERTS_UP_ROWS is for the EXPERTS_HALF up kernel"
+#endif
+#if EXPERTS_UP_ROWS && EXPERTS_TRACE
+#error "EXPERTS_UP_ROWS: EXPERTS_TRACE counts a block's items by its own stride, not its cluster's"
+#endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
 #define WARPS 8
@@ -321,6 +343,15 @@ constexpr int TILES2 = P_DIM / (DOWN_ROWS * WM2);
 static_assert(P_DIM % (CHUNK_K * WK1) == 0, "P_DIM: a multiple of the chunk times the warps along K");
 static_assert(I_LOCAL % (CHUNK_K * WK2) == 0, "I_LOCAL: a multiple of the chunk times the warps along K");
 static_assert(I_LOCAL % (UP_COLS * WM1) == 0 && P_DIM % (DOWN_ROWS * WM2) == 0, "tile widths");
+#if EXPERTS_UP_ROWS
+// EXPERTS_UP_ROWS: a cluster of WK1 blocks an item of ROWS_COLS columns of I, GROUPS items an expert
+constexpr int ROWS_COLS = WARPS * UP_COLS, GROUPS = I_LOCAL / ROWS_COLS;
+static_assert(I_LOCAL % ROWS_COLS == 0, "EXPERTS_UP_ROWS: I_LOCAL a multiple of 8 warps' 64-row blocks");
+static_assert(WK1 >= 2 && WK1 <= 8, "EXPERTS_UP_ROWS: a portable cluster of 2 to 8 blocks");
+#define UP_CLUSTER __cluster_dims__(WK1, 1, 1)
+#else
+#define UP_CLUSTER
+#endif
 
 // Marlin's one-byte scale: float(fp16 bits byte << 7) / 2^7, exact (5 exponent bits,
 // bias 15, 3 mantissa bits, no sign; exponent 31 is inf / NaN as in fp16).
@@ -972,9 +1003,24 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
   prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
                                              row0, hk * (P_DIM / WKH));
 }
+#if EXPERTS_UP_ROWS
+// The same for EXPERTS_UP_ROWS' warps: the cluster's first item, the block's side and
+// K-quarter, the warp's 64-row block.
+__device__ __forceinline__ void rows_first_prefetch(const Routes& routes, const unsigned char* w13,
+                                                    const unsigned char* w13_scale, const float* w13_global) {
+  constexpr int WKH = WK1 / 2;
+  const int rank = cluster_ctarank(), side = rank / WKH, q = rank % WKH, warp = threadIdx.x >> 5;
+  const int item = blockIdx.x / WK1;
+  if (item >= routes.n_slots * GROUPS) return;
+  const int i0 = item % GROUPS * ROWS_COLS + warp * UP_COLS;
+  const int row0[1] = {side ? I_LOCAL + i0 : i0};
+  prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / GROUPS]),
+                                             row0, q * (P_DIM / WKH));
+}
+#endif
 #endif
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) experts_up_kernel(
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLUSTER experts_up_kernel(
     const bf16_t* __restrict__ x, int x_stride, int b,           // [b, P]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
     const unsigned char* __restrict__ w13,                         // [E_local, 2I, P] bf16 or [E_local, 2I, P/2]
@@ -999,7 +1045,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #if EXPERTS_EARLY
   if (ids_final) {
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
+#if EXPERTS_UP_ROWS
+    rows_first_prefetch(routes, w13, w13_scale, w13_global);
+#else
     half_first_prefetch(routes, w13, w13_scale, w13_global);
+#endif
     pdl_wait();  // x comes from the kernel before
     pdl_launch_dependents();
   } else
@@ -1015,7 +1065,49 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
 #if EXPERTS_RING
   const u32 ring = smem_u32(up_smem) + warp * RING_S * RingStage<UP_NBLK>::BYTES;  // the warp's, a shared address
 #endif
-#if EXPERTS_HALF
+#if EXPERTS_UP_ROWS
+  // block = (side, q) of its cluster, warp = the item's 64-row block (see the top); `red`
+  // holds the block's warps' sums of an item (WARPS * WARP_FLOATS of its floats)
+  constexpr int WKH = WK1 / 2, WARP_FLOATS = TPB * 4 * 32;
+  static_assert(WARPS * WARP_FLOATS <= WARPS * NT1 * 4 * 32, "EXPERTS_UP_ROWS: the sums in red");
+  const int rank = cluster_ctarank(), side = rank / WKH, q = rank % WKH;
+  const int clusters = (int)gridDim.x / WK1, items = routes.n_slots * GROUPS;
+  for (int item = (int)blockIdx.x / WK1; item < items; item += clusters) {
+    const int slot = item / GROUPS, c0 = item % GROUPS * ROWS_COLS;
+    const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
+    const int row0[1] = {side ? I_LOCAL + c0 + warp * UP_COLS : c0 + warp * UP_COLS};
+    if (item + clusters < items) {  // the next item's first batch
+      const int next = item + clusters, n0 = next % GROUPS * ROWS_COLS + warp * UP_COLS;
+      const int nrow0[1] = {side ? I_LOCAL + n0 : n0};
+      prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
+          up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / GROUPS]), nrow0, q * (P_DIM / WKH));
+    }
+    float h[TPB][4];  // the warp's 64-row block over K-slice q
+    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, q * (P_DIM / WKH), x, x_stride, b, h);
+#pragma unroll
+    for (int a = 0; a < TPB; ++a)
+#pragma unroll
+      for (int e4 = 0; e4 < 4; ++e4) red[warp * WARP_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
+    cluster_barrier();  // every block's sums of the item written
+    // This block's share: the 64-row blocks rank, rank + WK1, ...; a thread's values v of
+    // each, lane ln's h[a][e4] of that block's warps: the gate side's slices added in
+    // order (ranks 0..WKH-1), then the up side's (ranks WKH..WK1-1).
+    for (int blk = rank; blk < WARPS; blk += WK1)
+      for (int v = threadIdx.x; v < WARP_FLOATS; v += NTHREADS) {
+        const float* at = red + blk * WARP_FLOATS + v;
+        float gs = cluster_load_f32(at, 0), us = cluster_load_f32(at, WKH);
+#pragma unroll
+        for (int r = 1; r < WKH; ++r) {
+          gs += cluster_load_f32(at, r);
+          us += cluster_load_f32(at, WKH + r);
+        }
+        const int a = v / 128, e4 = v / 32 % 4, ln = v % 32;
+        const int i = c0 + blk * UP_COLS + 16 * a + (ln >> 2) + 8 * (e4 >> 1), n = 2 * (ln & 3) + (e4 & 1);
+        UP_STORE_ONE(i, n, gs, us)
+      }
+    cluster_barrier();  // no block writes its sums again (or leaves) while another reads them
+  }
+#elif EXPERTS_HALF
   // warp = (side, hm, hk): side 0 the gate rows, 1 the up rows of the item (see the top)
   constexpr int WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;
   static_assert(WK1 >= 2, "EXPERTS_HALF: at least two warps along K");

@@ -82,6 +82,13 @@ def kernel_ptx(source: str, defines: dict[str, int], options: tuple[str, ...]) -
     return out.decode(errors="replace")
 
 
+def ptx_entry(ptx: str, kernel: str) -> str:
+    """One kernel's PTX, from its ``.entry`` to the next one's (or the end)."""
+    start = ptx.index(f".entry {kernel}(")
+    end = ptx.find(".entry ", start + 1)
+    return ptx[start : end if end >= 0 else len(ptx)]
+
+
 def blocks_per_sm(registers: int, threads: int = 256) -> int:
     """Blocks of ``threads`` an SM's 64K registers hold (a warp's registers allocated in 256s)."""
     per_warp = -(-registers * 32 // 256) * 256

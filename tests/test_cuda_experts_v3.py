@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from ptxas_check import Usage, blocks_per_sm, kernel_ptx, kernel_usage
+from ptxas_check import Usage, blocks_per_sm, kernel_ptx, kernel_usage, ptx_entry
 from test_cuda_experts_marlin import emulate_gemm_weights
 from test_cuda_experts_nvfp4_lut import MASK, bf16x2, decode_word, prmt
 
@@ -470,13 +470,6 @@ def test_marlin_v3_stream_loads(width, intermediate):
     bf16 = {**experts_mod.CudaExpertsSlice2.kernel_defines(width, intermediate, 8), "EXPERTS_STREAM_LOADS": 1}
     with pytest.raises(AssertionError, match="EXPERTS_STREAM_LOADS is for the V3 Marlin loop"):
         ptx_of(bf16)
-
-
-def ptx_entry(ptx: str, kernel: str) -> str:
-    """One kernel's PTX, from its ``.entry`` to the next one's (or the end)."""
-    start = ptx.index(f".entry {kernel}(")
-    end = ptx.find(".entry ", start + 1)
-    return ptx[start : end if end >= 0 else len(ptx)]
 
 
 @pytest.mark.parametrize("width,intermediate", [(4096, 512), (4096, 4096), (512, 256)])

@@ -78,14 +78,9 @@ def test_experts_bounds_no_tail_keeps_the_mmas(monkeypatch):
     guarded store, and the zeros of a launch that holds no expert), and the up kernel is
     unchanged."""
     nvrtc = nvrtc_or_skip()
-    from ptxas_check import kernel_ptx
+    from ptxas_check import kernel_ptx, ptx_entry
 
     from sparkdecode_cuda import experts as experts_mod
-
-    def entry(ptx: str, kernel: str) -> str:
-        start = ptx.index(f".entry {kernel}(")
-        end = ptx.find(".entry ", start + 1)
-        return ptx[start : end if end >= 0 else len(ptx)]
 
     defines = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8)
     options = experts_mod.COMPILE_OPTIONS
@@ -93,8 +88,8 @@ def test_experts_bounds_no_tail_keeps_the_mmas(monkeypatch):
     monkeypatch.setattr(nvrtc, "source", nvrtc.source)  # restored after the test
     load_script("experts-bounds").patch_tail()
     bound = kernel_ptx(experts_mod.SOURCE, {**defines, "EXPERTS_NO_TAIL": 1}, options)
-    assert entry(bound, "experts_up_kernel") == entry(plain, "experts_up_kernel")
-    down, down_plain = entry(bound, "experts_down_kernel"), entry(plain, "experts_down_kernel")
+    assert ptx_entry(bound, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+    down, down_plain = ptx_entry(bound, "experts_down_kernel"), ptx_entry(plain, "experts_down_kernel")
     assert down.count("mma.sync") == down_plain.count("mma.sync") > 0
     assert down.count("st.global") < down_plain.count("st.global")
     assert down.count("st.shared") < down_plain.count("st.shared")

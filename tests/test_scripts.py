@@ -159,6 +159,7 @@ def test_read_pattern_kernels_build():
         (script.SPECIALIZED, script.specialized_defines(c)) for c in script.SPECIALIZED_CONFIGS + script.OWN_CONFIGS
     ]
     builds += [(script.BOXES, script.boxes_defines(c)) for c in script.BOXES_CONFIGS]
+    builds += [(script.DOWN, script.down_defines(c)) for c in script.DOWN_CONFIGS]
     builds.append((script.AHEAD, {}))
     builds += [(script.AHEAD_LOADS, {"DEPTH": depth}) for _, depth in script.AHEAD_RATE_CONFIGS]
     builds.append((script.STREAM, {}))
@@ -540,7 +541,7 @@ def test_read_pattern_own_runs_its_forms_then_the_baselines(monkeypatch):
     calls = []
     monkeypatch.setattr(script, "specialized", lambda cp, np, configs: calls.append(("own", configs)))
     monkeypatch.setattr(script, "pattern", lambda cp, np, configs: calls.append(("lanes", configs)))
-    modes = dict.fromkeys(("fit", "ahead", "ahead_rate", "boxes", "specialized"), False)
+    modes = dict.fromkeys(("fit", "ahead", "ahead_rate", "boxes", "specialized", "down"), False)
     script.run_mode(None, None, argparse.Namespace(**modes, own=True, config=None), script.OWN_CONFIGS)
     assert calls[0] == ("own", script.OWN_CONFIGS)
     assert all(c[4] in (0, 1) and c[6] == 1 for c in script.OWN_CONFIGS)  # Marlin's or stage layout, SELF 1

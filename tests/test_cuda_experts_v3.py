@@ -546,3 +546,44 @@ def test_up_rows_refusals():
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     with pytest.raises(AssertionError, match="EXPERTS_UP_ROWS is for the EXPERTS_HALF up kernel"):
         ptx_of({**experts_mod.CudaExpertsNvfp4MarlinV3Occ.kernel_defines(4096, 512, 8), "EXPERTS_UP_ROWS": 1})
+
+
+@pytest.mark.parametrize("width,intermediate,cluster", [(4096, 512, 4), (4096, 4096, 8), (512, 512, 4)])
+def test_down_rows(width, intermediate, cluster):
+    """_queue_na_spare_down_rows (not registered): _queue_na_spare's defines plus
+    EXPERTS_DOWN_ROWS. The up kernel's PTX is _queue_na_spare's. The down kernel is a
+    cluster of WK2 blocks (4 at expert TP's slice, 8 under EP) with the same MMAs, its
+    K-slices' sums read across the cluster between two cluster barriers an item; spill-free,
+    4 blocks an SM."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_DOWN_ROWS": 1}
+    assert cls not in plugin.PROVIDERS
+    assert experts_mod.down_rows_unsupported(width, intermediate) is None
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    assert_kernels_fit(defines, cls)
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+    down, down_plain = ptx_entry(variant, "experts_down_kernel"), ptx_entry(plain, "experts_down_kernel")
+    assert f".reqnctapercluster {cluster}, 1, 1" in down and ".reqnctapercluster" not in down_plain
+    assert down.count("mma.sync") == down_plain.count("mma.sync")
+    assert down.count("barrier.cluster.arrive") == 2 and "mapa.shared::cluster" in down
+
+
+def test_down_rows_refusals():
+    """EXPERTS_DOWN_ROWS without the queue, the spare prefetches and the slot masks is a
+    compile error naming it, and the provider refuses shapes whose P is not whole items
+    (512 rows) or whose I-slice has one warp along K, by name."""
+    from sparkdecode_cuda import nvrtc
+
+    assert "multiples of 512" in experts_mod.down_rows_unsupported(4352, 512)
+    assert "2 warps along K" in experts_mod.down_rows_unsupported(4096, 128)
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    defines = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa.kernel_defines(4096, 512, 8)
+    with pytest.raises(AssertionError, match="EXPERTS_DOWN_ROWS is for the V3 Marlin down kernel"):
+        ptx_of({**defines, "EXPERTS_DOWN_ROWS": 1})

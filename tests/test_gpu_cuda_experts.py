@@ -138,6 +138,7 @@ def provider(fmt: str):
     "-v3half4scatterupqueuenaspare": that with the down kernel's L2 prefetches only its
     blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenasparerows": that with
     the up kernel's items in half rows, a cluster of blocks an item (EXPERTS_UP_ROWS),
+    "-v3half4scatterupqueuenasparedownrows": the same for the down kernel (EXPERTS_DOWN_ROWS),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -169,6 +170,9 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueuenaspare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
         "nvfp4_marlin-v3half4scatterupqueuenasparerows": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenasparedownrows": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows
         ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -449,6 +453,17 @@ def test_up_rows_is_spare_bit_for_bit(shape):
     )
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_down_rows_is_spare_bit_for_bit(shape):
+    """EXPERTS_DOWN_ROWS reads the down kernel's weights in half rows, a cluster of blocks
+    an item claimed from the queue, and adds each warp's K-slice through distributed shared
+    memory in reduce_k's order: the rows equal _queue_na_spare's bit for bit (the EP shapes
+    cover the zeros for routes to experts not held; EP: clusters of 8)."""
+    assert_same_rows(
+        shape, "nvfp4_marlin-v3half4scatterupqueuenasparedownrows", "nvfp4_marlin-v3half4scatterupqueuenaspare"
+    )
+
+
 def test_up_rows_over_replays():
     """EXPERTS_UP_ROWS over 40 replays of one graph with new ids (1 to 64 distinct experts:
     some clusters without an item, 64 items on fewer clusters than the grid allows where
@@ -501,12 +516,15 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
     return torch.equal(rows.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("fmt", ["v3half4scatterupqueue", "v3half4scatterupqueuenaspare"])
+@pytest.mark.parametrize(
+    "fmt", ["v3half4scatterupqueue", "v3half4scatterupqueuenaspare", "v3half4scatterupqueuenasparedownrows"]
+)
 def test_down_queue_resets_over_replays(fmt):
     """The queue's counter and count of finished blocks are back at zero after every
     launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
-    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue and
-    for _queue_na_spare, whose down kernel warms only its first item)."""
+    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue, for
+    _queue_na_spare, whose down kernel warms only its first item, and for _down_rows, whose
+    clusters claim the items and count the finished clusters)."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
     queued = provider(f"nvfp4_marlin-{fmt}").build(context(spec, experts), 0)

@@ -134,6 +134,7 @@ SWITCHES = (
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
     ("down_spare", "EXPERTS_DOWN_SPARE"),
     ("up_rows", "EXPERTS_UP_ROWS"),
+    ("down_rows", "EXPERTS_DOWN_ROWS"),
 )
 
 
@@ -175,6 +176,9 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_UP_ROWS: the EXPERTS_HALF up kernel's items read in half rows, a
     # cluster of blocks an item
     up_rows: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_ROWS: the down kernel's items read in half rows, a cluster of
+    # blocks an item
+    down_rows: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -825,6 +829,49 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows(CudaExpertsNvfp4Mar
         items = max(slots, 1) * (self.intermediate // (8 * UP_COLS[self.format]))
         sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         self.grid_up = cluster * max(1, min(items, self.up_blocks * sms // cluster))
+
+
+def down_rows_unsupported(width: int, intermediate: int) -> str | None:
+    """Why EXPERTS_DOWN_ROWS' down kernel cannot take pooled width P and this rank's I-slice
+    (an item is 8 warps' 64-row blocks of P, its cluster 2 to 8 blocks along K), or None."""
+    rows = 8 * DOWN_ROWS["nvfp4_marlin"]
+    if width % rows:
+        return f"moe_hidden_size {width}: the half-rows down kernel takes multiples of {rows}"
+    if _warps_k(intermediate, CHUNK["nvfp4_marlin"]) < 2:
+        return f"this rank's moe_intermediate_size {intermediate}: the half-rows down kernel needs 2 warps along K"
+    return None
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` whose down kernel reads
+    its weights in half rows (experts.cu's EXPERTS_DOWN_ROWS): an item is 512 output rows of
+    one expert, run by a cluster of WK2 blocks (4 at expert TP's slice), each block the rows
+    over one K-slice, a warp a 64-row block, so a block reads 4 KB of each k-row where the
+    registered block reads 1 KB. The K-slices are added through distributed shared memory
+    in the registered kernel's order, and the clusters claim their items from the queue:
+    the same bits. Not registered: built to test whether the down kernel's read order holds
+    it at 54-64% of the copy (bench/NOTES.md v40)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_down_rows"
+    down_rows = 1
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        d, s = deployment, deployment.spec
+        intermediate = s.I // d.tp if d.expert_parallel == "tp" else s.I
+        return super().unsupported(deployment) or down_rows_unsupported(s.P, intermediate)
+
+    def __init__(self, ctx: BuildContext, layer: int):
+        super().__init__(ctx, layer)
+        why = down_rows_unsupported(self.width, self.intermediate)
+        if why:
+            raise ValueError(f"layer {layer}: {self.name}: {why}")
+        # whole clusters, at most an item each and the blocks an SM allow
+        cluster = self.down_warps_k(self.width, self.intermediate)
+        slots = min(MAX_ROUTES, ctx.max_rows * ctx.spec.top_k, self.experts.num_local)
+        items = max(slots, 1) * (self.width // (8 * DOWN_ROWS[self.format]))
+        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        self.grid_down = cluster * max(1, min(items, self.down_blocks * sms // cluster))
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -172,6 +172,19 @@
 // memory (reduce_k's order), SwiGLU and the store. The same sums in the same order: the
 // same bits. The grid is whole clusters (`__cluster_dims__`); a cluster takes every
 // (gridDim.x / WK1)-th item.
+// EXPERTS_DOWN_ROWS (a define, 0 when absent; the V3 Marlin down kernel with
+// EXPERTS_DOWN_QUEUE, EXPERTS_DOWN_SPARE and EXPERTS_SLOT_MASKS): the down kernel's items
+// read in half rows. An item is WARPS * DOWN_ROWS (512) output rows of one expert, run by a
+// thread-block cluster of WK2 blocks: block q of the cluster (its rank) reads the item's
+// rows over K-slice q, a warp a 64-row block, so a block reads 4 KB of each k-row where a
+// registered block reads 1 KB (its 2 row blocks over all the K-slices). Each warp runs the
+// registered warp's K loop over the same K-slice; its sums go to its block's shared memory,
+// and after a cluster barrier each block adds its share of the item's 64-row blocks over
+// the K-slices in slice order through distributed shared memory (reduce_k's order) and
+// stores them to their routes, as the registered epilogue does. Rank 0 claims the
+// cluster's next item from the queue (after each cluster's first, which is its index) and
+// the others read the claim across the cluster. The same sums in the same order: the same
+// bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -303,6 +316,15 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #if EXPERTS_UP_ROWS && !EXPERTS_HALF
 #error "EXPERTS_UP_ROWS is for the EXPERTS_HALF up kernel"
 #endif
+#ifndef EXPERTS_DOWN_ROWS
+#define EXPERTS_DOWN_ROWS 0
+#endif
+#if EXPERTS_DOWN_ROWS && !(EXPERTS_V3 && FMT == 2 && EXPERTS_DOWN_QUEUE && EXPERTS_DOWN_SPARE && EXPERTS_SLOT_MASKS)
+#error "EXPERTS_DOWN_ROWS is for the V3 Marlin down kernel with EXPERTS_DOWN_QUEUE, EXPERTS_DOWN_SPARE and EXPERTS_SLOT_MASKS"
+#endif
+#if EXPERTS_DOWN_ROWS && EXPERTS_TRACE
+#error "EXPERTS_DOWN_ROWS: EXPERTS_TRACE counts a block's items, not its cluster's"
+#endif
 #if EXPERTS_UP_ROWS && EXPERTS_TRACE
 #error "EXPERTS_UP_ROWS: EXPERTS_TRACE counts a block's items by its own stride, not its cluster's"
 #endif
@@ -351,6 +373,16 @@ static_assert(WK1 >= 2 && WK1 <= 8, "EXPERTS_UP_ROWS: a portable cluster of 2 to
 #define UP_CLUSTER __cluster_dims__(WK1, 1, 1)
 #else
 #define UP_CLUSTER
+#endif
+#if EXPERTS_DOWN_ROWS
+// EXPERTS_DOWN_ROWS: a cluster of WK2 blocks an item of DOWN_GROUP output rows
+constexpr int DOWN_GROUP = WARPS * DOWN_ROWS, DOWN_GROUPS = P_DIM / DOWN_GROUP;
+static_assert(P_DIM % DOWN_GROUP == 0, "EXPERTS_DOWN_ROWS: P_DIM a multiple of 8 warps' 64-row blocks");
+static_assert(WK2 >= 2 && WK2 <= 8, "EXPERTS_DOWN_ROWS: a portable cluster of 2 to 8 blocks");
+static_assert(NT2 == TPB, "EXPERTS_DOWN_ROWS: a warp's rows one 64-row block");
+#define DOWN_CLUSTER __cluster_dims__(WK2, 1, 1)
+#else
+#define DOWN_CLUSTER
 #endif
 
 // Marlin's one-byte scale: float(fp16 bits byte << 7) / 2^7, exact (5 exponent bits,
@@ -1224,7 +1256,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLU
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_kernel(
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN_CLUSTER experts_down_kernel(
     const bf16_t* __restrict__ act, int b,                         // [slots, 8, I_LOCAL]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K]
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]
@@ -1248,6 +1280,74 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   }
   __syncthreads();
 #endif
+#if EXPERTS_DOWN_ROWS
+  // block = the K-slice (its rank) of its cluster's item, warp = the item's 64-row block
+  // (see the top); `red` holds the block's warps' sums of an item
+  constexpr int WARP_FLOATS = NT2 * 4 * 32;
+  constexpr long EXPERT_BYTES = (long)P_DIM * (I_LOCAL / 2);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rank = cluster_ctarank();
+  const int n_slots = routes.n_slots;
+  const int items = (n_slots > 0 ? n_slots : 1) * DOWN_GROUPS;
+  const int clusters = (int)gridDim.x / WK2;
+  __shared__ int claimed;  // rank 0's: the cluster's next item
+  // Warm the block's part of its cluster's first item into L2 before waiting for act: its
+  // K-slice's k-rows (one a warp at expert TP's slice), 4 KB of each, a line a thread.
+  if (n_slots > 0 && (int)blockIdx.x / WK2 < items) {
+    const int item = (int)blockIdx.x / WK2;
+    const unsigned char* base = w2 + routes.slot_expert[item / DOWN_GROUPS] * EXPERT_BYTES +
+                                (long)(item % DOWN_GROUPS) * DOWN_GROUP * 8;
+    constexpr int KROWS = I_LOCAL / 16 / WK2;  // a K-slice's k-rows of 16 k
+    for (int off = threadIdx.x * 128; off < KROWS * DOWN_GROUP * 8; off += NTHREADS * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (long)(rank * KROWS + off / (DOWN_GROUP * 8)) * 8 * P_DIM +
+                                                    off % (DOWN_GROUP * 8)));
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+  for (int item = (int)blockIdx.x / WK2; item < items;) {
+    if (rank == 0 && threadIdx.x == 0) claimed = clusters + atomicAdd(queue, 1);
+    const int slot = item / DOWN_GROUPS, p0 = item % DOWN_GROUPS * DOWN_GROUP;
+    float out_scale = 0.f;  // the global of the item's expert
+    if (n_slots > 0) {
+      const Weights W = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]);
+      out_scale = W.global_lo;
+      const int row0[1] = {p0 + warp * DOWN_ROWS};
+      float c[NT2][4];
+      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, false>(W, row0, rank * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL,
+                                                   I_LOCAL, NB, c);
+#pragma unroll
+      for (int a = 0; a < NT2; ++a)
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) red[warp * WARP_FLOATS + (a * 4 + e4) * 32 + lane] = c[a][e4];
+    }
+    cluster_barrier();  // every block's sums of the item and rank 0's claim written
+    // This block's share: the 64-row blocks rank, rank + WK2, ...; value v of a block is
+    // lane ln's c[a][e4] of that block's warps, summed over the K-slices in slice order.
+    for (int blk = rank; blk < WARPS; blk += WK2)
+      for (int v = threadIdx.x; v < WARP_FLOATS; v += NTHREADS) {
+        const int a = v / 128, e4 = v / 32 % 4, ln = v % 32;
+        const int p = p0 + blk * DOWN_ROWS + 16 * a + (ln >> 2) + 8 * (e4 >> 1), n = 2 * (ln & 3) + (e4 & 1);
+        if (n >= b) continue;
+        bf16_t val = (bf16_t)0;
+        if (n_slots > 0) {
+          const float* at = red + blk * WARP_FLOATS + v;
+          float sum = cluster_load_f32(at, 0);
+#pragma unroll
+          for (int r = 1; r < WK2; ++r) sum += cluster_load_f32(at, r);
+          val = float_to_bf16(sum * out_scale);
+        }
+        for (unsigned m = n_slots > 0 ? slot_masks[slot * NB + n] : 0u; m != 0u; m &= m - 1u)
+          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = val;
+        for (unsigned m = slot == 0 ? unheld_masks[n] : 0u; m != 0u; m &= m - 1u)
+          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = 0;
+      }
+    item = __float_as_int(cluster_load_f32(reinterpret_cast<const float*>(&claimed), 0));
+    cluster_barrier();  // no block writes its sums (nor rank 0 its claim) again while another reads them
+  }
+  if (rank == 0 && threadIdx.x == 0 && atomicAdd(queue + 1, 1) == clusters - 1) {  // every claim made: reset
+    atomicExch(queue, 0);
+    atomicExch(queue + 1, 0);
+  }
+#else
   const int warp = threadIdx.x >> 5, wm = warp / WK2, wk = warp % WK2;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n_slots = routes.n_slots;
@@ -1390,4 +1490,5 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
 #else
   TRACE_END(items)
 #endif
+#endif  // EXPERTS_DOWN_ROWS
 }

@@ -587,3 +587,26 @@ def test_down_rows_refusals():
     defines = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa.kernel_defines(4096, 512, 8)
     with pytest.raises(AssertionError, match="EXPERTS_DOWN_ROWS is for the V3 Marlin down kernel"):
         ptx_of({**defines, "EXPERTS_DOWN_ROWS": 1})
+
+
+def test_rows_down_rows():
+    """_queue_na_spare_rows_down_rows (not registered): both defines; each kernel its
+    cluster (8 blocks up at P 4096, 4 down at expert TP's slice), the down kernel's PTX
+    _down_rows' and the up kernel's _rows'."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    both = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRowsDownRows
+    up = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows
+    down = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows
+    defines = both.kernel_defines(4096, 512, 8)
+    assert defines == {**up.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_ROWS": 1}
+    assert both not in plugin.PROVIDERS
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    ptx = ptx_of(defines)
+    assert ptx_entry(ptx, "experts_up_kernel") == ptx_entry(
+        ptx_of(up.kernel_defines(4096, 512, 8)), "experts_up_kernel"
+    )
+    assert ptx_entry(ptx, "experts_down_kernel") == ptx_entry(
+        ptx_of(down.kernel_defines(4096, 512, 8)), "experts_down_kernel"
+    )

@@ -139,6 +139,7 @@ def provider(fmt: str):
     blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenasparerows": that with
     the up kernel's items in half rows, a cluster of blocks an item (EXPERTS_UP_ROWS),
     "-v3half4scatterupqueuenasparedownrows": the same for the down kernel (EXPERTS_DOWN_ROWS),
+    "-v3half4scatterupqueuenasparerowsdownrows": both,
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -173,6 +174,9 @@ def provider(fmt: str):
         ),
         "nvfp4_marlin-v3half4scatterupqueuenasparedownrows": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenasparerowsdownrows": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRowsDownRows
         ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -453,15 +457,15 @@ def test_up_rows_is_spare_bit_for_bit(shape):
     )
 
 
+@pytest.mark.parametrize("fmt", ["v3half4scatterupqueuenasparedownrows", "v3half4scatterupqueuenasparerowsdownrows"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_down_rows_is_spare_bit_for_bit(shape):
+def test_down_rows_is_spare_bit_for_bit(shape, fmt):
     """EXPERTS_DOWN_ROWS reads the down kernel's weights in half rows, a cluster of blocks
     an item claimed from the queue, and adds each warp's K-slice through distributed shared
     memory in reduce_k's order: the rows equal _queue_na_spare's bit for bit (the EP shapes
-    cover the zeros for routes to experts not held; EP: clusters of 8)."""
-    assert_same_rows(
-        shape, "nvfp4_marlin-v3half4scatterupqueuenasparedownrows", "nvfp4_marlin-v3half4scatterupqueuenaspare"
-    )
+    cover the zeros for routes to experts not held; EP: clusters of 8), alone and with
+    EXPERTS_UP_ROWS."""
+    assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
 
 
 def test_up_rows_over_replays():

@@ -874,6 +874,16 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows(CudaExpertsNvfp
         self.grid_down = cluster * max(1, min(items, self.down_blocks * sms // cluster))
 
 
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRowsDownRows(
+    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows, CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows
+):
+    """Both kernels of ``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` in
+    half rows (EXPERTS_UP_ROWS and EXPERTS_DOWN_ROWS): the same bits. Not registered
+    (bench/NOTES.md v40)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_rows_down_rows"
+
+
 class CudaExpertsSlice2(_SliceDown, CudaExperts):
     """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
     (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four

@@ -553,8 +553,8 @@ def test_down_rows(width, intermediate, cluster):
     """_queue_na_spare_down_rows (not registered): _queue_na_spare's defines plus
     EXPERTS_DOWN_ROWS. The up kernel's PTX is _queue_na_spare's. The down kernel is a
     cluster of WK2 blocks (4 at expert TP's slice, 8 under EP) with the same MMAs, its
-    K-slices' sums read across the cluster between two cluster barriers an item; spill-free,
-    4 blocks an SM."""
+    K-slices' sums read across the cluster after one cluster barrier an item (the sums
+    double-buffered; one more before the blocks leave); spill-free, 4 blocks an SM."""
     from sparkdecode_cuda import nvrtc, plugin
 
     cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows

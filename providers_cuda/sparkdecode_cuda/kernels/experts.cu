@@ -183,8 +183,9 @@
 // the K-slices in slice order through distributed shared memory (reduce_k's order) and
 // stores them to their routes, as the registered epilogue does. Rank 0 claims the
 // cluster's next item from the queue (after each cluster's first, which is its index) and
-// the others read the claim across the cluster. The same sums in the same order: the same
-// bits.
+// the others read the claim across the cluster. Sums and claim are double-buffered, so
+// one cluster barrier an item suffices (and one before the blocks leave). The same sums
+// in the same order: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -1289,7 +1290,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN
   const int n_slots = routes.n_slots;
   const int items = (n_slots > 0 ? n_slots : 1) * DOWN_GROUPS;
   const int clusters = (int)gridDim.x / WK2;
-  __shared__ int claimed;  // rank 0's: the cluster's next item
+  // The sums and rank 0's claim of the cluster's next item, double-buffered by the block's
+  // count of items, so that one cluster barrier an item suffices: an item's buffers are
+  // written again two items later, after every block of the cluster has passed the next
+  // item's barrier, so after its reads of these.
+  __shared__ float red2[WARPS * WARP_FLOATS];
+  __shared__ int claimed[2];
   // Warm the block's part of its cluster's first item into L2 before waiting for act: its
   // K-slice's k-rows (one a warp at expert TP's slice), 4 KB of each, a line a thread.
   if (n_slots > 0 && (int)blockIdx.x / WK2 < items) {
@@ -1303,8 +1309,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN
   }
   pdl_wait();
   pdl_launch_dependents();
-  for (int item = (int)blockIdx.x / WK2; item < items;) {
-    if (rank == 0 && threadIdx.x == 0) claimed = clusters + atomicAdd(queue, 1);
+  int nth = 0;
+  for (int item = (int)blockIdx.x / WK2; item < items; ++nth) {
+    float* const sums = nth & 1 ? red2 : red;
+    if (rank == 0 && threadIdx.x == 0) claimed[nth & 1] = clusters + atomicAdd(queue, 1);
     const int slot = item / DOWN_GROUPS, p0 = item % DOWN_GROUPS * DOWN_GROUP;
     float out_scale = 0.f;  // the global of the item's expert
     if (n_slots > 0) {
@@ -1317,7 +1325,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN
 #pragma unroll
       for (int a = 0; a < NT2; ++a)
 #pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) red[warp * WARP_FLOATS + (a * 4 + e4) * 32 + lane] = c[a][e4];
+        for (int e4 = 0; e4 < 4; ++e4) sums[warp * WARP_FLOATS + (a * 4 + e4) * 32 + lane] = c[a][e4];
     }
     cluster_barrier();  // every block's sums of the item and rank 0's claim written
     // This block's share: the 64-row blocks rank, rank + WK2, ...; value v of a block is
@@ -1329,7 +1337,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN
         if (n >= b) continue;
         bf16_t val = (bf16_t)0;
         if (n_slots > 0) {
-          const float* at = red + blk * WARP_FLOATS + v;
+          const float* at = sums + blk * WARP_FLOATS + v;
           float sum = cluster_load_f32(at, 0);
 #pragma unroll
           for (int r = 1; r < WK2; ++r) sum += cluster_load_f32(at, r);
@@ -1340,9 +1348,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN
         for (unsigned m = slot == 0 ? unheld_masks[n] : 0u; m != 0u; m &= m - 1u)
           rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = 0;
       }
-    item = __float_as_int(cluster_load_f32(reinterpret_cast<const float*>(&claimed), 0));
-    cluster_barrier();  // no block writes its sums (nor rank 0 its claim) again while another reads them
+    item = __float_as_int(cluster_load_f32(reinterpret_cast<const float*>(&claimed[nth & 1]), 0));
   }
+  if (nth > 0) cluster_barrier();  // no block leaves while another still reads its sums
   if (rank == 0 && threadIdx.x == 0 && atomicAdd(queue + 1, 1) == clusters - 1) {  // every claim made: reset
     atomicExch(queue, 0);
     atomicExch(queue + 1, 0);

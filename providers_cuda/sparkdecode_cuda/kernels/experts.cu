@@ -169,7 +169,8 @@
 // as the EXPERTS_HALF warp (side, hk = q) of that 64-row block; its sums go to its block's
 // shared memory, and after a cluster barrier each block finishes its share of the item's
 // 64-row blocks: the K-slices' sums added in slice order through distributed shared
-// memory (reduce_k's order), SwiGLU and the store. The same sums in the same order: the
+// memory (reduce_k's order), SwiGLU and the store (the sums double-buffered: one cluster
+// barrier an item, one more before the blocks leave). The same sums in the same order: the
 // same bits. The grid is whole clusters (`__cluster_dims__`); a cluster takes every
 // (gridDim.x / WK1)-th item.
 // EXPERTS_DOWN_ROWS (a define, 0 when absent; the V3 Marlin down kernel with
@@ -1100,12 +1101,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLU
 #endif
 #if EXPERTS_UP_ROWS
   // block = (side, q) of its cluster, warp = the item's 64-row block (see the top); `red`
-  // holds the block's warps' sums of an item (WARPS * WARP_FLOATS of its floats)
+  // holds the block's warps' sums of two items (WARPS * WARP_FLOATS floats each): double-
+  // buffered by the block's count of items, so that one cluster barrier an item suffices
+  // (an item's half is written again two items later, after every block of the cluster has
+  // passed the next item's barrier, so after its reads of it)
   constexpr int WKH = WK1 / 2, WARP_FLOATS = TPB * 4 * 32;
-  static_assert(WARPS * WARP_FLOATS <= WARPS * NT1 * 4 * 32, "EXPERTS_UP_ROWS: the sums in red");
+  static_assert(2 * WARPS * WARP_FLOATS <= WARPS * NT1 * 4 * 32, "EXPERTS_UP_ROWS: two items' sums in red");
   const int rank = cluster_ctarank(), side = rank / WKH, q = rank % WKH;
   const int clusters = (int)gridDim.x / WK1, items = routes.n_slots * GROUPS;
-  for (int item = (int)blockIdx.x / WK1; item < items; item += clusters) {
+  int nth = 0;
+  for (int item = (int)blockIdx.x / WK1; item < items; item += clusters, ++nth) {
+    float* const sums = red + (nth & 1) * WARPS * WARP_FLOATS;
     const int slot = item / GROUPS, c0 = item % GROUPS * ROWS_COLS;
     const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
     const int row0[1] = {side ? I_LOCAL + c0 + warp * UP_COLS : c0 + warp * UP_COLS};
@@ -1120,14 +1126,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLU
 #pragma unroll
     for (int a = 0; a < TPB; ++a)
 #pragma unroll
-      for (int e4 = 0; e4 < 4; ++e4) red[warp * WARP_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
+      for (int e4 = 0; e4 < 4; ++e4) sums[warp * WARP_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
     cluster_barrier();  // every block's sums of the item written
     // This block's share: the 64-row blocks rank, rank + WK1, ...; a thread's values v of
     // each, lane ln's h[a][e4] of that block's warps: the gate side's slices added in
     // order (ranks 0..WKH-1), then the up side's (ranks WKH..WK1-1).
     for (int blk = rank; blk < WARPS; blk += WK1)
       for (int v = threadIdx.x; v < WARP_FLOATS; v += NTHREADS) {
-        const float* at = red + blk * WARP_FLOATS + v;
+        const float* at = sums + blk * WARP_FLOATS + v;
         float gs = cluster_load_f32(at, 0), us = cluster_load_f32(at, WKH);
 #pragma unroll
         for (int r = 1; r < WKH; ++r) {
@@ -1138,8 +1144,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLU
         const int i = c0 + blk * UP_COLS + 16 * a + (ln >> 2) + 8 * (e4 >> 1), n = 2 * (ln & 3) + (e4 & 1);
         UP_STORE_ONE(i, n, gs, us)
       }
-    cluster_barrier();  // no block writes its sums again (or leaves) while another reads them
   }
+  if (nth > 0) cluster_barrier();  // no block leaves while another still reads its sums
 #elif EXPERTS_HALF
   // warp = (side, hm, hk): side 0 the gate rows, 1 the up rows of the item (see the top)
   constexpr int WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;

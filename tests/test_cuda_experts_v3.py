@@ -506,33 +506,54 @@ def test_down_spare_refuses_other_kernels():
         ptx_of({**experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_SPARE": 1})
 
 
-@pytest.mark.parametrize("width,intermediate,cluster", [(4096, 512, 8), (4096, 4096, 8), (512, 512, 4)])
-def test_up_rows(width, intermediate, cluster):
-    """_queue_na_spare_rows (not registered): _queue_na_spare's defines plus EXPERTS_UP_ROWS.
-    The down kernel's PTX is _queue_na_spare's. The up kernel is a cluster of WK1 blocks
-    (8 at P 4096, 4 at the tiny P 512) with the same MMAs, its K-slices' sums read across
-    the cluster (mapa) between cluster barriers; it fits 4 blocks an SM. ptxas spills a few
-    bytes at P 4096, outside the K loop, whose SASS is the registered loop's but for 4-6
-    instructions (bench/NOTES.md v40)."""
+# The half-rows forms (not registered): (kernel, class, define, its shape check, the most
+# bytes ptxas may spill, outside the K loop)
+ROWS_FORMS = {
+    "up": ("CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows", "EXPERTS_UP_ROWS", "rows_unsupported", 32),
+    "down": (
+        "CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows",
+        "EXPERTS_DOWN_ROWS",
+        "down_rows_unsupported",
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "kernel,width,intermediate,cluster",
+    [("up", 4096, 512, 8), ("up", 4096, 4096, 8), ("up", 512, 512, 4)]
+    + [("down", 4096, 512, 4), ("down", 4096, 4096, 8), ("down", 512, 512, 4)],
+)
+def test_rows_forms(kernel, width, intermediate, cluster):
+    """_queue_na_spare_rows and _queue_na_spare_down_rows: _queue_na_spare's defines plus
+    EXPERTS_UP_ROWS or EXPERTS_DOWN_ROWS. The other kernel's PTX is _queue_na_spare's. The
+    kernel in half rows is a cluster (the up kernel's WK1 blocks: 8 at P 4096, 4 at the tiny
+    P 512; the down kernel's WK2: 4 at expert TP's slice, 8 under EP) with the same MMAs, its
+    K-slices' sums read across the cluster after one cluster barrier an item (the sums
+    double-buffered; one more before the blocks leave), and fits its blocks an SM. ptxas
+    spills a few bytes of the up kernel at P 4096, outside the K loop, whose SASS is the
+    registered loop's but for 4-6 instructions; the down kernel none (bench/NOTES.md v40)."""
     from sparkdecode_cuda import nvrtc, plugin
 
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows
-    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
+    name, define, check, spills = ROWS_FORMS[kernel]
+    cls, parent = getattr(experts_mod, name), experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
     defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
-    assert defines == {**base, "EXPERTS_UP_ROWS": 1}
+    assert defines == {**base, define: 1}
     assert cls not in plugin.PROVIDERS
-    assert experts_mod.rows_unsupported(width, intermediate) is None
+    assert getattr(experts_mod, check)(width, intermediate) is None
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    usage = ptxas_usage(defines)["experts_up_kernel"]
-    assert usage.spills <= 32 and blocks_per_sm(usage.registers) >= cls.up_blocks, usage
-    assert blocks_per_sm_smem(usage.smem) >= cls.up_blocks, usage
+    blocks = cls.up_blocks if kernel == "up" else cls.down_blocks
+    usage = ptxas_usage(defines)[f"experts_{kernel}_kernel"]
+    assert usage.spills <= spills and blocks_per_sm(usage.registers) >= blocks, usage
+    assert blocks_per_sm_smem(usage.smem) >= blocks, usage
     variant, plain = ptx_of(defines), ptx_of(base)
-    assert ptx_entry(variant, "experts_down_kernel") == ptx_entry(plain, "experts_down_kernel")
-    up, up_plain = ptx_entry(variant, "experts_up_kernel"), ptx_entry(plain, "experts_up_kernel")
-    assert f".reqnctapercluster {cluster}, 1, 1" in up and ".reqnctapercluster" not in up_plain
-    assert up.count("mma.sync") == up_plain.count("mma.sync")
-    assert up.count("barrier.cluster.arrive") == 2 and "mapa.shared::cluster" in up
+    other = "experts_down_kernel" if kernel == "up" else "experts_up_kernel"
+    assert ptx_entry(variant, other) == ptx_entry(plain, other)
+    rows, rows_plain = ptx_entry(variant, f"experts_{kernel}_kernel"), ptx_entry(plain, f"experts_{kernel}_kernel")
+    assert f".reqnctapercluster {cluster}, 1, 1" in rows and ".reqnctapercluster" not in rows_plain
+    assert rows.count("mma.sync") == rows_plain.count("mma.sync")
+    assert rows.count("barrier.cluster.arrive") == 2 and "mapa.shared::cluster" in rows
 
 
 def test_up_rows_refusals():
@@ -546,32 +567,6 @@ def test_up_rows_refusals():
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     with pytest.raises(AssertionError, match="EXPERTS_UP_ROWS is for the EXPERTS_HALF up kernel"):
         ptx_of({**experts_mod.CudaExpertsNvfp4MarlinV3Occ.kernel_defines(4096, 512, 8), "EXPERTS_UP_ROWS": 1})
-
-
-@pytest.mark.parametrize("width,intermediate,cluster", [(4096, 512, 4), (4096, 4096, 8), (512, 512, 4)])
-def test_down_rows(width, intermediate, cluster):
-    """_queue_na_spare_down_rows (not registered): _queue_na_spare's defines plus
-    EXPERTS_DOWN_ROWS. The up kernel's PTX is _queue_na_spare's. The down kernel is a
-    cluster of WK2 blocks (4 at expert TP's slice, 8 under EP) with the same MMAs, its
-    K-slices' sums read across the cluster after one cluster barrier an item (the sums
-    double-buffered; one more before the blocks leave); spill-free, 4 blocks an SM."""
-    from sparkdecode_cuda import nvrtc, plugin
-
-    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows
-    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
-    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
-    assert defines == {**base, "EXPERTS_DOWN_ROWS": 1}
-    assert cls not in plugin.PROVIDERS
-    assert experts_mod.down_rows_unsupported(width, intermediate) is None
-    if nvrtc.nvrtc_unavailable() is not None:
-        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
-    assert_kernels_fit(defines, cls)
-    variant, plain = ptx_of(defines), ptx_of(base)
-    assert ptx_entry(variant, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
-    down, down_plain = ptx_entry(variant, "experts_down_kernel"), ptx_entry(plain, "experts_down_kernel")
-    assert f".reqnctapercluster {cluster}, 1, 1" in down and ".reqnctapercluster" not in down_plain
-    assert down.count("mma.sync") == down_plain.count("mma.sync")
-    assert down.count("barrier.cluster.arrive") == 2 and "mapa.shared::cluster" in down
 
 
 def test_down_rows_refusals():

@@ -105,6 +105,20 @@ def shape_unsupported(
     return None
 
 
+def rank_experts(deployment: Deployment) -> tuple[int, int]:
+    """This rank's I-slice and its count of experts under ``deployment``: I / TP of every
+    expert under expert TP, whole experts, E / TP of them, under EP."""
+    d, s = deployment, deployment.spec
+    return (s.I // d.tp, s.E) if d.expert_parallel == "tp" else (s.I, s.E // d.tp)
+
+
+def cluster_grid(cluster: int, items: int, blocks: int, device: torch.device) -> int:
+    """A cluster kernel's grid: whole clusters of ``cluster`` blocks, at most one an item,
+    as many as ``blocks`` blocks an SM hold."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return cluster * max(1, min(items, blocks * sms // cluster))
+
+
 def _intermediate(w2: torch.Tensor, fmt: str) -> int:
     """This rank's I from W2 (bf16 [E, P, I], NVFP4 [E, P, I / 2], Marlin int32 [E, I / 16, 2P])."""
     return {"bf16": w2.shape[2], "nvfp4": 2 * w2.shape[2], "nvfp4_marlin": 16 * w2.shape[1]}[fmt]
@@ -183,8 +197,7 @@ class CudaExperts(_Cuda):
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
         d, s = deployment, deployment.spec
-        tp = d.expert_parallel == "tp"
-        intermediate, num_local = (s.I // d.tp, s.E) if tp else (s.I, s.E // d.tp)
+        intermediate, num_local = rank_experts(d)
         wk2 = cls.down_warps_k(s.P, intermediate)
         return cuda_unsupported(d) or shape_unsupported(
             s.P, intermediate, cls.format, s.top_k, d.max_rows, num_local, wk2
@@ -205,7 +218,7 @@ class CudaExperts(_Cuda):
         defines = self.kernel_defines(spec.P, self.intermediate, spec.top_k)
         self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.down = Kernel(SOURCE, "experts_down_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
+        slots = self.slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
         self.act = ctx.scratch(
             f"cuda_experts_act_{self.intermediate}", (max(slots, 1), MAX_ROWS, self.intermediate), torch.bfloat16
         )
@@ -814,21 +827,16 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows(CudaExpertsNvfp4Mar
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
-        d, s = deployment, deployment.spec
-        intermediate = s.I // d.tp if d.expert_parallel == "tp" else s.I
-        return super().unsupported(deployment) or rows_unsupported(s.P, intermediate)
+        why = rows_unsupported(deployment.spec.P, rank_experts(deployment)[0])
+        return super().unsupported(deployment) or why
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
         why = rows_unsupported(self.width, self.intermediate)
         if why:
             raise ValueError(f"layer {layer}: {self.name}: {why}")
-        # whole clusters, at most an item each and the blocks an SM allow
-        cluster = _warps_k(self.width, CHUNK[self.format])
-        slots = min(MAX_ROUTES, ctx.max_rows * ctx.spec.top_k, self.experts.num_local)
-        items = max(slots, 1) * (self.intermediate // (8 * UP_COLS[self.format]))
-        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
-        self.grid_up = cluster * max(1, min(items, self.up_blocks * sms // cluster))
+        items = max(self.slots, 1) * (self.intermediate // (8 * UP_COLS[self.format]))
+        self.grid_up = cluster_grid(_warps_k(self.width, CHUNK[self.format]), items, self.up_blocks, ctx.device)
 
 
 def down_rows_unsupported(width: int, intermediate: int) -> str | None:
@@ -857,21 +865,17 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows(CudaExpertsNvfp
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
-        d, s = deployment, deployment.spec
-        intermediate = s.I // d.tp if d.expert_parallel == "tp" else s.I
-        return super().unsupported(deployment) or down_rows_unsupported(s.P, intermediate)
+        why = down_rows_unsupported(deployment.spec.P, rank_experts(deployment)[0])
+        return super().unsupported(deployment) or why
 
     def __init__(self, ctx: BuildContext, layer: int):
         super().__init__(ctx, layer)
         why = down_rows_unsupported(self.width, self.intermediate)
         if why:
             raise ValueError(f"layer {layer}: {self.name}: {why}")
-        # whole clusters, at most an item each and the blocks an SM allow
+        items = max(self.slots, 1) * (self.width // (8 * DOWN_ROWS[self.format]))
         cluster = self.down_warps_k(self.width, self.intermediate)
-        slots = min(MAX_ROUTES, ctx.max_rows * ctx.spec.top_k, self.experts.num_local)
-        items = max(slots, 1) * (self.width // (8 * DOWN_ROWS[self.format]))
-        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
-        self.grid_down = cluster * max(1, min(items, self.down_blocks * sms // cluster))
+        self.grid_down = cluster_grid(cluster, items, self.down_blocks, ctx.device)
 
 
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRowsDownRows(

@@ -35,6 +35,7 @@ from .experts import (
     _intermediate,
     _MarlinV3,
     prefer_max_shared,
+    rank_experts,
     routes_unsupported,
 )
 from .launch import Kernel, ptr
@@ -137,8 +138,7 @@ class CudaExpertsNvfp4MarlinBulk(CudaExpertsNvfp4Marlin):
         if why is None and d.expert_format not in cls.layouts:
             why = cls.refusal.format(d.expert_format)
         if why is None:
-            tp = d.expert_parallel == "tp"
-            intermediate, num_local = (s.I // d.tp, s.E) if tp else (s.I, s.E // d.tp)
+            intermediate, num_local = rank_experts(d)
             why = shape_unsupported(s.P, intermediate, s.top_k, d.max_rows, num_local)
         return why
 

@@ -386,6 +386,17 @@ static_assert(NT2 == TPB, "EXPERTS_DOWN_ROWS: a warp's rows one 64-row block");
 #else
 #define DOWN_CLUSTER
 #endif
+#if EXPERTS_UP_ROWS || EXPERTS_DOWN_ROWS
+// The sum of the float at `at` in the shared memory of cluster ranks rank0 .. rank0 + N - 1
+// (an item's N K-slices), added in rank order: reduce_k's order over a block's warps.
+template <int N>
+__device__ __forceinline__ float cluster_sum(const float* at, int rank0) {
+  float s = cluster_load_f32(at, rank0);
+#pragma unroll
+  for (int r = 1; r < N; ++r) s += cluster_load_f32(at, rank0 + r);
+  return s;
+}
+#endif
 
 // Marlin's one-byte scale: float(fp16 bits byte << 7) / 2^7, exact (5 exponent bits,
 // bias 15, 3 mantissa bits, no sign; exponent 31 is inf / NaN as in fp16).
@@ -1134,12 +1145,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLU
     for (int blk = rank; blk < WARPS; blk += WK1)
       for (int v = threadIdx.x; v < WARP_FLOATS; v += NTHREADS) {
         const float* at = sums + blk * WARP_FLOATS + v;
-        float gs = cluster_load_f32(at, 0), us = cluster_load_f32(at, WKH);
-#pragma unroll
-        for (int r = 1; r < WKH; ++r) {
-          gs += cluster_load_f32(at, r);
-          us += cluster_load_f32(at, WKH + r);
-        }
+        const float gs = cluster_sum<WKH>(at, 0), us = cluster_sum<WKH>(at, WKH);
         const int a = v / 128, e4 = v / 32 % 4, ln = v % 32;
         const int i = c0 + blk * UP_COLS + 16 * a + (ln >> 2) + 8 * (e4 >> 1), n = 2 * (ln & 3) + (e4 & 1);
         UP_STORE_ONE(i, n, gs, us)
@@ -1344,10 +1350,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN
         bf16_t val = (bf16_t)0;
         if (n_slots > 0) {
           const float* at = sums + blk * WARP_FLOATS + v;
-          float sum = cluster_load_f32(at, 0);
-#pragma unroll
-          for (int r = 1; r < WK2; ++r) sum += cluster_load_f32(at, r);
-          val = float_to_bf16(sum * out_scale);
+          val = float_to_bf16(cluster_sum<WK2>(at, 0) * out_scale);
         }
         for (unsigned m = n_slots > 0 ? slot_masks[slot * NB + n] : 0u; m != 0u; m &= m - 1u)
           rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = val;

@@ -136,10 +136,7 @@ def provider(fmt: str):
     -v3half4scatterup with EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
     "-v3half4scatterupqueuenaspare": that with the down kernel's L2 prefetches only its
-    blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenasparerows": that with
-    the up kernel's items in half rows, a cluster of blocks an item (EXPERTS_UP_ROWS),
-    "-v3half4scatterupqueuenasparedownrows": the same for the down kernel (EXPERTS_DOWN_ROWS),
-    "-v3half4scatterupqueuenasparerowsdownrows": both,
+    blocks' first items' (EXPERTS_DOWN_SPARE),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -169,15 +166,6 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
         "nvfp4_marlin-v3half4scatterupqueuenaspare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
-        "nvfp4_marlin-v3half4scatterupqueuenasparerows": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenasparedownrows": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenasparerowsdownrows": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRowsDownRows
-        ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -446,41 +434,6 @@ def test_down_spare_is_queue_na_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuenaspare", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_up_rows_is_spare_bit_for_bit(shape):
-    """EXPERTS_UP_ROWS reads the up kernel's weights in half rows, a cluster of blocks an
-    item, and adds each warp's K-slice through distributed shared memory in the order the
-    registered kernel's reduce_k does: the rows equal _queue_na_spare's bit for bit (expert
-    TP: one item an expert; EP: 8 an expert; tiny: clusters of 4)."""
-    assert_same_rows(
-        shape, "nvfp4_marlin-v3half4scatterupqueuenasparerows", "nvfp4_marlin-v3half4scatterupqueuenaspare"
-    )
-
-
-@pytest.mark.parametrize("fmt", ["v3half4scatterupqueuenasparedownrows", "v3half4scatterupqueuenasparerowsdownrows"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_down_rows_is_spare_bit_for_bit(shape, fmt):
-    """EXPERTS_DOWN_ROWS reads the down kernel's weights in half rows, a cluster of blocks
-    an item claimed from the queue, and adds each warp's K-slice through distributed shared
-    memory in reduce_k's order: the rows equal _queue_na_spare's bit for bit (the EP shapes
-    cover the zeros for routes to experts not held; EP: clusters of 8), alone and with
-    EXPERTS_UP_ROWS."""
-    assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
-
-
-def test_up_rows_over_replays():
-    """EXPERTS_UP_ROWS over 40 replays of one graph with new ids (1 to 64 distinct experts:
-    some clusters without an item, 64 items on fewer clusters than the grid allows where
-    the GPU has fewer SMs): each replay's rows equal _queue_na_spare's."""
-    spec, sharding = SHAPES["tp8-rank-expert-tp"]
-    experts = random_experts(spec, "nvfp4_marlin", sharding, seed=43)
-    rows_op = provider("nvfp4_marlin-v3half4scatterupqueuenasparerows").build(context(spec, experts), 0)
-    spare = provider("nvfp4_marlin-v3half4scatterupqueuenaspare").build(context(spec, experts), 0)
-    for i, x, topk, rows in replays_over_distinct(rows_op, spec, seed=47):
-        if i >= 0:
-            assert same_rows_as(spare, x, topk, rows), i
-
-
 def replays_over_distinct(op, spec, seed: int):
     """One graph of ``op.run`` at 8 rows (captured after an eager run on a side stream),
     replayed 40 times with new x and ids (1 to 64 distinct experts, so the count of items
@@ -520,15 +473,12 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
     return torch.equal(rows.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize(
-    "fmt", ["v3half4scatterupqueue", "v3half4scatterupqueuenaspare", "v3half4scatterupqueuenasparedownrows"]
-)
+@pytest.mark.parametrize("fmt", ["v3half4scatterupqueue", "v3half4scatterupqueuenaspare"])
 def test_down_queue_resets_over_replays(fmt):
     """The queue's counter and count of finished blocks are back at zero after every
     launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
-    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue, for
-    _queue_na_spare, whose down kernel warms only its first item, and for _down_rows, whose
-    clusters claim the items and count the finished clusters)."""
+    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue and
+    for _queue_na_spare, whose down kernel warms only its first item)."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
     queued = provider(f"nvfp4_marlin-{fmt}").build(context(spec, experts), 0)
@@ -564,20 +514,16 @@ def assert_same_rows(shape: str, fmt: str, base: str) -> None:
             assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (b, kind)
 
 
-@pytest.mark.parametrize(
-    "fmt,base", [("v3half4early", "v3half4"), ("v3half4scatterupqueuenasparerows", "v3half4scatterupqueuenaspare")]
-)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_early_routing_is_half4_bit_for_bit(shape, fmt, base):
+def test_early_routing_is_half4_bit_for_bit(shape):
     """EXPERTS_EARLY as cuda.moe runs it: the ids written on a side stream (the routing)
     joined back by an event, so they are final when the experts launch; the up kernel reads
     them before its PDL wait. Eagerly and over replays of one graph with new ids each time,
-    and with final False, the rows are _half4's bit for bit (and EXPERTS_UP_ROWS', whose
-    first prefetch is its cluster's item, _queue_na_spare's)."""
+    and with final False, the rows are _half4's bit for bit."""
     spec, sharding = SHAPES[shape]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=29)
-    early = provider(f"nvfp4_marlin-{fmt}").build(context(spec, experts), 0)
-    plain = provider(f"nvfp4_marlin-{base}").build(context(spec, experts), 0)
+    early = provider("nvfp4_marlin-v3half4early").build(context(spec, experts), 0)
+    plain = provider("nvfp4_marlin-v3half4").build(context(spec, experts), 0)
     g = torch.Generator().manual_seed(31)
     b, k = 8, spec.top_k
     x = torch.randn(b, spec.P, generator=g).to(torch.bfloat16).cuda()

@@ -112,13 +112,6 @@ def rank_experts(deployment: Deployment) -> tuple[int, int]:
     return (s.I // d.tp, s.E) if d.expert_parallel == "tp" else (s.I, s.E // d.tp)
 
 
-def cluster_grid(cluster: int, items: int, blocks: int, device: torch.device) -> int:
-    """A cluster kernel's grid: whole clusters of ``cluster`` blocks, at most one an item,
-    as many as ``blocks`` blocks an SM hold."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return cluster * max(1, min(items, blocks * sms // cluster))
-
-
 def _intermediate(w2: torch.Tensor, fmt: str) -> int:
     """This rank's I from W2 (bf16 [E, P, I], NVFP4 [E, P, I / 2], Marlin int32 [E, I / 16, 2P])."""
     return {"bf16": w2.shape[2], "nvfp4": 2 * w2.shape[2], "nvfp4_marlin": 16 * w2.shape[1]}[fmt]
@@ -147,8 +140,6 @@ SWITCHES = (
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
     ("down_spare", "EXPERTS_DOWN_SPARE"),
-    ("up_rows", "EXPERTS_UP_ROWS"),
-    ("down_rows", "EXPERTS_DOWN_ROWS"),
 )
 
 
@@ -187,12 +178,6 @@ class CudaExperts(_Cuda):
     stream_loads: ClassVar[int] = 0
     # experts.cu's EXPERTS_DOWN_SPARE: the down kernel's only L2 prefetch a block's first item
     down_spare: ClassVar[int] = 0
-    # experts.cu's EXPERTS_UP_ROWS: the EXPERTS_HALF up kernel's items read in half rows, a
-    # cluster of blocks an item
-    up_rows: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_ROWS: the down kernel's items read in half rows, a cluster of
-    # blocks an item
-    down_rows: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -218,7 +203,7 @@ class CudaExperts(_Cuda):
         defines = self.kernel_defines(spec.P, self.intermediate, spec.top_k)
         self.up = Kernel(SOURCE, "experts_up_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.down = Kernel(SOURCE, "experts_down_kernel", ctx.device, defines, COMPILE_OPTIONS)
-        slots = self.slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
+        slots = min(MAX_ROUTES, ctx.max_rows * spec.top_k, e.num_local)
         self.act = ctx.scratch(
             f"cuda_experts_act_{self.intermediate}", (max(slots, 1), MAX_ROWS, self.intermediate), torch.bfloat16
         )
@@ -799,93 +784,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
     # Above _queue_na (35): faster chained and in the step on the H100 and the H200.
     priority = 40
     down_spare = 1
-
-
-def rows_unsupported(width: int, intermediate: int) -> str | None:
-    """Why EXPERTS_UP_ROWS' up kernel cannot take pooled width P and this rank's I-slice
-    (an item is 8 warps' 64-row blocks of I, its cluster 2 to 8 blocks along K), or None."""
-    cols = 8 * UP_COLS["nvfp4_marlin"]
-    if intermediate % cols:
-        return f"this rank's moe_intermediate_size {intermediate}: the half-rows up kernel takes multiples of {cols}"
-    if _warps_k(width, CHUNK["nvfp4_marlin"]) < 2:
-        return f"moe_hidden_size {width}: the half-rows up kernel needs at least 2 warps along K"
-    return None
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` whose up kernel reads
-    its weights in half rows (experts.cu's EXPERTS_UP_ROWS): an item is 512 columns of I of
-    one expert, run by a cluster of WK1 blocks (8 at P 4096), each block the gate or the up
-    rows over a quarter of K, a warp a 64-row block, so a block reads 4 KB of each k-row
-    where the registered block reads two runs of 512 bytes. The K-slices are added through
-    distributed shared memory in the registered kernel's order: the same bits. Not
-    registered: built for the H200, where half rows' loads alone read 20% faster than the
-    item order's (bench/NOTES.md v36, v40)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_rows"
-    up_rows = 1
-
-    @classmethod
-    def unsupported(cls, deployment: Deployment) -> str | None:
-        why = rows_unsupported(deployment.spec.P, rank_experts(deployment)[0])
-        return super().unsupported(deployment) or why
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        why = rows_unsupported(self.width, self.intermediate)
-        if why:
-            raise ValueError(f"layer {layer}: {self.name}: {why}")
-        items = max(self.slots, 1) * (self.intermediate // (8 * UP_COLS[self.format]))
-        self.grid_up = cluster_grid(_warps_k(self.width, CHUNK[self.format]), items, self.up_blocks, ctx.device)
-
-
-def down_rows_unsupported(width: int, intermediate: int) -> str | None:
-    """Why EXPERTS_DOWN_ROWS' down kernel cannot take pooled width P and this rank's I-slice
-    (an item is 8 warps' 64-row blocks of P, its cluster 2 to 8 blocks along K), or None."""
-    rows = 8 * DOWN_ROWS["nvfp4_marlin"]
-    if width % rows:
-        return f"moe_hidden_size {width}: the half-rows down kernel takes multiples of {rows}"
-    if _warps_k(intermediate, CHUNK["nvfp4_marlin"]) < 2:
-        return f"this rank's moe_intermediate_size {intermediate}: the half-rows down kernel needs 2 warps along K"
-    return None
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` whose down kernel reads
-    its weights in half rows (experts.cu's EXPERTS_DOWN_ROWS): an item is 512 output rows of
-    one expert, run by a cluster of WK2 blocks (4 at expert TP's slice), each block the rows
-    over one K-slice, a warp a 64-row block, so a block reads 4 KB of each k-row where the
-    registered block reads 1 KB. The K-slices are added through distributed shared memory
-    in the registered kernel's order, and the clusters claim their items from the queue:
-    the same bits. Not registered: built to test whether the down kernel's read order holds
-    it at 54-64% of the copy (bench/NOTES.md v40)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_down_rows"
-    down_rows = 1
-
-    @classmethod
-    def unsupported(cls, deployment: Deployment) -> str | None:
-        why = down_rows_unsupported(deployment.spec.P, rank_experts(deployment)[0])
-        return super().unsupported(deployment) or why
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        why = down_rows_unsupported(self.width, self.intermediate)
-        if why:
-            raise ValueError(f"layer {layer}: {self.name}: {why}")
-        items = max(self.slots, 1) * (self.width // (8 * DOWN_ROWS[self.format]))
-        cluster = self.down_warps_k(self.width, self.intermediate)
-        self.grid_down = cluster_grid(cluster, items, self.down_blocks, ctx.device)
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRowsDownRows(
-    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareRows, CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareDownRows
-):
-    """Both kernels of ``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` in
-    half rows (EXPERTS_UP_ROWS and EXPERTS_DOWN_ROWS): the same bits. Not registered
-    (bench/NOTES.md v40)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_rows_down_rows"
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -159,34 +159,6 @@
 // 8 steps, two batches. On the H100, warming more of the next item (the whole of it) was
 // slower; warming none was faster at 55 and 64 experts, slower at 33 (bench/NOTES.md v33,
 // v34). Prefetches only: the same bits.
-// EXPERTS_UP_ROWS (a define, 0 when absent; the EXPERTS_HALF up kernel): the up kernel's
-// items read in half rows. An item is WARPS * UP_COLS (512) columns of I of one expert,
-// run by a thread-block cluster of WK1 blocks: block (side, q) of the cluster (rank side *
-// WKH + q) reads the item's gate rows (side 0) or up rows (side 1) over the K-quarter q
-// (WKH = WK1 / 2 of them), a warp a 64-row block, so the block's 8 warps read 8 adjacent
-// blocks: 4 KB of each k-row of 16 k, where an EXPERTS_HALF block reads 512 bytes of the
-// gate rows and 512 of the up rows. Each warp runs the same K loop over the same K-slice
-// as the EXPERTS_HALF warp (side, hk = q) of that 64-row block; its sums go to its block's
-// shared memory, and after a cluster barrier each block finishes its share of the item's
-// 64-row blocks: the K-slices' sums added in slice order through distributed shared
-// memory (reduce_k's order), SwiGLU and the store (the sums double-buffered: one cluster
-// barrier an item, one more before the blocks leave). The same sums in the same order: the
-// same bits. The grid is whole clusters (`__cluster_dims__`); a cluster takes every
-// (gridDim.x / WK1)-th item.
-// EXPERTS_DOWN_ROWS (a define, 0 when absent; the V3 Marlin down kernel with
-// EXPERTS_DOWN_QUEUE, EXPERTS_DOWN_SPARE and EXPERTS_SLOT_MASKS): the down kernel's items
-// read in half rows. An item is WARPS * DOWN_ROWS (512) output rows of one expert, run by a
-// thread-block cluster of WK2 blocks: block q of the cluster (its rank) reads the item's
-// rows over K-slice q, a warp a 64-row block, so a block reads 4 KB of each k-row where a
-// registered block reads 1 KB (its 2 row blocks over all the K-slices). Each warp runs the
-// registered warp's K loop over the same K-slice; its sums go to its block's shared memory,
-// and after a cluster barrier each block adds its share of the item's 64-row blocks over
-// the K-slices in slice order through distributed shared memory (reduce_k's order) and
-// stores them to their routes, as the registered epilogue does. Rank 0 claims the
-// cluster's next item from the queue (after each cluster's first, which is its index) and
-// the others read the claim across the cluster. Sums and claim are double-buffered, so
-// one cluster barrier an item suffices (and one before the blocks leave). The same sums
-// in the same order: the same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -312,24 +284,6 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #if EXPERTS_DOWN_SPARE && !(EXPERTS_V3 && FMT == 2 && EXPERTS_LEAN)
 #error "EXPERTS_DOWN_SPARE is for the V3 Marlin kernels with EXPERTS_LEAN"
 #endif
-#ifndef EXPERTS_UP_ROWS
-#define EXPERTS_UP_ROWS 0
-#endif
-#if EXPERTS_UP_ROWS && !EXPERTS_HALF
-#error "EXPERTS_UP_ROWS is for the EXPERTS_HALF up kernel"
-#endif
-#ifndef EXPERTS_DOWN_ROWS
-#define EXPERTS_DOWN_ROWS 0
-#endif
-#if EXPERTS_DOWN_ROWS && !(EXPERTS_V3 && FMT == 2 && EXPERTS_DOWN_QUEUE && EXPERTS_DOWN_SPARE && EXPERTS_SLOT_MASKS)
-#error "EXPERTS_DOWN_ROWS is for the V3 Marlin down kernel with EXPERTS_DOWN_QUEUE, EXPERTS_DOWN_SPARE and EXPERTS_SLOT_MASKS"
-#endif
-#if EXPERTS_DOWN_ROWS && EXPERTS_TRACE
-#error "EXPERTS_DOWN_ROWS: EXPERTS_TRACE counts a block's items, not its cluster's"
-#endif
-#if EXPERTS_UP_ROWS && EXPERTS_TRACE
-#error "EXPERTS_UP_ROWS: EXPERTS_TRACE counts a block's items by its own stride, not its cluster's"
-#endif
 
 #define NB 8  // rows of x per MMA (the n of m16n8k16)
 #define WARPS 8
@@ -367,36 +321,6 @@ constexpr int TILES2 = P_DIM / (DOWN_ROWS * WM2);
 static_assert(P_DIM % (CHUNK_K * WK1) == 0, "P_DIM: a multiple of the chunk times the warps along K");
 static_assert(I_LOCAL % (CHUNK_K * WK2) == 0, "I_LOCAL: a multiple of the chunk times the warps along K");
 static_assert(I_LOCAL % (UP_COLS * WM1) == 0 && P_DIM % (DOWN_ROWS * WM2) == 0, "tile widths");
-#if EXPERTS_UP_ROWS
-// EXPERTS_UP_ROWS: a cluster of WK1 blocks an item of ROWS_COLS columns of I, GROUPS items an expert
-constexpr int ROWS_COLS = WARPS * UP_COLS, GROUPS = I_LOCAL / ROWS_COLS;
-static_assert(I_LOCAL % ROWS_COLS == 0, "EXPERTS_UP_ROWS: I_LOCAL a multiple of 8 warps' 64-row blocks");
-static_assert(WK1 >= 2 && WK1 <= 8, "EXPERTS_UP_ROWS: a portable cluster of 2 to 8 blocks");
-#define UP_CLUSTER __cluster_dims__(WK1, 1, 1)
-#else
-#define UP_CLUSTER
-#endif
-#if EXPERTS_DOWN_ROWS
-// EXPERTS_DOWN_ROWS: a cluster of WK2 blocks an item of DOWN_GROUP output rows
-constexpr int DOWN_GROUP = WARPS * DOWN_ROWS, DOWN_GROUPS = P_DIM / DOWN_GROUP;
-static_assert(P_DIM % DOWN_GROUP == 0, "EXPERTS_DOWN_ROWS: P_DIM a multiple of 8 warps' 64-row blocks");
-static_assert(WK2 >= 2 && WK2 <= 8, "EXPERTS_DOWN_ROWS: a portable cluster of 2 to 8 blocks");
-static_assert(NT2 == TPB, "EXPERTS_DOWN_ROWS: a warp's rows one 64-row block");
-#define DOWN_CLUSTER __cluster_dims__(WK2, 1, 1)
-#else
-#define DOWN_CLUSTER
-#endif
-#if EXPERTS_UP_ROWS || EXPERTS_DOWN_ROWS
-// The sum of the float at `at` in the shared memory of cluster ranks rank0 .. rank0 + N - 1
-// (an item's N K-slices), added in rank order: reduce_k's order over a block's warps.
-template <int N>
-__device__ __forceinline__ float cluster_sum(const float* at, int rank0) {
-  float s = cluster_load_f32(at, rank0);
-#pragma unroll
-  for (int r = 1; r < N; ++r) s += cluster_load_f32(at, rank0 + r);
-  return s;
-}
-#endif
 
 // Marlin's one-byte scale: float(fp16 bits byte << 7) / 2^7, exact (5 exponent bits,
 // bias 15, 3 mantissa bits, no sign; exponent 31 is inf / NaN as in fp16).
@@ -1048,24 +972,9 @@ __device__ __forceinline__ void half_first_prefetch(const Routes& routes, const 
   prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / TILES1]),
                                              row0, hk * (P_DIM / WKH));
 }
-#if EXPERTS_UP_ROWS
-// The same for EXPERTS_UP_ROWS' warps: the cluster's first item, the block's side and
-// K-quarter, the warp's 64-row block.
-__device__ __forceinline__ void rows_first_prefetch(const Routes& routes, const unsigned char* w13,
-                                                    const unsigned char* w13_scale, const float* w13_global) {
-  constexpr int WKH = WK1 / 2;
-  const int rank = cluster_ctarank(), side = rank / WKH, q = rank % WKH, warp = threadIdx.x >> 5;
-  const int item = blockIdx.x / WK1;
-  if (item >= routes.n_slots * GROUPS) return;
-  const int i0 = item % GROUPS * ROWS_COLS + warp * UP_COLS;
-  const int row0[1] = {side ? I_LOCAL + i0 : i0};
-  prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(up_weights(w13, w13_scale, w13_global, routes.slot_expert[item / GROUPS]),
-                                             row0, q * (P_DIM / WKH));
-}
-#endif
 #endif
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLUSTER experts_up_kernel(
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) experts_up_kernel(
     const bf16_t* __restrict__ x, int x_stride, int b,           // [b, P]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K] global ids
     const unsigned char* __restrict__ w13,                         // [E_local, 2I, P] bf16 or [E_local, 2I, P/2]
@@ -1090,11 +999,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLU
 #if EXPERTS_EARLY
   if (ids_final) {
     find_experts<NTHREADS>(ids, b * TOP_K, first_expert, num_local, routes);
-#if EXPERTS_UP_ROWS
-    rows_first_prefetch(routes, w13, w13_scale, w13_global);
-#else
     half_first_prefetch(routes, w13, w13_scale, w13_global);
-#endif
     pdl_wait();  // x comes from the kernel before
     pdl_launch_dependents();
   } else
@@ -1110,49 +1015,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLU
 #if EXPERTS_RING
   const u32 ring = smem_u32(up_smem) + warp * RING_S * RingStage<UP_NBLK>::BYTES;  // the warp's, a shared address
 #endif
-#if EXPERTS_UP_ROWS
-  // block = (side, q) of its cluster, warp = the item's 64-row block (see the top); `red`
-  // holds the block's warps' sums of two items (WARPS * WARP_FLOATS floats each): double-
-  // buffered by the block's count of items, so that one cluster barrier an item suffices
-  // (an item's half is written again two items later, after every block of the cluster has
-  // passed the next item's barrier, so after its reads of it)
-  constexpr int WKH = WK1 / 2, WARP_FLOATS = TPB * 4 * 32;
-  static_assert(2 * WARPS * WARP_FLOATS <= WARPS * NT1 * 4 * 32, "EXPERTS_UP_ROWS: two items' sums in red");
-  const int rank = cluster_ctarank(), side = rank / WKH, q = rank % WKH;
-  const int clusters = (int)gridDim.x / WK1, items = routes.n_slots * GROUPS;
-  int nth = 0;
-  for (int item = (int)blockIdx.x / WK1; item < items; item += clusters, ++nth) {
-    float* const sums = red + (nth & 1) * WARPS * WARP_FLOATS;
-    const int slot = item / GROUPS, c0 = item % GROUPS * ROWS_COLS;
-    const Weights W = up_weights(w13, w13_scale, w13_global, routes.slot_expert[slot]);
-    const int row0[1] = {side ? I_LOCAL + c0 + warp * UP_COLS : c0 + warp * UP_COLS};
-    if (item + clusters < items) {  // the next item's first batch
-      const int next = item + clusters, n0 = next % GROUPS * ROWS_COLS + warp * UP_COLS;
-      const int nrow0[1] = {side ? I_LOCAL + n0 : n0};
-      prefetch_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(
-          up_weights(w13, w13_scale, w13_global, routes.slot_expert[next / GROUPS]), nrow0, q * (P_DIM / WKH));
-    }
-    float h[TPB][4];  // the warp's 64-row block over K-slice q
-    expert_gemm<P_DIM, 2 * I_LOCAL, WKH, TPB>(W, row0, q * (P_DIM / WKH), x, x_stride, b, h);
-#pragma unroll
-    for (int a = 0; a < TPB; ++a)
-#pragma unroll
-      for (int e4 = 0; e4 < 4; ++e4) sums[warp * WARP_FLOATS + (a * 4 + e4) * 32 + lane] = h[a][e4];
-    cluster_barrier();  // every block's sums of the item written
-    // This block's share: the 64-row blocks rank, rank + WK1, ...; a thread's values v of
-    // each, lane ln's h[a][e4] of that block's warps: the gate side's slices added in
-    // order (ranks 0..WKH-1), then the up side's (ranks WKH..WK1-1).
-    for (int blk = rank; blk < WARPS; blk += WK1)
-      for (int v = threadIdx.x; v < WARP_FLOATS; v += NTHREADS) {
-        const float* at = sums + blk * WARP_FLOATS + v;
-        const float gs = cluster_sum<WKH>(at, 0), us = cluster_sum<WKH>(at, WKH);
-        const int a = v / 128, e4 = v / 32 % 4, ln = v % 32;
-        const int i = c0 + blk * UP_COLS + 16 * a + (ln >> 2) + 8 * (e4 >> 1), n = 2 * (ln & 3) + (e4 & 1);
-        UP_STORE_ONE(i, n, gs, us)
-      }
-  }
-  if (nth > 0) cluster_barrier();  // no block leaves while another still reads its sums
-#elif EXPERTS_HALF
+#if EXPERTS_HALF
   // warp = (side, hm, hk): side 0 the gate rows, 1 the up rows of the item (see the top)
   constexpr int WKH = WK1 / 2, HALF_FLOATS = TPB * 4 * 32;
   static_assert(WK1 >= 2, "EXPERTS_HALF: at least two warps along K");
@@ -1269,7 +1132,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) UP_CLU
 
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN_CLUSTER experts_down_kernel(
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_kernel(
     const bf16_t* __restrict__ act, int b,                         // [slots, 8, I_LOCAL]
     const int* __restrict__ ids, int first_expert, int num_local,  // [b, TOP_K]
     const unsigned char* __restrict__ w2,                          // [E_local, P, I] bf16 or [E_local, P, I/2]
@@ -1293,78 +1156,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN
   }
   __syncthreads();
 #endif
-#if EXPERTS_DOWN_ROWS
-  // block = the K-slice (its rank) of its cluster's item, warp = the item's 64-row block
-  // (see the top); `red` holds the block's warps' sums of an item
-  constexpr int WARP_FLOATS = NT2 * 4 * 32;
-  constexpr long EXPERT_BYTES = (long)P_DIM * (I_LOCAL / 2);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rank = cluster_ctarank();
-  const int n_slots = routes.n_slots;
-  const int items = (n_slots > 0 ? n_slots : 1) * DOWN_GROUPS;
-  const int clusters = (int)gridDim.x / WK2;
-  // The sums and rank 0's claim of the cluster's next item, double-buffered by the block's
-  // count of items, so that one cluster barrier an item suffices: an item's buffers are
-  // written again two items later, after every block of the cluster has passed the next
-  // item's barrier, so after its reads of these.
-  __shared__ float red2[WARPS * WARP_FLOATS];
-  __shared__ int claimed[2];
-  // Warm the block's part of its cluster's first item into L2 before waiting for act: its
-  // K-slice's k-rows (one a warp at expert TP's slice), 4 KB of each, a line a thread.
-  if (n_slots > 0 && (int)blockIdx.x / WK2 < items) {
-    const int item = (int)blockIdx.x / WK2;
-    const unsigned char* base = w2 + routes.slot_expert[item / DOWN_GROUPS] * EXPERT_BYTES +
-                                (long)(item % DOWN_GROUPS) * DOWN_GROUP * 8;
-    constexpr int KROWS = I_LOCAL / 16 / WK2;  // a K-slice's k-rows of 16 k
-    for (int off = threadIdx.x * 128; off < KROWS * DOWN_GROUP * 8; off += NTHREADS * 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (long)(rank * KROWS + off / (DOWN_GROUP * 8)) * 8 * P_DIM +
-                                                    off % (DOWN_GROUP * 8)));
-  }
-  pdl_wait();
-  pdl_launch_dependents();
-  int nth = 0;
-  for (int item = (int)blockIdx.x / WK2; item < items; ++nth) {
-    float* const sums = nth & 1 ? red2 : red;
-    if (rank == 0 && threadIdx.x == 0) claimed[nth & 1] = clusters + atomicAdd(queue, 1);
-    const int slot = item / DOWN_GROUPS, p0 = item % DOWN_GROUPS * DOWN_GROUP;
-    float out_scale = 0.f;  // the global of the item's expert
-    if (n_slots > 0) {
-      const Weights W = down_weights(w2, w2_scale, w2_global, routes.slot_expert[slot]);
-      out_scale = W.global_lo;
-      const int row0[1] = {p0 + warp * DOWN_ROWS};
-      float c[NT2][4];
-      expert_gemm<I_LOCAL, P_DIM, WK2, NT2, false>(W, row0, rank * (I_LOCAL / WK2), act + (long)slot * NB * I_LOCAL,
-                                                   I_LOCAL, NB, c);
-#pragma unroll
-      for (int a = 0; a < NT2; ++a)
-#pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) sums[warp * WARP_FLOATS + (a * 4 + e4) * 32 + lane] = c[a][e4];
-    }
-    cluster_barrier();  // every block's sums of the item and rank 0's claim written
-    // This block's share: the 64-row blocks rank, rank + WK2, ...; value v of a block is
-    // lane ln's c[a][e4] of that block's warps, summed over the K-slices in slice order.
-    for (int blk = rank; blk < WARPS; blk += WK2)
-      for (int v = threadIdx.x; v < WARP_FLOATS; v += NTHREADS) {
-        const int a = v / 128, e4 = v / 32 % 4, ln = v % 32;
-        const int p = p0 + blk * DOWN_ROWS + 16 * a + (ln >> 2) + 8 * (e4 >> 1), n = 2 * (ln & 3) + (e4 & 1);
-        if (n >= b) continue;
-        bf16_t val = (bf16_t)0;
-        if (n_slots > 0) {
-          const float* at = sums + blk * WARP_FLOATS + v;
-          val = float_to_bf16(cluster_sum<WK2>(at, 0) * out_scale);
-        }
-        for (unsigned m = n_slots > 0 ? slot_masks[slot * NB + n] : 0u; m != 0u; m &= m - 1u)
-          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = val;
-        for (unsigned m = slot == 0 ? unheld_masks[n] : 0u; m != 0u; m &= m - 1u)
-          rows[(long)(n * TOP_K + __ffs(m) - 1) * P_DIM + p] = 0;
-      }
-    item = __float_as_int(cluster_load_f32(reinterpret_cast<const float*>(&claimed[nth & 1]), 0));
-  }
-  if (nth > 0) cluster_barrier();  // no block leaves while another still reads its sums
-  if (rank == 0 && threadIdx.x == 0 && atomicAdd(queue + 1, 1) == clusters - 1) {  // every claim made: reset
-    atomicExch(queue, 0);
-    atomicExch(queue + 1, 0);
-  }
-#else
   const int warp = threadIdx.x >> 5, wm = warp / WK2, wk = warp % WK2;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n_slots = routes.n_slots;
@@ -1507,5 +1298,4 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) DOWN
 #else
   TRACE_END(items)
 #endif
-#endif  // EXPERTS_DOWN_ROWS
 }

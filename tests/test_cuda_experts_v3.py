@@ -504,3 +504,48 @@ def test_down_spare_refuses_other_kernels():
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     with pytest.raises(AssertionError, match="EXPERTS_DOWN_SPARE is for"):
         ptx_of({**experts_mod.CudaExpertsSlice2.kernel_defines(4096, 512, 8), "EXPERTS_DOWN_SPARE": 1})
+
+
+@pytest.mark.parametrize("width,intermediate,spills", [(4096, 512, 0), (4096, 4096, 16), (512, 256, 32)])
+def test_down_carry(width, intermediate, spills):
+    """_queue_na_spare_carry (not registered): _queue_na_spare's defines plus
+    EXPERTS_DOWN_CARRY. The up kernel's PTX is _queue_na_spare's. In the down kernel a
+    batch's MMAs appear twice (the carried first batch's, then the K loop's), and a batch's
+    code-word loads three times (the first item's before the PDL wait, the next item's after
+    each K loop, the K loop's own). Spill-free at expert TP's
+    slice; under EP and at the tiny shape ptxas spills a word or two a thread outside the K
+    loop (the carried batch held through the item's tail at 64 registers)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_DOWN_CARRY": 1}
+    assert cls not in plugin.PROVIDERS
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    usage = ptxas_usage(defines)["experts_down_kernel"]
+    assert usage.spills <= spills and blocks_per_sm(usage.registers) >= cls.down_blocks, usage
+    assert blocks_per_sm_smem(usage.smem) >= cls.down_blocks, usage
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+    down, down_plain = ptx_entry(variant, "experts_down_kernel"), ptx_entry(plain, "experts_down_kernel")
+    assert down.count("mma.sync") == 2 * down_plain.count("mma.sync") > 0
+
+    def code_loads(ptx: str) -> int:
+        return len(re.findall(r"ld\.global\.nc\.L1::no_allocate\.v4\.u32", ptx))
+
+    steps = intermediate // cls.down_warps_k(width, intermediate) // 16
+    assert code_loads(down) == code_loads(down_plain) + 2 * min(steps, 4)
+
+
+def test_down_carry_refuses_other_kernels():
+    """EXPERTS_DOWN_CARRY without the spare prefetches and the queue is a compile error
+    naming it."""
+    from sparkdecode_cuda import nvrtc
+
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    defines = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa.kernel_defines(4096, 512, 8)
+    with pytest.raises(AssertionError, match="EXPERTS_DOWN_CARRY is for"):
+        ptx_of({**defines, "EXPERTS_DOWN_CARRY": 1})

@@ -136,7 +136,8 @@ def provider(fmt: str):
     -v3half4scatterup with EXPERTS_DOWN_QUEUE (the down kernel's items claimed from a counter),
     "-v3half4scatterupqueuena": that with EXPERTS_STREAM_LOADS (the code words' loads past L1),
     "-v3half4scatterupqueuenaspare": that with the down kernel's L2 prefetches only its
-    blocks' first items' (EXPERTS_DOWN_SPARE),
+    blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenasparecarry": that with
+    each down warp's next item's first batch carried in registers (EXPERTS_DOWN_CARRY),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -166,6 +167,9 @@ def provider(fmt: str):
         "nvfp4_marlin-v3half4scatterupqueue": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueue,
         "nvfp4_marlin-v3half4scatterupqueuena": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa,
         "nvfp4_marlin-v3half4scatterupqueuenaspare": experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare,
+        "nvfp4_marlin-v3half4scatterupqueuenasparecarry": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
+        ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
     }[fmt]
@@ -434,6 +438,16 @@ def test_down_spare_is_queue_na_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuenaspare", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_down_carry_is_spare_bit_for_bit(shape):
+    """EXPERTS_DOWN_CARRY loads a down warp's next item's first batch before its item's tail
+    and decodes the same words in the same order: the rows equal _queue_na_spare's bit for
+    bit (the EP shapes cover the zeros for routes to experts not held)."""
+    assert_same_rows(
+        shape, "nvfp4_marlin-v3half4scatterupqueuenasparecarry", "nvfp4_marlin-v3half4scatterupqueuenaspare"
+    )
+
+
 def replays_over_distinct(op, spec, seed: int):
     """One graph of ``op.run`` at 8 rows (captured after an eager run on a side stream),
     replayed 40 times with new x and ids (1 to 64 distinct experts, so the count of items
@@ -473,12 +487,15 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
     return torch.equal(rows.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("fmt", ["v3half4scatterupqueue", "v3half4scatterupqueuenaspare"])
+@pytest.mark.parametrize(
+    "fmt", ["v3half4scatterupqueue", "v3half4scatterupqueuenaspare", "v3half4scatterupqueuenasparecarry"]
+)
 def test_down_queue_resets_over_replays(fmt):
     """The queue's counter and count of finished blocks are back at zero after every
     launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
-    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue and
-    for _queue_na_spare, whose down kernel warms only its first item)."""
+    count of items changes), each replay's rows equal _half4_scatter_up's (for _queue, for
+    _queue_na_spare, whose down kernel warms only its first item, and for _carry, whose warps
+    load their next claimed item's first batch before the item's tail)."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
     queued = provider(f"nvfp4_marlin-{fmt}").build(context(spec, experts), 0)

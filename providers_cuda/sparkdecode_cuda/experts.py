@@ -140,6 +140,7 @@ SWITCHES = (
     ("down_queue", "EXPERTS_DOWN_QUEUE"),
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
     ("down_spare", "EXPERTS_DOWN_SPARE"),
+    ("down_carry", "EXPERTS_DOWN_CARRY"),
 )
 
 
@@ -178,6 +179,9 @@ class CudaExperts(_Cuda):
     stream_loads: ClassVar[int] = 0
     # experts.cu's EXPERTS_DOWN_SPARE: the down kernel's only L2 prefetch a block's first item
     down_spare: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_CARRY: a down warp's next item's first batch loaded into
+    # registers before its item's tail
+    down_carry: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -784,6 +788,19 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare(CudaExpertsNvfp4MarlinV
     # Above _queue_na (35): faster chained and in the step on the H100 and the H200.
     priority = 40
     down_spare = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare`` whose down warps load
+    their next item's first batch (code words and scales) into registers as soon as their
+    item's K loop ends, so that it is in flight through the item's tail (the K reduction,
+    the route masks, the stores) and the next claim's barrier, and their first item's before
+    the PDL wait (experts.cu's EXPERTS_DOWN_CARRY). The same words decoded in the same
+    order: the same bits. Not registered: built to take the down items' tails, 16% of the
+    down kernel on the H100, off its loads' path (bench/NOTES.md v41)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry"
+    down_carry = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

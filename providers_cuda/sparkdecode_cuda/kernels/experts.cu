@@ -159,6 +159,15 @@
 // 8 steps, two batches. On the H100, warming more of the next item (the whole of it) was
 // slower; warming none was faster at 55 and 64 experts, slower at 33 (bench/NOTES.md v33,
 // v34). Prefetches only: the same bits.
+// EXPERTS_DOWN_CARRY (a define, 0 when absent; with EXPERTS_DOWN_SPARE and
+// EXPERTS_DOWN_QUEUE): a down warp's next item's first batch (its code words and scales)
+// loaded into registers as soon as its item's K loop ends, before the item's tail (the K
+// reduction through shared memory, the route masks, the stores), and its first item's
+// before the PDL wait. Without it the next item's first loads start only after the tail
+// and the next claim's barrier: at expert TP a warp's item is two batches, so the tail
+// sits between every two round trips of the block's loads (the tails are 16% of the down
+// kernel on the H100, bench/NOTES.md v41). The same words decoded in the same order: the
+// same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -238,6 +247,12 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #ifndef EXPERTS_DOWN_SPARE
 #define EXPERTS_DOWN_SPARE 0
+#endif
+#ifndef EXPERTS_DOWN_CARRY
+#define EXPERTS_DOWN_CARRY 0
+#endif
+#if EXPERTS_DOWN_CARRY && !(EXPERTS_DOWN_SPARE && EXPERTS_DOWN_QUEUE)
+#error "EXPERTS_DOWN_CARRY is for the down kernel with EXPERTS_DOWN_SPARE and EXPERTS_DOWN_QUEUE"
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -471,6 +486,19 @@ __device__ __forceinline__ void marlin_step_v3(const uint4 q[NBLK], const uint2 
   for (int b = 0; b < NBLK; ++b) marlin_block_v3<EXPERTS_LEAN>(q[b], sc[b], b0, b1, c + 4 * b);
 }
 
+// The thread's first words and scales of a warp's NBLK Marlin blocks at blk0 (N rows), from
+// the row of 16 k kt0.
+template <int N, int NBLK>
+__device__ __forceinline__ void marlin_pointers(const Weights& W, const int blk0[NBLK], int kt0, const uint4* wp[NBLK],
+                                                const uint2* sp[NBLK]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+#pragma unroll
+  for (int b = 0; b < NBLK; ++b) {
+    wp[b] = reinterpret_cast<const uint4*>(W.w) + ((long)kt0 * 2 * N + 2 * blk0[b]) / 4 + lane;
+    sp[b] = reinterpret_cast<const uint2*>(W.scale + (long)kt0 * N + blk0[b]) + g;
+  }
+}
+
 // A batch's loads of a warp's NBLK blocks: SB steps from wp, sp, a step N / 2 uint4 and
 // N / 8 uint2 further.
 template <int N, int NBLK, int SB>
@@ -618,11 +646,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
   // time: a batch's loads at constant offsets (a step: N / 2 uint4, N / 8 uint2, 8 u32).
   const uint4* wp[NBLK];
   const uint2* sp[NBLK];
-#pragma unroll
-  for (int b = 0; b < NBLK; ++b) {
-    wp[b] = reinterpret_cast<const uint4*>(W.w) + ((long)(k0 / 16) * 2 * N + 2 * blk0[b]) / 4 + lane;
-    sp[b] = reinterpret_cast<const uint2*>(W.scale + (long)(k0 / 16) * N + blk0[b]) + g;
-  }
+  marlin_pointers<N, NBLK>(W, blk0, k0 / 16, wp, sp);
   const u32* xp = reinterpret_cast<const u32*>(xr + k0 + 2 * t);
 #endif
 #if EXPERTS_LEAN
@@ -830,6 +854,49 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
     xp += S * 8;
   }
   cp_async_wait<0>();  // nothing left in flight into the ring (red overlays it)
+}
+#endif
+
+#if EXPERTS_DOWN_CARRY
+// A warp's first batch of its NBLK Marlin blocks at blk0 (N rows) over its K-slice from
+// k0 (SB steps of 16 k): the thread's words and scales, for warp_gemm_marlin_carried.
+template <int N, int NBLK, int SB>
+__device__ __forceinline__ void marlin_first_batch(const Weights& W, const int blk0[NBLK], int k0, uint4 q[SB][NBLK],
+                                                   uint2 sc[SB][NBLK]) {
+  const uint4* wp[NBLK];
+  const uint2* sp[NBLK];
+  marlin_pointers<N, NBLK>(W, blk0, k0 / 16, wp, sp);
+  marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
+}
+
+// warp_gemm_marlin (V3, no L2 prefetch, the whole K-slice) whose first batch was loaded
+// into q, sc before (marlin_first_batch); its later batches go through q, sc as well.
+template <int K, int N, int WK_, int NBLK>
+__device__ __forceinline__ void warp_gemm_marlin_carried(const Weights& W, const int blk0[NBLK], int k0,
+                                                         const bf16_t* __restrict__ x, int xs, int nx,
+                                                         float c[4 * NBLK][4], uint4 q[][NBLK], uint2 sc[][NBLK]) {
+  constexpr int STEPS = K / WK_ / 16;
+  constexpr int SB = STEPS < 4 ? STEPS : 4;
+  static_assert(STEPS % SB == 0, "steps per batch");
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int a = 0; a < 4 * NBLK; ++a)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
+  const bool xrow = g < nx;
+  const u32* xp = reinterpret_cast<const u32*>(x + (long)g * xs + k0 + 2 * t);
+  const uint4* wp[NBLK];
+  const uint2* sp[NBLK];
+  marlin_pointers<N, NBLK>(W, blk0, k0 / 16 + SB, wp, sp);
+  marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
+  xp += SB * 8;
+#pragma unroll 1
+  for (int batch = SB; batch < STEPS; batch += SB) {
+    marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
+    marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
+    marlin_batch_advance<N, NBLK, SB>(wp, sp);
+    xp += SB * 8;
+  }
 }
 #endif
 
@@ -1130,6 +1197,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_UP_BLOCKS) expert
   TRACE_END(items)
 }
 
+#if EXPERTS_DOWN_CARRY
+// Warp (wm, wk)'s first batch of down item `item` (its expert's W2, the warp's 64-row
+// block, its K-slice), into q, sc.
+template <int SB>
+__device__ __forceinline__ void down_first_batch(const unsigned char* w2, const unsigned char* w2_scale,
+                                                 const float* w2_global, const Routes& routes, int item, int wm, int wk,
+                                                 uint4 q[SB][NT2 / TPB], uint2 sc[SB][NT2 / TPB]) {
+  int row0[NT2 / TPB];
+#pragma unroll
+  for (int r = 0; r < NT2 / TPB; ++r) row0[r] = (item % TILES2 * WM2 + wm) * DOWN_ROWS + 16 * TPB * r;
+  marlin_first_batch<P_DIM, NT2 / TPB, SB>(down_weights(w2, w2_scale, w2_global, routes.slot_expert[item / TILES2]),
+                                           row0, wk * (I_LOCAL / WK2), q, sc);
+}
+#endif
+
 // rows[r, j, :] = bf16(act[slot(r, j)][r] @ W2[e]^T) for the held routes; zeros for
 // routes to experts this rank does not hold.
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) experts_down_kernel(
@@ -1178,6 +1260,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
 #endif
   }
+#if EXPERTS_DOWN_CARRY
+  // The warp's next item's first batch (here its first item's), carried in registers.
+  constexpr int STEPS2 = I_LOCAL / WK2 / 16, SB2 = STEPS2 < 4 ? STEPS2 : 4;
+  uint4 carry_q[SB2][NT2 / TPB];
+  uint2 carry_sc[SB2][NT2 / TPB];
+  if (n_slots > 0 && (int)blockIdx.x < items) down_first_batch<SB2>(w2, w2_scale, w2_global, routes, blockIdx.x, wm, wk,
+                                                                     carry_q, carry_sc);
+#endif
   pdl_wait();
   pdl_launch_dependents();
   TRACE_START
@@ -1223,8 +1313,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
                                                 nrow0, wk * (I_LOCAL / WK2));
       }
 #endif
+#if EXPERTS_DOWN_CARRY
+      warp_gemm_marlin_carried<I_LOCAL, P_DIM, WK2, NT2 / TPB>(W, row0, wk * (I_LOCAL / WK2),
+                                                              act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c, carry_q,
+                                                              carry_sc);
+      const int next = claimed[nth & 1];
+      if (next < items) down_first_batch<SB2>(w2, w2_scale, w2_global, routes, next, wm, wk, carry_q, carry_sc);
+#else
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2, !EXPERTS_DOWN_SPARE>(W, row0, wk * (I_LOCAL / WK2),
                                                                  act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
+#endif
       reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
     }
 #if EXPERTS_DOWN_SCATTER

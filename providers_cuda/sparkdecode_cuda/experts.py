@@ -796,10 +796,16 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry(CudaExpertsNvfp4Ma
     item's K loop ends, so that it is in flight through the item's tail (the K reduction,
     the route masks, the stores) and the next claim's barrier, and their first item's before
     the PDL wait (experts.cu's EXPERTS_DOWN_CARRY). The same words decoded in the same
-    order: the same bits. Not registered: built to take the down items' tails, 16% of the
-    down kernel on the H100, off its loads' path (bench/NOTES.md v41)."""
+    order: the same bits (GPU-tested at every shape and over replays; memcheck and racecheck
+    clean). Registered: on an H100, the 6-layer step 1519.8-1522.4 us against
+    1524.9-1530.5 with the same pins, interleaved; chained at expert TP 82.1-82.5 us a layer
+    against 83.9-84.2 at 55 experts and 58.1-58.4 against 62.7-63.6 at 33, but 76.1 against
+    75.7 at 48 and 93.6-93.7 against 92.3-92.4 at 64 (bench/NOTES.md v41). Where it times
+    slower the resolver's measurement keeps ``_queue_na_spare``."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry"
+    # Above _queue_na_spare (40): faster in the step on the H100.
+    priority = 45
     down_carry = 1
 
 

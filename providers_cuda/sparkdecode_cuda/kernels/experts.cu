@@ -534,6 +534,17 @@ __device__ __forceinline__ void marlin_batch_mma(const uint4 q[SB][NBLK], const 
 #pragma unroll
   for (int sb = 0; sb < SB; ++sb) marlin_step_v3<NBLK>(q[sb], sc[sb], xp + 8 * sb, xrow, c);
 }
+
+// A batch of the V3 Marlin loop in q, sc: its loads, its MMAs, and the pointers on to the
+// next batch.
+template <int N, int NBLK, int SB>
+__device__ __forceinline__ void marlin_batch(uint4 q[SB][NBLK], uint2 sc[SB][NBLK], const uint4* wp[NBLK],
+                                             const uint2* sp[NBLK], const u32*& xp, bool xrow, float c[4 * NBLK][4]) {
+  marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
+  marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
+  marlin_batch_advance<N, NBLK, SB>(wp, sp);
+  xp += SB * 8;
+}
 #endif
 
 
@@ -666,10 +677,7 @@ __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk
 #if EXPERTS_V3
     uint4 q[SB][NBLK];
     uint2 sc[SB][NBLK];
-    marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
-    marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
-    marlin_batch_advance<N, NBLK, SB>(wp, sp);
-    xp += SB * 8;
+    marlin_batch<N, NBLK, SB>(q, sc, wp, sp, xp, xrow, c);
 #else
     uint4 q[NBLK][SB];
     uint2 sc[NBLK][SB];
@@ -889,14 +897,9 @@ __device__ __forceinline__ void warp_gemm_marlin_carried(const Weights& W, const
   const uint2* sp[NBLK];
   marlin_pointers<N, NBLK>(W, blk0, k0 / 16 + SB, wp, sp);
   marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
-  xp += SB * 8;
+  xp += 8 * SB;
 #pragma unroll 1
-  for (int batch = SB; batch < STEPS; batch += SB) {
-    marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
-    marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
-    marlin_batch_advance<N, NBLK, SB>(wp, sp);
-    xp += SB * 8;
-  }
+  for (int batch = SB; batch < STEPS; batch += SB) marlin_batch<N, NBLK, SB>(q, sc, wp, sp, xp, xrow, c);
 }
 #endif
 

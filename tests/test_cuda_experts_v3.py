@@ -549,3 +549,30 @@ def test_down_carry_refuses_other_kernels():
     defines = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNa.kernel_defines(4096, 512, 8)
     with pytest.raises(AssertionError, match="EXPERTS_DOWN_CARRY is for"):
         ptx_of({**defines, "EXPERTS_DOWN_CARRY": 1})
+
+
+@pytest.mark.parametrize("width,intermediate,spills", [(4096, 512, 0), (4096, 4096, 16), (512, 256, 32)])
+def test_down_carry2(width, intermediate, spills):
+    """_queue_na_spare_carry2 (not registered): _carry's defines with EXPERTS_DOWN_CARRY = 2.
+    The up kernel's PTX is _carry's. The down kernel has the same MMAs and loads, and one
+    plain barrier fewer in its item: the claim's and the K reduction's first barriers
+    become one barrier-reduction on a sum of the K loop (the barrier of a launch holding
+    no expert stays plain)."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_DOWN_CARRY": 2}
+    assert cls not in plugin.PROVIDERS
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    usage = ptxas_usage(defines)["experts_down_kernel"]
+    assert usage.spills <= spills and blocks_per_sm(usage.registers) >= cls.down_blocks, usage
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+    down, down_plain = ptx_entry(variant, "experts_down_kernel"), ptx_entry(plain, "experts_down_kernel")
+    for op in ("mma.sync", "ld.global.nc.L1::no_allocate.v4.u32"):
+        assert down.count(op) == down_plain.count(op) > 0, op
+    assert down.count("bar.sync") == down_plain.count("bar.sync") - 1
+    assert down.count("bar.red.or") == 1 and "bar.red" not in down_plain

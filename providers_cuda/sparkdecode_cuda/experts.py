@@ -129,7 +129,8 @@ def prefer_max_shared(kernel: Kernel, who: str) -> None:
         raise RuntimeError(f"{who}: the shared-memory carveout: {err}")
 
 
-# experts.cu's on/off defines, each by the CudaExperts class attribute that turns it on
+# experts.cu's switch defines, each by the CudaExperts class attribute that sets it (its
+# value; absent where 0)
 SWITCHES = (
     ("route_mask", "EXPERTS_ROUTE_MASK"),
     ("lean", "EXPERTS_LEAN"),
@@ -233,7 +234,7 @@ class CudaExperts(_Cuda):
         wk = cls.down_warps_k(width, intermediate)
         if wk != _warps_k(intermediate, CHUNK[cls.format]):
             defines["EXPERTS_DOWN_WK"] = wk
-        defines.update({define: 1 for attr, define in SWITCHES if getattr(cls, attr)})
+        defines.update({define: int(getattr(cls, attr)) for attr, define in SWITCHES if getattr(cls, attr)})
         return defines
 
     @classmethod
@@ -807,6 +808,18 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry(CudaExpertsNvfp4Ma
     # Above _queue_na_spare (40): faster in the step on the H100.
     priority = 45
     down_carry = 1
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2(CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry`` with two barriers
+    an item in the down kernel, not three (experts.cu's EXPERTS_DOWN_CARRY = 2): the next
+    item's claim is shown to the block by a barrier after the K loop, which the K
+    reduction's first barrier becomes, not by its own barrier at the item's start, so the
+    claim's atomic no longer holds the block; the carried loads go out after that barrier.
+    The same bits. Not registered: built to measure (bench/NOTES.md v41)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry2"
+    down_carry = 2
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -167,7 +167,10 @@
 // and the next claim's barrier: at expert TP a warp's item is two batches, so the tail
 // sits between every two round trips of the block's loads (the tails are 16% of the down
 // kernel on the H100, bench/NOTES.md v41). The same words decoded in the same order: the
-// same bits.
+// same bits. EXPERTS_DOWN_CARRY = 2: also one barrier an item fewer. The claim of the next
+// item is shown to the block by a barrier after the K loop, which the K reduction's first
+// barrier becomes, instead of by its own barrier at the item's start; the carried loads
+// then go out after that barrier.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -942,12 +945,14 @@ __device__ __forceinline__ bool owns_tile(int a, int wk) {
 // Adds the warps' partial sums over K in warp order; the warp wk == 0 of each wm
 // ends with the total in c (SCATTER: each tile's total in the warp that owns it,
 // owns_tile, the other tiles of c left as they were). `red`: WARPS * NT * 4 * 32 floats.
-template <int WK_, int NT, bool SCATTER = false>
+// SYNCED: the caller's barrier came after every warp's last reads of red, so the first
+// one here is left out.
+template <int WK_, int NT, bool SCATTER = false, bool SYNCED = false>
 __device__ __forceinline__ void reduce_k(float c[NT][4], float* red, int wm, int wk) {
   const int lane = threadIdx.x & 31;
   constexpr int WARP_FLOATS = NT * 4 * 32;
   if (WK_ > 1) {
-    __syncthreads();  // red may still be read from the previous item
+    if (!SYNCED) __syncthreads();  // red may still be read from the previous item
     float* mine = red + (wm * WK_ + wk) * WARP_FLOATS;
 #pragma unroll
     for (int a = 0; a < NT; ++a)
@@ -1282,7 +1287,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   for (int item = blockIdx.x; item < items; item = claimed[nth & 1], ++nth) {
     TRACE_NTH(nth)
     if (threadIdx.x == 0) claimed[nth & 1] = (int)gridDim.x + atomicAdd(queue, 1);
+#if EXPERTS_DOWN_CARRY == 2
+    if (n_slots == 0) __syncthreads();  // else the barrier after the K loop shows the claim
+#else
     __syncthreads();
+#endif
 #else
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     TRACE_ITEM(item)
@@ -1320,13 +1329,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       warp_gemm_marlin_carried<I_LOCAL, P_DIM, WK2, NT2 / TPB>(W, row0, wk * (I_LOCAL / WK2),
                                                               act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c, carry_q,
                                                               carry_sc);
+#if EXPERTS_DOWN_CARRY == 2
+      // The claim shown to every warp, red's reads of the item before done. The barrier's
+      // operand (its result unused) is a sum of the K loop, so that ptxas keeps the barrier
+      // after the loop's last loads: a plain one it issues before the second batch's loads
+      // (read-only loads, which it may move past a barrier).
+      (void)__syncthreads_or(c[0][0] != 0.f);
+#endif
       const int next = claimed[nth & 1];
       if (next < items) down_first_batch<SB2>(w2, w2_scale, w2_global, routes, next, wm, wk, carry_q, carry_sc);
 #else
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2, !EXPERTS_DOWN_SPARE>(W, row0, wk * (I_LOCAL / WK2),
                                                                  act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);
 #endif
-      reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0>(c, red, wm, wk);
+      reduce_k<WK2, NT2, EXPERTS_DOWN_SCATTER != 0, EXPERTS_DOWN_CARRY == 2>(c, red, wm, wk);
     }
 #if EXPERTS_DOWN_SCATTER
     if (wk >= NT2) continue;  // owns no tile

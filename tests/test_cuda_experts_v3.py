@@ -576,3 +576,38 @@ def test_down_carry2(width, intermediate, spills):
         assert down.count(op) == down_plain.count(op) > 0, op
     assert down.count("bar.sync") == down_plain.count("bar.sync") - 1
     assert down.count("bar.red.or") == 1 and "bar.red" not in down_plain
+
+
+def test_down_carry_late():
+    """_queue_na_spare_carry_late (not registered): _carry's defines plus
+    EXPERTS_DOWN_CARRY_LATE. Its down kernel loads no code word before the PDL wait, where
+    _carry loads its first item's batch (4 steps); the loads are the same in number, and the
+    up kernel is _carry's."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryLate
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
+    defines, base = cls.kernel_defines(4096, 512, 8), parent.kernel_defines(4096, 512, 8)
+    assert defines == {**base, "EXPERTS_DOWN_CARRY_LATE": 1}
+    assert cls not in plugin.PROVIDERS
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    usage = ptxas_usage(defines)["experts_down_kernel"]
+    assert usage.spills == 0 and blocks_per_sm(usage.registers) >= cls.down_blocks, usage
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+    down, down_plain = ptx_entry(variant, "experts_down_kernel"), ptx_entry(plain, "experts_down_kernel")
+    load = "ld.global.nc.L1::no_allocate.v4.u32"
+    assert down.count(load) == down_plain.count(load)
+
+    def before(ptx: str) -> int:  # the code-word loads before the PDL wait
+        return ptx[: ptx.index("griddepcontrol.wait")].count(load)
+
+    assert (before(down), before(down_plain)) == (0, 4)
+    with pytest.raises(AssertionError, match="EXPERTS_DOWN_CARRY_LATE is for EXPERTS_DOWN_CARRY"):
+        ptx_of(
+            {
+                **experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpare.kernel_defines(4096, 512, 8),
+                "EXPERTS_DOWN_CARRY_LATE": 1,
+            }
+        )

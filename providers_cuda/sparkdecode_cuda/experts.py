@@ -142,6 +142,7 @@ SWITCHES = (
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
     ("down_spare", "EXPERTS_DOWN_SPARE"),
     ("down_carry", "EXPERTS_DOWN_CARRY"),
+    ("down_carry_late", "EXPERTS_DOWN_CARRY_LATE"),
 )
 
 
@@ -183,6 +184,8 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_DOWN_CARRY: a down warp's next item's first batch loaded into
     # registers before its item's tail
     down_carry: ClassVar[int] = 0
+    # experts.cu's EXPERTS_DOWN_CARRY_LATE: the carried first item's batch after the PDL wait
+    down_carry_late: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -820,6 +823,19 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2(CudaExpertsNvfp4M
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry2"
     down_carry = 2
+
+
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryLate(
+    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
+):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry`` whose down blocks
+    load their first item's batch after the PDL wait, not before it (experts.cu's
+    EXPERTS_DOWN_CARRY_LATE). The same bits. Not registered: built to test whether the
+    loads before the wait are what delays ``_carry``'s first down items at 64 experts on
+    the H100 (3.3 us after the up kernel's last block against 0.7; bench/NOTES.md v41)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry_late"
+    down_carry_late = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

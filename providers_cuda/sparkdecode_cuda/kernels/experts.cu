@@ -171,6 +171,9 @@
 // item is shown to the block by a barrier after the K loop, which the K reduction's first
 // barrier becomes, instead of by its own barrier at the item's start; the carried loads
 // then go out after that barrier.
+// EXPERTS_DOWN_CARRY_LATE (a define, 0 when absent; with EXPERTS_DOWN_CARRY): a block's
+// first item's batch loaded after the PDL wait, not before it (its L2 warm-up stays
+// before). The same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -256,6 +259,12 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_DOWN_CARRY && !(EXPERTS_DOWN_SPARE && EXPERTS_DOWN_QUEUE)
 #error "EXPERTS_DOWN_CARRY is for the down kernel with EXPERTS_DOWN_SPARE and EXPERTS_DOWN_QUEUE"
+#endif
+#ifndef EXPERTS_DOWN_CARRY_LATE
+#define EXPERTS_DOWN_CARRY_LATE 0
+#endif
+#if EXPERTS_DOWN_CARRY_LATE && !EXPERTS_DOWN_CARRY
+#error "EXPERTS_DOWN_CARRY_LATE is for EXPERTS_DOWN_CARRY"
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -1273,11 +1282,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   constexpr int STEPS2 = I_LOCAL / WK2 / 16, SB2 = STEPS2 < 4 ? STEPS2 : 4;
   uint4 carry_q[SB2][NT2 / TPB];
   uint2 carry_sc[SB2][NT2 / TPB];
-  if (n_slots > 0 && (int)blockIdx.x < items) down_first_batch<SB2>(w2, w2_scale, w2_global, routes, blockIdx.x, wm, wk,
-                                                                     carry_q, carry_sc);
+  const bool carry_first = n_slots > 0 && (int)blockIdx.x < items;
+  if (!EXPERTS_DOWN_CARRY_LATE && carry_first)
+    down_first_batch<SB2>(w2, w2_scale, w2_global, routes, blockIdx.x, wm, wk, carry_q, carry_sc);
 #endif
   pdl_wait();
   pdl_launch_dependents();
+#if EXPERTS_DOWN_CARRY_LATE
+  if (carry_first) down_first_batch<SB2>(w2, w2_scale, w2_global, routes, blockIdx.x, wm, wk, carry_q, carry_sc);
+#endif
   TRACE_START
 #if EXPERTS_DOWN_QUEUE
   // The block's next item, double-buffered by its count of items (so the next claim

@@ -332,6 +332,21 @@ constexpr int NT1 = 2 * UP_COLS / 16, NT2 = DOWN_ROWS / 16;
 __host__ __device__ constexpr int warps_k(int k) {
   return k >= 16 * CHUNK_K ? 8 : (k >= 8 * CHUNK_K ? 4 : (k >= 4 * CHUNK_K ? 2 : 1));
 }
+// A Marlin warp's steps of 16 k over K with WK_ warps along K, and how many of them it
+// loads together (a batch).
+__host__ __device__ constexpr int marlin_steps(int k, int wk) { return k / wk / 16; }
+__host__ __device__ constexpr int marlin_batch_steps(int k, int wk) {
+  return marlin_steps(k, wk) < 4 ? marlin_steps(k, wk) : 4;
+}
+
+// A warp's NT tiles of sums, zeroed.
+template <int NT>
+__device__ __forceinline__ void zero_sums(float c[NT][4]) {
+#pragma unroll
+  for (int a = 0; a < NT; ++a)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
+}
 constexpr int WK1 = warps_k(P_DIM), WM1 = WARPS / WK1;
 // EXPERTS_DOWN_WK (a define; warps_k when absent): the down kernel's warps along K, fewer
 // for longer K-slices a warp and fewer cross-warp reductions (barriers) an item.
@@ -571,10 +586,7 @@ __device__ __forceinline__ void warp_gemm(const Weights& W, const int row0[2], i
   static_assert(NC % CB == 0, "chunks per batch");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   constexpr int ROW_BYTES = FMT == 1 ? K / 2 : K * 2;
-#pragma unroll
-  for (int a = 0; a < 2; ++a)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
+  zero_sums<2>(c);
   const bf16_t* xr = x + (long)g * xs;
   const bool xrow = g < nx;
 #pragma unroll 1
@@ -654,14 +666,11 @@ template <int K, int N, int WK_, int NBLK, bool LOOP_PREFETCH = true>
 __device__ __forceinline__ void warp_gemm_marlin(const Weights& W, const int blk0[NBLK], int k0,
                                                  const bf16_t* __restrict__ x, int xs, int nx, float c[4 * NBLK][4],
                                                  int steps) {
-  constexpr int STEPS = K / WK_ / 16;
-  constexpr int SB = STEPS < 4 ? STEPS : 4;  // steps loaded together
+  constexpr int STEPS = marlin_steps(K, WK_);
+  constexpr int SB = marlin_batch_steps(K, WK_);  // steps loaded together
   static_assert(STEPS % SB == 0, "steps per batch");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int a = 0; a < 4 * NBLK; ++a)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
+  zero_sums<4 * NBLK>(c);
   const bf16_t* xr = x + (long)g * xs;
   const bool xrow = g < nx;
 #if EXPERTS_V3
@@ -808,10 +817,7 @@ __device__ __forceinline__ void warp_gemm_marlin_ring(const Weights& W, const in
   constexpr int STEPS = K / WK_ / 16;
   static_assert(STEPS % S == 0 && S >= 2 && 4 * NBLK <= 32, "ring steps, a scale lane per 16 bytes");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int a = 0; a < 4 * NBLK; ++a)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
+  zero_sums<4 * NBLK>(c);
   const bool xrow = g < nx;
   // The sources at the group of S steps being computed (as warp_gemm_marlin's V3 pointers):
   // the thread's words, its 16 scale bytes (lanes 0..4 NBLK - 1: block lane / 4, bytes
@@ -895,14 +901,10 @@ template <int K, int N, int WK_, int NBLK>
 __device__ __forceinline__ void warp_gemm_marlin_carried(const Weights& W, const int blk0[NBLK], int k0,
                                                          const bf16_t* __restrict__ x, int xs, int nx,
                                                          float c[4 * NBLK][4], uint4 q[][NBLK], uint2 sc[][NBLK]) {
-  constexpr int STEPS = K / WK_ / 16;
-  constexpr int SB = STEPS < 4 ? STEPS : 4;
+  constexpr int STEPS = marlin_steps(K, WK_), SB = marlin_batch_steps(K, WK_);
   static_assert(STEPS % SB == 0, "steps per batch");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int a = 0; a < 4 * NBLK; ++a)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[a][e] = 0.f;
+  zero_sums<4 * NBLK>(c);
   const bool xrow = g < nx;
   const u32* xp = reinterpret_cast<const u32*>(x + (long)g * xs + k0 + 2 * t);
   const uint4* wp[NBLK];
@@ -935,8 +937,7 @@ __device__ __forceinline__ void expert_gemm(const Weights& W, const int row0[NT 
 template <int K, int N, int WK_, int NT>
 __device__ __forceinline__ void prefetch_gemm(const Weights& W, const int row0[NT / TPB], int k0) {
 #if FMT == 2
-  constexpr int STEPS = K / WK_ / 16, SB = STEPS < 4 ? STEPS : 4;
-  prefetch_marlin<N, NT / TPB, SB>(W, row0, k0 / 16);
+  prefetch_marlin<N, NT / TPB, marlin_batch_steps(K, WK_)>(W, row0, k0 / 16);
 #elif FMT == 1
   constexpr int NC = K / WK_ / CHUNK_K;
   prefetch_rows<K, NC < 4 ? NC : 4>(W, row0, k0);
@@ -1279,7 +1280,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   }
 #if EXPERTS_DOWN_CARRY
   // The warp's next item's first batch (here its first item's), carried in registers.
-  constexpr int STEPS2 = I_LOCAL / WK2 / 16, SB2 = STEPS2 < 4 ? STEPS2 : 4;
+  constexpr int SB2 = marlin_batch_steps(I_LOCAL, WK2);
   uint4 carry_q[SB2][NT2 / TPB];
   uint2 carry_sc[SB2][NT2 / TPB];
   const bool carry_first = n_slots > 0 && (int)blockIdx.x < items;

@@ -611,3 +611,32 @@ def test_down_carry_late():
                 "EXPERTS_DOWN_CARRY_LATE": 1,
             }
         )
+
+
+def test_down_carry_all():
+    """_queue_na_spare_carry_all (not registered): _carry's defines with EXPERTS_DOWN_CARRY =
+    3 on 2 down blocks an SM. Spill-free there; the down kernel loads the whole K-slice's
+    code words a warp before the PDL wait (8 steps at expert TP's slice) and has no K loop
+    of its own loads (its MMAs are the carried item's); the up kernel is _carry's. It
+    refuses slices of more than 8 steps a warp (EP's whole experts) by name."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryAll
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
+    assert "32 steps a down warp, at most 8" in cls.slice_unsupported(4096)
+    assert cls.slice_unsupported(512) is None and cls.slice_unsupported(256) is None
+    defines, base = cls.kernel_defines(4096, 512, 8), parent.kernel_defines(4096, 512, 8)
+    # 2 down blocks an SM, the kernel's default (so no EXPERTS_DOWN_BLOCKS)
+    assert base["EXPERTS_DOWN_BLOCKS"] == 4 and "EXPERTS_DOWN_BLOCKS" not in defines
+    assert defines == {**{k: v for k, v in base.items() if k != "EXPERTS_DOWN_BLOCKS"}, "EXPERTS_DOWN_CARRY": 3}
+    assert cls not in plugin.PROVIDERS
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    usage = ptxas_usage(defines)["experts_down_kernel"]
+    assert usage.spills == 0 and usage.stack == 0 and blocks_per_sm(usage.registers) >= 2, usage
+    variant, plain = ptx_of(defines), ptx_of(base)
+    assert ptx_entry(variant, "experts_up_kernel") == ptx_entry(plain, "experts_up_kernel")
+    down, down_plain = ptx_entry(variant, "experts_down_kernel"), ptx_entry(plain, "experts_down_kernel")
+    load = "ld.global.nc.L1::no_allocate.v4.u32"
+    assert down[: down.index("griddepcontrol.wait")].count(load) == 8
+    assert down.count(load) == 16 and down_plain.count(load) == 12  # before the wait, after each item

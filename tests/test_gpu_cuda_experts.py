@@ -141,6 +141,8 @@ def provider(fmt: str):
     "-v3half4scatterupqueuenasparecarry2": that with one barrier an item fewer
     (EXPERTS_DOWN_CARRY = 2), "-v3half4scatterupqueuenasparecarrylate": _carry with the first
     item's batch loaded after the PDL wait (EXPERTS_DOWN_CARRY_LATE),
+    "-v3half4scatterupqueuenasparecarryall": _carry with the whole next item carried, on 2
+    down blocks an SM (EXPERTS_DOWN_CARRY = 3; not for EP's whole experts at full size),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -178,6 +180,9 @@ def provider(fmt: str):
         ),
         "nvfp4_marlin-v3half4scatterupqueuenasparecarrylate": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryLate
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenasparecarryall": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryAll
         ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -464,6 +469,16 @@ def test_down_carry_is_spare_bit_for_bit(shape, fmt):
     assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s != "tp8-rank-ep"])
+def test_down_carry_all_is_spare_bit_for_bit(shape):
+    """EXPERTS_DOWN_CARRY = 3 carries a down warp's whole next item (8 steps at most, so not
+    the full-size EP shape, which the provider refuses) and decodes the same words in the
+    same order: the rows equal _queue_na_spare's bit for bit."""
+    assert_same_rows(
+        shape, "nvfp4_marlin-v3half4scatterupqueuenasparecarryall", "nvfp4_marlin-v3half4scatterupqueuenaspare"
+    )
+
+
 def replays_over_distinct(op, spec, seed: int):
     """One graph of ``op.run`` at 8 rows (captured after an eager run on a side stream),
     replayed 40 times with new x and ids (1 to 64 distinct experts, so the count of items
@@ -510,6 +525,7 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
         "v3half4scatterupqueuenaspare",
         "v3half4scatterupqueuenasparecarry",
         "v3half4scatterupqueuenasparecarry2",
+        "v3half4scatterupqueuenasparecarryall",
     ],
 )
 def test_down_queue_resets_over_replays(fmt):

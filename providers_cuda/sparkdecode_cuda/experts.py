@@ -825,6 +825,33 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2(CudaExpertsNvfp4M
     down_carry = 2
 
 
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryAll(
+    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
+):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry`` whose down warps
+    carry their whole next item (experts.cu's EXPERTS_DOWN_CARRY = 3: both batches of expert
+    TP's slice, loaded when the item's K loop ends), so that an item's K loop waits on no
+    load. Twice the carried registers: 121 a thread, so 2 blocks an SM (at 3, ptxas spills
+    96 bytes). The same bits. Not registered: built to measure (bench/NOTES.md v41)."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry_all"
+    down_carry = 3
+    down_blocks = 2
+
+    @classmethod
+    def unsupported(cls, deployment: Deployment) -> str | None:
+        return super().unsupported(deployment) or cls.slice_unsupported(rank_experts(deployment)[0])
+
+    @classmethod
+    def slice_unsupported(cls, intermediate: int) -> str | None:
+        """Why the whole carried K-slice cannot take this rank's I-slice (at most 8 steps of
+        16 k a warp, expert TP's slice), or None."""
+        steps = intermediate // _warps_k(intermediate, CHUNK[cls.format]) // 16
+        if steps > 8:
+            return f"this rank's moe_intermediate_size {intermediate}: {steps} steps a down warp, at most 8 carried"
+        return None
+
+
 class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryLate(
     CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
 ):

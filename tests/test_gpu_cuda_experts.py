@@ -532,8 +532,9 @@ def test_down_queue_resets_over_replays(fmt):
     """The queue's counter and count of finished blocks are back at zero after every
     launch: over 40 replays of one graph with new ids (1 to 64 distinct experts, so the
     count of items changes), each replay's rows equal _half4_scatter_up's (for _queue, for
-    _queue_na_spare, whose down kernel warms only its first item, and for _carry, whose warps
-    load their next claimed item's first batch before the item's tail)."""
+    _queue_na_spare, whose down kernel warms only its first item, and for the carry forms,
+    whose warps load their next claimed item's first batch, or the whole item, before the
+    item's tail, _carry2 with the claim shown by the barrier after the K loop)."""
     spec, sharding = SHAPES["tp8-rank-expert-tp"]
     experts = random_experts(spec, "nvfp4_marlin", sharding, seed=37)
     queued = provider(f"nvfp4_marlin-{fmt}").build(context(spec, experts), 0)

@@ -802,9 +802,10 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry(CudaExpertsNvfp4Ma
     the PDL wait (experts.cu's EXPERTS_DOWN_CARRY). The same words decoded in the same
     order: the same bits (GPU-tested at every shape and over replays; memcheck and racecheck
     clean). Registered: on an H100, the 6-layer step 1519.8-1522.4 us against
-    1524.9-1530.5 with the same pins, interleaved; chained at expert TP 82.1-82.5 us a layer
-    against 83.9-84.2 at 55 experts and 58.1-58.4 against 62.7-63.6 at 33, but 76.1 against
-    75.7 at 48 and 93.6-93.7 against 92.3-92.4 at 64 (bench/NOTES.md v41). Where it times
+    1524.9-1532.1 with the same pins, three runs each; chained at expert TP 82.1-82.6 us a
+    layer against 83.9-84.4 at 55 experts and 58.1-58.4 against 62.7-63.6 at 33, but
+    75.5-76.1 against 75.0-75.7 at 48 and 93.6-93.8 against 92.2-92.4 at 64 (bench/NOTES.md
+    v41). Where it times
     slower the resolver's measurement keeps ``_queue_na_spare``."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry"

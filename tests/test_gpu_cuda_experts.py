@@ -139,10 +139,7 @@ def provider(fmt: str):
     blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenasparecarry": that with
     each down warp's next item's first batch carried in registers (EXPERTS_DOWN_CARRY),
     "-v3half4scatterupqueuenasparecarry2": that with one barrier an item fewer
-    (EXPERTS_DOWN_CARRY = 2), "-v3half4scatterupqueuenasparecarrylate": _carry with the first
-    item's batch loaded after the PDL wait (EXPERTS_DOWN_CARRY_LATE),
-    "-v3half4scatterupqueuenasparecarryall": _carry with the whole next item carried, on 2
-    down blocks an SM (EXPERTS_DOWN_CARRY = 3; not for EP's whole experts at full size),
+    (EXPERTS_DOWN_CARRY = 2),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -177,12 +174,6 @@ def provider(fmt: str):
         ),
         "nvfp4_marlin-v3half4scatterupqueuenasparecarry2": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenasparecarrylate": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryLate
-        ),
-        "nvfp4_marlin-v3half4scatterupqueuenasparecarryall": (
-            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryAll
         ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -452,31 +443,14 @@ def test_down_spare_is_queue_na_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuenaspare", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
-@pytest.mark.parametrize(
-    "fmt",
-    [
-        "v3half4scatterupqueuenasparecarry",
-        "v3half4scatterupqueuenasparecarry2",
-        "v3half4scatterupqueuenasparecarrylate",
-    ],
-)
+@pytest.mark.parametrize("fmt", ["v3half4scatterupqueuenasparecarry", "v3half4scatterupqueuenasparecarry2"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_down_carry_is_spare_bit_for_bit(shape, fmt):
     """EXPERTS_DOWN_CARRY loads a down warp's next item's first batch before its item's tail
     and decodes the same words in the same order: the rows equal _queue_na_spare's bit for
     bit (the EP shapes cover the zeros for routes to experts not held), also with one
-    barrier an item fewer (= 2) and with the first item's batch after the PDL wait (_LATE)."""
+    barrier an item fewer (= 2)."""
     assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
-
-
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s != "tp8-rank-ep"])
-def test_down_carry_all_is_spare_bit_for_bit(shape):
-    """EXPERTS_DOWN_CARRY = 3 carries a down warp's whole next item (8 steps at most, so not
-    the full-size EP shape, which the provider refuses) and decodes the same words in the
-    same order: the rows equal _queue_na_spare's bit for bit."""
-    assert_same_rows(
-        shape, "nvfp4_marlin-v3half4scatterupqueuenasparecarryall", "nvfp4_marlin-v3half4scatterupqueuenaspare"
-    )
 
 
 def replays_over_distinct(op, spec, seed: int):
@@ -525,7 +499,6 @@ def same_rows_as(op, x: torch.Tensor, topk: RoutedTopk, rows: torch.Tensor) -> b
         "v3half4scatterupqueuenaspare",
         "v3half4scatterupqueuenasparecarry",
         "v3half4scatterupqueuenasparecarry2",
-        "v3half4scatterupqueuenasparecarryall",
     ],
 )
 def test_down_queue_resets_over_replays(fmt):

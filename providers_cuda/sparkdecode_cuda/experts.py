@@ -142,7 +142,6 @@ SWITCHES = (
     ("stream_loads", "EXPERTS_STREAM_LOADS"),
     ("down_spare", "EXPERTS_DOWN_SPARE"),
     ("down_carry", "EXPERTS_DOWN_CARRY"),
-    ("down_carry_late", "EXPERTS_DOWN_CARRY_LATE"),
 )
 
 
@@ -184,8 +183,6 @@ class CudaExperts(_Cuda):
     # experts.cu's EXPERTS_DOWN_CARRY: a down warp's next item's first batch loaded into
     # registers before its item's tail
     down_carry: ClassVar[int] = 0
-    # experts.cu's EXPERTS_DOWN_CARRY_LATE: the carried first item's batch after the PDL wait
-    down_carry_late: ClassVar[int] = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -824,46 +821,6 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2(CudaExpertsNvfp4M
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry2"
     down_carry = 2
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryAll(
-    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
-):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry`` whose down warps
-    carry their whole next item (experts.cu's EXPERTS_DOWN_CARRY = 3: both batches of expert
-    TP's slice, loaded when the item's K loop ends), so that an item's K loop waits on no
-    load. Twice the carried registers: 121 a thread, so 2 blocks an SM (at 3, ptxas spills
-    96 bytes). The same bits. Not registered: built to measure (bench/NOTES.md v41)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry_all"
-    down_carry = 3
-    down_blocks = 2
-
-    @classmethod
-    def unsupported(cls, deployment: Deployment) -> str | None:
-        return super().unsupported(deployment) or cls.slice_unsupported(rank_experts(deployment)[0])
-
-    @classmethod
-    def slice_unsupported(cls, intermediate: int) -> str | None:
-        """Why the whole carried K-slice cannot take this rank's I-slice (at most 8 steps of
-        16 k a warp, expert TP's slice), or None."""
-        steps = intermediate // _warps_k(intermediate, CHUNK[cls.format]) // 16
-        if steps > 8:
-            return f"this rank's moe_intermediate_size {intermediate}: {steps} steps a down warp, at most 8 carried"
-        return None
-
-
-class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarryLate(
-    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
-):
-    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry`` whose down blocks
-    load their first item's batch after the PDL wait, not before it (experts.cu's
-    EXPERTS_DOWN_CARRY_LATE). The same bits. Not registered: built to test whether the
-    loads before the wait are what delays ``_carry``'s first down items at 64 experts on
-    the H100 (3.3 us after the up kernel's last block against 0.7; bench/NOTES.md v41)."""
-
-    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry_late"
-    down_carry_late = 1
 
 
 class CudaExpertsSlice2(_SliceDown, CudaExperts):

@@ -171,11 +171,6 @@
 // item is shown to the block by a barrier after the K loop, which the K reduction's first
 // barrier becomes, instead of by its own barrier at the item's start; the carried loads
 // then go out after that barrier.
-// EXPERTS_DOWN_CARRY = 3: the warp's whole next item carried (at expert TP's slice, 8
-// steps: twice the registers), so that an item's K loop waits on no load.
-// EXPERTS_DOWN_CARRY_LATE (a define, 0 when absent; with EXPERTS_DOWN_CARRY): a block's
-// first item's batch loaded after the PDL wait, not before it (its L2 warm-up stays
-// before). The same bits.
 #include "common.cuh"
 #include "experts_common.cuh"
 
@@ -261,12 +256,6 @@ __device__ __forceinline__ unsigned long long trace_now() {
 #endif
 #if EXPERTS_DOWN_CARRY && !(EXPERTS_DOWN_SPARE && EXPERTS_DOWN_QUEUE)
 #error "EXPERTS_DOWN_CARRY is for the down kernel with EXPERTS_DOWN_SPARE and EXPERTS_DOWN_QUEUE"
-#endif
-#ifndef EXPERTS_DOWN_CARRY_LATE
-#define EXPERTS_DOWN_CARRY_LATE 0
-#endif
-#if EXPERTS_DOWN_CARRY_LATE && !EXPERTS_DOWN_CARRY
-#error "EXPERTS_DOWN_CARRY_LATE is for EXPERTS_DOWN_CARRY"
 #endif
 #if EXPERTS_ROUTE_MASK && TOP_K > 32
 #error "EXPERTS_ROUTE_MASK: a row's routes in one 32-bit mask (TOP_K <= 32)"
@@ -897,27 +886,25 @@ __device__ __forceinline__ void marlin_first_batch(const Weights& W, const int b
   marlin_batch_load<N, NBLK, SB>(q, sc, wp, sp);
 }
 
-// warp_gemm_marlin (V3, no L2 prefetch, the whole K-slice) whose first CB steps were
-// loaded into q, sc before (marlin_first_batch: a batch, or the whole slice); its later
-// batches go through q, sc as well.
-template <int K, int N, int WK_, int NBLK, int CB>
+// warp_gemm_marlin (V3, no L2 prefetch, the whole K-slice) whose first batch was loaded
+// into q, sc before (marlin_first_batch); its later batches go through q, sc as well.
+template <int K, int N, int WK_, int NBLK>
 __device__ __forceinline__ void warp_gemm_marlin_carried(const Weights& W, const int blk0[NBLK], int k0,
                                                          const bf16_t* __restrict__ x, int xs, int nx,
                                                          float c[4 * NBLK][4], uint4 q[][NBLK], uint2 sc[][NBLK]) {
   constexpr int STEPS = marlin_steps(K, WK_), SB = marlin_batch_steps(K, WK_);
   static_assert(STEPS % SB == 0, "steps per batch");
-  static_assert(CB == SB || CB == STEPS, "a batch carried, or the whole slice");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   zero_sums<4 * NBLK>(c);
   const bool xrow = g < nx;
   const u32* xp = reinterpret_cast<const u32*>(x + (long)g * xs + k0 + 2 * t);
   const uint4* wp[NBLK];
   const uint2* sp[NBLK];
-  marlin_pointers<N, NBLK>(W, blk0, k0 / 16 + CB, wp, sp);
-  marlin_batch_mma<NBLK, CB>(q, sc, xp, xrow, c);
-  xp += 8 * CB;
+  marlin_pointers<N, NBLK>(W, blk0, k0 / 16 + SB, wp, sp);
+  marlin_batch_mma<NBLK, SB>(q, sc, xp, xrow, c);
+  xp += 8 * SB;
 #pragma unroll 1
-  for (int batch = CB; batch < STEPS; batch += SB) marlin_batch<N, NBLK, SB>(q, sc, wp, sp, xp, xrow, c);
+  for (int batch = SB; batch < STEPS; batch += SB) marlin_batch<N, NBLK, SB>(q, sc, wp, sp, xp, xrow, c);
 }
 #endif
 
@@ -1284,20 +1271,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
   }
 #if EXPERTS_DOWN_CARRY
   // The warp's next item's first batch (here its first item's), carried in registers.
-  // the steps carried: a batch, or (EXPERTS_DOWN_CARRY = 3) the warp's whole K-slice
-  constexpr int CB2 = EXPERTS_DOWN_CARRY == 3 ? marlin_steps(I_LOCAL, WK2) : marlin_batch_steps(I_LOCAL, WK2);
-  static_assert(CB2 <= 8, "EXPERTS_DOWN_CARRY = 3: at most 8 steps a warp (expert TP's slice)");
-  uint4 carry_q[CB2][NT2 / TPB];
-  uint2 carry_sc[CB2][NT2 / TPB];
-  const bool carry_first = n_slots > 0 && (int)blockIdx.x < items;
-  if (!EXPERTS_DOWN_CARRY_LATE && carry_first)
-    down_first_batch<CB2>(w2, w2_scale, w2_global, routes, blockIdx.x, wm, wk, carry_q, carry_sc);
+  constexpr int SB2 = marlin_batch_steps(I_LOCAL, WK2);
+  uint4 carry_q[SB2][NT2 / TPB];
+  uint2 carry_sc[SB2][NT2 / TPB];
+  if (n_slots > 0 && (int)blockIdx.x < items) down_first_batch<SB2>(w2, w2_scale, w2_global, routes, blockIdx.x, wm, wk,
+                                                                     carry_q, carry_sc);
 #endif
   pdl_wait();
   pdl_launch_dependents();
-#if EXPERTS_DOWN_CARRY_LATE
-  if (carry_first) down_first_batch<CB2>(w2, w2_scale, w2_global, routes, blockIdx.x, wm, wk, carry_q, carry_sc);
-#endif
   TRACE_START
 #if EXPERTS_DOWN_QUEUE
   // The block's next item, double-buffered by its count of items (so the next claim
@@ -1346,7 +1327,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       }
 #endif
 #if EXPERTS_DOWN_CARRY
-      warp_gemm_marlin_carried<I_LOCAL, P_DIM, WK2, NT2 / TPB, CB2>(W, row0, wk * (I_LOCAL / WK2),
+      warp_gemm_marlin_carried<I_LOCAL, P_DIM, WK2, NT2 / TPB>(W, row0, wk * (I_LOCAL / WK2),
                                                               act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c, carry_q,
                                                               carry_sc);
 #if EXPERTS_DOWN_CARRY == 2
@@ -1357,7 +1338,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXPERTS_DOWN_BLOCKS) expe
       (void)__syncthreads_or(c[0][0] != 0.f);
 #endif
       const int next = claimed[nth & 1];
-      if (next < items) down_first_batch<CB2>(w2, w2_scale, w2_global, routes, next, wm, wk, carry_q, carry_sc);
+      if (next < items) down_first_batch<SB2>(w2, w2_scale, w2_global, routes, next, wm, wk, carry_q, carry_sc);
 #else
       expert_gemm<I_LOCAL, P_DIM, WK2, NT2, !EXPERTS_DOWN_SPARE>(W, row0, wk * (I_LOCAL / WK2),
                                                                  act + (long)slot * NB * I_LOCAL, I_LOCAL, NB, c);

@@ -817,9 +817,15 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2(CudaExpertsNvfp4M
     item's claim is shown to the block by a barrier after the K loop, which the K
     reduction's first barrier becomes, not by its own barrier at the item's start, so the
     claim's atomic no longer holds the block; the carried loads go out after that barrier.
-    The same bits. Not registered: built to measure (bench/NOTES.md v41)."""
+    The same bits (GPU-tested at every shape and over replays; memcheck and racecheck
+    clean). Registered: on an H100, the 40-layer step 7447.9-7467.6 us against ``_carry``'s
+    7469.1-7497.4 and ``_queue_na_spare``'s 7483.7-7516.1 with the same pins, three runs
+    each; chained at expert TP 0.1-0.5 us a layer under ``_carry`` at 33, 48, 55 and 64
+    experts (80.8 us a layer at 55, 80% of the copy) (bench/NOTES.md v42)."""
 
     name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry2"
+    # Above _carry (45): faster in the 40-layer step and chained on the H100.
+    priority = 47
     down_carry = 2
 
 

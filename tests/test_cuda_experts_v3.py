@@ -553,7 +553,7 @@ def test_down_carry_refuses_other_kernels():
 
 @pytest.mark.parametrize("width,intermediate,spills", [(4096, 512, 0), (4096, 4096, 16), (512, 256, 32)])
 def test_down_carry2(width, intermediate, spills):
-    """_queue_na_spare_carry2 (not registered): _carry's defines with EXPERTS_DOWN_CARRY = 2.
+    """_queue_na_spare_carry2 (registered): _carry's defines with EXPERTS_DOWN_CARRY = 2.
     The up kernel's PTX is _carry's. The down kernel has the same MMAs and loads, and one
     plain barrier fewer in its item: the claim's and the K reduction's first barriers
     become one barrier-reduction on a sum of the K loop (the barrier of a launch holding
@@ -564,7 +564,7 @@ def test_down_carry2(width, intermediate, spills):
     parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry
     defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
     assert defines == {**base, "EXPERTS_DOWN_CARRY": 2}
-    assert cls not in plugin.PROVIDERS
+    assert cls in plugin.PROVIDERS and cls.priority > parent.priority
     if nvrtc.nvrtc_unavailable() is not None:
         pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
     usage = ptxas_usage(defines)["experts_down_kernel"]

@@ -379,8 +379,9 @@ def test_layouts_pin_registered_providers():
 
 def test_experts_trace_summarizes_blocks_by_sm():
     """experts-trace's summary of a made-up trace: 4 blocks on 2 SMs (3 on SM 7, 1 on SM 9),
-    times in ns: the span, each SM's last end and the tail, the busy share, the items an SM
-    and the median item time, from the rows as experts.cu's EXPERTS_TRACE writes them."""
+    times in ns: the span, each SM's last end and the tail, the busy share, the items an SM,
+    the median item time, the last item start and the slowest SM's last item, from the rows
+    as experts.cu's EXPERTS_TRACE writes them."""
     trace_mod = load_script("experts-trace")
     stride = trace_mod.TRACE_STRIDE
 
@@ -404,6 +405,13 @@ def test_experts_trace_summarizes_blocks_by_sm():
     assert (s["items_per_sm_min"], s["items_per_sm_median"], s["items_per_sm_max"]) == (2, 2.5, 3)
     assert s["first_132_max_a_sm"] == 3 and s["item_median_us"] == 2.0
     assert s["t0_ns"] == 1000 and s["first_item_ns"] == 1000 and s["end_ns"] == 9000
+    # the last item starts at 5000 ns (SM 9's second), which is also the slowest SM's last
+    assert s["last_item_start_us"] == 4.0
+    assert (s["slowest_last_item_start_us"], s["slowest_last_item_us"]) == (4.0, 4.0)
+    # a slow SM: its last item started before the last claim (SM 2's) and ran 7 us
+    s2 = trace_mod.summarize([row(1, 0, 10000, [0, 3000]), row(2, 0, 6000, [0, 5000])])
+    assert s2["last_item_start_us"] == 5.0
+    assert (s2["slowest_last_item_start_us"], s2["slowest_last_item_us"]) == (3.0, 7.0)
     with pytest.raises(ValueError, match="no end time"):
         trace_mod.summarize([row(1, 5, 0, [])])
     assert "tail 2.0" in trace_mod.report("up", s)

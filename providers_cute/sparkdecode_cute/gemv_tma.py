@@ -104,6 +104,9 @@ class TmaPlan(SplitGrid):
     splits: int  # K chunks, one CTA each
     stage_k: int  # K of one ring buffer
     stages: int  # ring buffers
+    # The preferred shared-memory carveout (percent of the unified L1), the driver's
+    # choice where None.
+    carveout: int | None = None
 
     @property
     def tile_rows(self) -> int:
@@ -227,7 +230,11 @@ class TmaGemv(SplitKKernel):
         p = self.plan
         tma_atom, tma_w = self.tma_of(w)
         self.kernel(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride).launch(
-            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
+            grid=[p.ctas, 1, 1],
+            block=[p.threads, 1, 1],
+            stream=stream,
+            use_pdl=True,
+            preferred_smem_carveout=p.carveout,
         )
 
     def tma_of(self, w: cute.Pointer):
@@ -576,7 +583,13 @@ class PublishingTmaGemv(TmaGemv):
         tma_atom, tma_w = self.tma_of(w)
         self.kernel(
             tma_atom, tma_w, x, out, workspace, counters, peers, control, rank, tp, cap, b, x_stride, out_stride
-        ).launch(grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True)
+        ).launch(
+            grid=[p.ctas, 1, 1],
+            block=[p.threads, 1, 1],
+            stream=stream,
+            use_pdl=True,
+            preferred_smem_carveout=p.carveout,
+        )
 
     @cute.kernel
     def kernel(

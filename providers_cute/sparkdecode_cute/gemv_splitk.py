@@ -29,7 +29,6 @@ fp32) and writes fp32. b is a runtime argument: rows past b are never stored.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -50,9 +49,6 @@ MAX_CHUNK_BYTES = 128 * 1024  # x's chunk in shared memory (fp32, max_rows rows)
 H200_SMS = 132
 MIN_BALANCE = 0.9  # mean / most CTAs per SM taken before fewer waves
 CTA_RESERVED_BYTES = 1024  # the system's share of each CTA's shared memory
-# The shared-memory carveout of a kernel whose CTAs share their SMs with another's that
-# takes most of an SM's shared memory: the whole of the SM's L1 as shared memory (percent).
-MAX_SHARED_CARVEOUT = 100
 
 
 class SplitGrid:
@@ -96,9 +92,6 @@ class SplitKPlan(SplitGrid):
     rows: int  # weight rows per lane; a tile has ROW_LANES * rows
     splits: int  # K chunks, one CTA each
     depth: int  # steps per register batch
-    # The preferred shared-memory carveout (percent of the unified L1), the driver's
-    # choice where None; ``beside_plan`` sets the largest.
-    carveout: int | None = None
 
     @property
     def vector(self) -> int:
@@ -216,7 +209,7 @@ def beside_plan(
     if isinstance(plans, str):
         return None
     fits = [p for p in plans if p.ctas <= sms and p.smem_bytes + CTA_RESERVED_BYTES <= room]
-    return dataclasses.replace(fits[0], carveout=MAX_SHARED_CARVEOUT) if fits else None
+    return fits[0] if fits else None
 
 
 class SplitKKernel:
@@ -245,11 +238,7 @@ class SplitKKernel:
     ):
         p = self.plan
         self.kernel(w, x, out, workspace, counters, b, x_stride, out_stride).launch(
-            grid=[p.ctas, 1, 1],
-            block=[p.threads, 1, 1],
-            stream=stream,
-            use_pdl=True,
-            preferred_smem_carveout=getattr(p, "carveout", None),
+            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
         )
 
     def finish(self, smem, partial, out, workspace, counters, b, out_stride, tile, split, store=None):

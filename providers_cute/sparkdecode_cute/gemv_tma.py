@@ -104,9 +104,6 @@ class TmaPlan(SplitGrid):
     splits: int  # K chunks, one CTA each
     stage_k: int  # K of one ring buffer
     stages: int  # ring buffers
-    # The preferred shared-memory carveout (percent of the unified L1), the driver's
-    # choice where None.
-    carveout: int | None = None
 
     @property
     def tile_rows(self) -> int:
@@ -230,11 +227,7 @@ class TmaGemv(SplitKKernel):
         p = self.plan
         tma_atom, tma_w = self.tma_of(w)
         self.kernel(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride).launch(
-            grid=[p.ctas, 1, 1],
-            block=[p.threads, 1, 1],
-            stream=stream,
-            use_pdl=True,
-            preferred_smem_carveout=p.carveout,
+            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
         )
 
     def tma_of(self, w: cute.Pointer):
@@ -583,13 +576,7 @@ class PublishingTmaGemv(TmaGemv):
         tma_atom, tma_w = self.tma_of(w)
         self.kernel(
             tma_atom, tma_w, x, out, workspace, counters, peers, control, rank, tp, cap, b, x_stride, out_stride
-        ).launch(
-            grid=[p.ctas, 1, 1],
-            block=[p.threads, 1, 1],
-            stream=stream,
-            use_pdl=True,
-            preferred_smem_carveout=p.carveout,
-        )
+        ).launch(grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(

@@ -22,7 +22,6 @@ when the layer's attention boundary gathers (``pair_attention``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -197,37 +196,3 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
     name = "cute.linear_tma_coresident"
     bf16_weight = CoresidentTmaWeight
-
-
-class CuteLinearTmaDriverCarveout(CuteLinearTma):
-    """cute.linear_tma with its router at the driver's shared-memory carveout (no
-    preference, as the router ran before ``beside_plan`` asked for the largest): the
-    baseline of the carveout's measure in the step. Not registered."""
-
-    name = "cute.linear_tma_driver_carveout"
-
-    def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
-        plan = super().router_plan(name, w, bf16, max_rows, sms)
-        return None if plan is None else dataclasses.replace(plan, carveout=None)
-
-
-class MaxCarveoutTmaWeight(TmaWeight):
-    """A bf16 weight on the TMA kernel of the registered plan at the largest shared-memory
-    carveout, so that no SM changes its carveout between the GEMVs and the router."""
-
-    provider = "cute.linear_tma_max_carveout"
-
-    @staticmethod
-    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
-        from . import gemv_splitk
-
-        plan = TmaWeight.make_plan(w, fp32, max_rows, sms)
-        return plan if isinstance(plan, str) else dataclasses.replace(plan, carveout=gemv_splitk.MAX_SHARED_CARVEOUT)
-
-
-class CuteLinearTmaMaxCarveout(CuteLinearTma):
-    """cute.linear_tma with every weight's kernel at the largest shared-memory carveout
-    (``MaxCarveoutTmaWeight``), the router's as in cute.linear_tma. Not registered."""
-
-    name = "cute.linear_tma_max_carveout"
-    bf16_weight = MaxCarveoutTmaWeight

@@ -250,16 +250,3 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
-
-
-class CudaMoEInlineRouter(CudaMoE):
-    """cuda.moe with the router and the routing in line before the pooler, on the current
-    stream (no side stream): the pooler's rate without the router beside it. Not
-    registered."""
-
-    name = "cuda.moe_inline_router"
-
-    def __init__(self, ctx: BuildContext, layer: int):
-        super().__init__(ctx, layer)
-        self.side = None
-        self.router_linear = self.linear

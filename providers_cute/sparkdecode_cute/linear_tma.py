@@ -196,3 +196,23 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
     name = "cute.linear_tma_coresident"
     bf16_weight = CoresidentTmaWeight
+
+
+class CuteLinearTmaRouterLast(CuteLinearTma):
+    """cute.linear_tma with its router on the last split-K plan that fits beside the
+    pooler's CTA (at 8 rows: 8 rows a lane by 32 splits, 198 registers a thread, so two
+    of its CTAs never share an SM, where the registered plan's two can), to see whether
+    router CTAs doubling up on SMs keep the pooler's off them. Not registered."""
+
+    name = "cute.linear_tma_router_last"
+
+    def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
+        from . import gemv_splitk, gemv_tma
+
+        pooler = bf16.get("pooler")
+        if not isinstance(pooler, TmaWeight):
+            return None
+        room = gemv_tma.SM_SMEM_BYTES - pooler.plan.resident * (pooler.plan.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES)
+        plans = gemv_splitk.splitk_plans(w.shape[0], w.shape[1], True, max_rows, w.stride(0), sms)
+        fits = [p for p in plans if p.ctas <= sms and p.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES <= room]
+        return fits[-1] if fits else None

@@ -163,6 +163,9 @@ def _moe_width_unsupported(d: Deployment) -> str | None:
 class CudaMoE(_Cuda):
     block = "moe"
     name = "cuda.moe"
+    # The pooler launched (captured) before the router's side branch, the fork's event
+    # still recorded before both: the same launches a stream, in another capture order.
+    pooler_first = False
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -214,6 +217,13 @@ class CudaMoE(_Cuda):
         self.router_linear.run("router", x, logits)
         self.kernels.route(logits, self.layer.expert_bias, self.spec.routed_scaling_factor, topk)
 
+    def _side_route(self, side: torch.cuda.Stream, x: torch.Tensor, topk: RoutedTopk) -> None:
+        """The router and the routing on the side stream, from the fork; the join after."""
+        side.wait_event(self.fork)
+        with torch.cuda.stream(side):
+            self._route(x, topk)
+            self.join.record(side)
+
     def run(self, step: Step, x: torch.Tensor) -> None:
         spec, layer, b = self.spec, self.layer, x.shape[0]
         # behind the side stream's join the routing is complete when the experts launch
@@ -224,12 +234,12 @@ class CudaMoE(_Cuda):
         else:  # fork: the side stream starts where the current one is
             current = torch.cuda.current_stream(x.device)
             self.fork.record(current)
-            side.wait_event(self.fork)
-            with torch.cuda.stream(side):
-                self._route(x, topk)
-                self.join.record(side)
+            if not self.pooler_first:
+                self._side_route(side, x, topk)
         pooled = self.pooled[:b]
         self.linear.run("pooler", x, pooled)
+        if side is not None and self.pooler_first:
+            self._side_route(side, x, topk)
         if pooled.shape[1] != spec.P:  # a column-sharded pooler
             pooled = self.collectives.gather_columns(pooled, spec.P)
         h = self.h[:b]
@@ -250,3 +260,12 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
+
+
+class CudaMoEPoolerFirst(CudaMoE):
+    """cuda.moe with the pooler captured before the router's side branch
+    (``pooler_first``): whether the capture order decides which of the two starts
+    beside the attention boundary under PDL. Not registered."""
+
+    name = "cuda.moe_pooler_first"
+    pooler_first = True

@@ -461,3 +461,72 @@ def test_the_collectives_bench_context_keeps_shared_objects():
     ctx = context(ModelSpec.preset("tiny"), 8, 2, 0, torch.device("cpu"))
     made = ctx.shared("lamport_workspace", list)
     assert ctx.shared("lamport_workspace", lambda: pytest.fail("made twice")) is made
+
+
+@pytest.mark.parametrize("pooler_first", [False, True])
+def test_moe_capture_order(monkeypatch, pooler_first):
+    """cuda.moe's launches as a CUDA graph captures them: the fork's event recorded on the
+    current stream first, the router and the routing on the side stream after it, the
+    pooler on the current stream, the join before the experts; the pooler before the
+    router's branch only in the unregistered cuda.moe_pooler_first (the same launches a
+    stream, another capture order)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from sparkdecode_cuda import plugin
+
+    calls: list[str] = []
+
+    class Event:
+        def __init__(self, name: str):
+            self.name = name
+
+        def record(self, stream):
+            calls.append(f"record {self.name} on {stream.name}")
+
+    class Stream:
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait_event(self, event):
+            calls.append(f"{self.name} waits {event.name}")
+
+    side, current = Stream("side"), Stream("current")
+    on = [current]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        on.append(stream)
+        yield
+        on.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+
+    def launch(name):
+        return lambda *args, **kwargs: calls.append(f"{name} on {on[-1].name}")
+
+    cls = moe.CudaMoEPoolerFirst if pooler_first else moe.CudaMoE
+    assert moe.CudaMoE in plugin.PROVIDERS and moe.CudaMoEPoolerFirst not in plugin.PROVIDERS
+    block = cls.__new__(cls)
+    spec = ModelSpec.preset("tiny")
+    rows = torch.zeros(8, spec.P)
+    block.spec, block.side, block.fork, block.join = spec, side, Event("fork"), Event("join")
+    block.layer = SimpleNamespace(pre_expert_norm=None, post_expert_norm=None, expert_bias=None)
+    block.ids, block.weights = torch.zeros(8, spec.top_k), torch.zeros(8, spec.top_k)
+    block.logits, block.pooled, block.h, block.m = torch.zeros(8, spec.E), rows, rows, rows
+    block.rows = torch.zeros(8, spec.top_k, spec.P)
+    block.router_linear = SimpleNamespace(run=lambda name, *a: calls.append(f"{name} on {on[-1].name}"))
+    block.linear = block.router_linear
+    block.kernels = SimpleNamespace(route=launch("routing"), pre_norm=launch("pre_norm"), finish=launch("tail"))
+    block.experts = SimpleNamespace(run=launch("experts"))
+    block.workspace, block.reduce_rows, block.reduce_out = None, False, False
+    block.mailbox = SimpleNamespace(publish=lambda b: None)
+    block.run(None, torch.zeros(3, spec.H))
+    branch = ["side waits fork", "router on side", "routing on side", "record join on side"]
+    pooler = ["pooler on current"]
+    head = ["record fork on current"] + (pooler + branch if pooler_first else branch + pooler)
+    tail = ["pre_norm on current", "current waits join", "experts on current", "tail on current", "unpooler on current"]
+    assert calls == head + tail

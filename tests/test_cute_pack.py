@@ -280,7 +280,7 @@ def test_router_fits_beside_the_pooler(tma, splitk, max_rows):
     pooler = TmaWeight.__new__(TmaWeight)
     pooler.plan = tma.plan_tma(n, k, max_rows)
     router = torch.empty(256, 8192)
-    plan = CuteLinearTma.router_plan(None, "router", router, {"pooler": pooler}, max_rows, tma.H200_SMS)
+    plan = CuteLinearTma.router_plan("router", router, {"pooler": pooler}, max_rows, tma.H200_SMS)
     assert isinstance(plan, splitk.SplitKPlan) and plan.weight_fp32 and (plan.n, plan.k) == (256, 8192)
     assert pooler.plan.resident == 1 and plan.ctas <= tma.H200_SMS
     beside = pooler.plan.smem_bytes + plan.smem_bytes + 2 * splitk.CTA_RESERVED_BYTES
@@ -290,7 +290,7 @@ def test_router_fits_beside_the_pooler(tma, splitk, max_rows):
         default = splitk.plan_splitk(256, 8192, True, 8)
         assert pooler.plan.smem_bytes + default.smem_bytes + 2 * splitk.CTA_RESERVED_BYTES > tma.SM_SMEM_BYTES
     assert splitk.compile_splitk(plan, "sm_90a") is not None
-    assert CuteLinearTma.router_plan(None, "router", router, {}, max_rows, tma.H200_SMS) is None
+    assert CuteLinearTma.router_plan("router", router, {}, max_rows, tma.H200_SMS) is None
 
 
 # The o_proj of one rank of preset muse-spark-open at TP 8, 4, 2 (N 8192) and of the
@@ -446,10 +446,10 @@ def test_router_last_plan_fits_beside_the_pooler(tma, splitk):
     pooler = TmaWeight.__new__(TmaWeight)
     pooler.plan = tma.plan_tma(n, k, 8)
     router = torch.empty(256, 8192)
-    last = CuteLinearTmaRouterLast.router_plan(None, "router", router, {"pooler": pooler}, 8, tma.H200_SMS)
-    first = CuteLinearTma.router_plan(None, "router", router, {"pooler": pooler}, 8, tma.H200_SMS)
+    last = CuteLinearTmaRouterLast.router_plan("router", router, {"pooler": pooler}, 8, tma.H200_SMS)
+    first = CuteLinearTma.router_plan("router", router, {"pooler": pooler}, 8, tma.H200_SMS)
     assert (first.rows, first.splits) == (4, 16) and (last.rows, last.splits) == (8, 32)
     assert last.ctas <= tma.H200_SMS
     assert pooler.plan.smem_bytes + last.smem_bytes + 2 * splitk.CTA_RESERVED_BYTES <= tma.SM_SMEM_BYTES
     assert splitk.compile_splitk(last, "sm_90a") is not None
-    assert CuteLinearTmaRouterLast.router_plan(None, "router", router, {}, 8, tma.H200_SMS) is None
+    assert CuteLinearTmaRouterLast.router_plan("router", router, {}, 8, tma.H200_SMS) is None

@@ -198,18 +198,16 @@ def splitk_plans(
     return best_first(ranked)
 
 
-def beside_plan(
+def beside_plans(
     n: int, k: int, weight_fp32: bool, max_rows: int, room: int, w_stride: int | None = None, sms: int = H200_SMS
-) -> SplitKPlan | None:
-    """The best of ``splitk_plans`` whose CTAs are one an SM and take at most ``room``
-    bytes of an SM's shared memory (the system's share of a CTA included): a kernel
-    whose every CTA fits on an SM beside one CTA of another that leaves ``room``. None
-    if there is none."""
+) -> list[SplitKPlan]:
+    """The plans of ``splitk_plans`` (best first) whose CTAs are one an SM and take at
+    most ``room`` bytes of an SM's shared memory (the system's share of a CTA included):
+    kernels whose every CTA fits on an SM beside one CTA of another that leaves ``room``."""
     plans = splitk_plans(n, k, weight_fp32, max_rows, w_stride, sms)
     if isinstance(plans, str):
-        return None
-    fits = [p for p in plans if p.ctas <= sms and p.smem_bytes + CTA_RESERVED_BYTES <= room]
-    return fits[0] if fits else None
+        return []
+    return [p for p in plans if p.ctas <= sms and p.smem_bytes + CTA_RESERVED_BYTES <= room]
 
 
 class SplitKKernel:

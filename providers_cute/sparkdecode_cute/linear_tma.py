@@ -148,19 +148,26 @@ class CuteLinearTma(CuteLinearMma):
     priority = 30
     bf16_weight = TmaWeight
 
-    def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
+    # Which of the router's plans that fit beside a pooler CTA it takes (gemv_splitk's
+    # ``beside_plans``, best first).
+    beside_choice = 0
+
+    @classmethod
+    def router_plan(cls, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
         """The router's split-K plan whose CTAs fit on an SM beside one of the pooler's
-        (gemv_splitk's ``beside_plan``): cuda.moe runs the router on a side stream beside
-        the pooler, whose 1-CTA-an-SM tilings leave about 33 KB of an SM's shared memory,
-        and a router CTA that does not fit there holds its SM's pooler CTA back until
-        it ends. The planner's where there is no pooler plan or none fits."""
+        (gemv_splitk's ``beside_plans``, the ``beside_choice``-th): cuda.moe runs the
+        router on a side stream beside the pooler, whose 1-CTA-an-SM tilings leave about
+        33 KB of an SM's shared memory, and a router CTA that does not fit there holds its
+        SM's pooler CTA back until it ends. The planner's where there is no pooler plan or
+        none fits."""
         from . import gemv_splitk, gemv_tma
 
         pooler = bf16.get("pooler")
         if not isinstance(pooler, TmaWeight):
             return None
         room = gemv_tma.SM_SMEM_BYTES - pooler.plan.resident * (pooler.plan.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES)
-        return gemv_splitk.beside_plan(w.shape[0], w.shape[1], True, max_rows, room, w.stride(0), sms)
+        fits = gemv_splitk.beside_plans(w.shape[0], w.shape[1], True, max_rows, room, w.stride(0), sms)
+        return fits[cls.beside_choice] if fits else None
 
     def publish(self, name: str, mailbox: Any) -> bool:
         """Weight ``name``'s output published into ``mailbox`` by its epilogue from now
@@ -205,14 +212,4 @@ class CuteLinearTmaRouterLast(CuteLinearTma):
     router CTAs doubling up on SMs keep the pooler's off them. Not registered."""
 
     name = "cute.linear_tma_router_last"
-
-    def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
-        from . import gemv_splitk, gemv_tma
-
-        pooler = bf16.get("pooler")
-        if not isinstance(pooler, TmaWeight):
-            return None
-        room = gemv_tma.SM_SMEM_BYTES - pooler.plan.resident * (pooler.plan.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES)
-        plans = gemv_splitk.splitk_plans(w.shape[0], w.shape[1], True, max_rows, w.stride(0), sms)
-        fits = [p for p in plans if p.ctas <= sms and p.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES <= room]
-        return fits[-1] if fits else None
+    beside_choice = -1

@@ -264,8 +264,10 @@ class CudaMoE(_Cuda):
 
 class CudaMoEPoolerFirst(CudaMoE):
     """cuda.moe with the pooler captured before the router's side branch
-    (``pooler_first``): whether the capture order decides which of the two starts
-    beside the attention boundary under PDL. Not registered."""
+    (``pooler_first``): whether the pooler's CTAs, launched first, take the SMs one an SM
+    with the router's fitting in beside them, where the registered order's router CTAs
+    keep most of the pooler's off the SMs until they end (bench/NOTES.md v43). Not
+    registered."""
 
     name = "cuda.moe_pooler_first"
     pooler_first = True

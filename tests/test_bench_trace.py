@@ -49,6 +49,23 @@ def test_by_layer_cuts_at_the_marker_and_numbers_repeats():
     assert line == "   20.0 us: qkv_front_kernel=6.0 cute:gemv_tmaTmaGemv=7.0"
 
 
+def test_windows_time_each_kernel_from_the_anchor_end():
+    names = ["qkv_front_kernel", "boundary_kernel", CUTE, "routing_kernel", "boundary_kernel", "qkv_front_kernel"]
+    starts = [0.0, 10.0, 12.0, 30.0, 40.0, 50.0]
+    kernel_rows = [trace.KernelRow(t, 4.0, 0.0, n) for t, n in zip(starts, names)]
+    (seg,) = trace.windows(kernel_rows, "qkv_front", "boundary_kernel")
+    assert seg == [
+        ("qkv_front_kernel", -14.0, -10.0),
+        ("boundary_kernel", -4.0, 0.0),
+        ("cute:gemv_tmaTmaGemv", -2.0, 2.0),
+        ("routing_kernel", 16.0, 20.0),
+        ("boundary_kernel#2", 26.0, 30.0),
+    ]
+    assert trace.windows(kernel_rows, "qkv_front", "boundary_kernel#2")[0][1] == ("boundary_kernel", -34.0, -30.0)
+    assert trace.windows(kernel_rows, "qkv_front", "tail_kernel") == []
+    assert trace.format_windows([seg[:2]]) == "qkv_front_kernel=-14.0..-10.0 boundary_kernel=-4.0..0.0"
+
+
 def test_parse_reads_the_listing_back():
     kernel_rows = trace.rows([(0.0, 2.5, "qkv_front_kernel"), (1.0, 9.0, FA2), (8.5, 12.0, CUTE)])
     listing = "\n".join(

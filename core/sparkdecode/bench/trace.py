@@ -8,7 +8,10 @@ wait; ``after`` is what it adds to the critical path). ``by_layer`` cuts the row
 each kernel whose name holds a marker (the first kernel of a layer's attention block,
 e.g. ``qkv_front``): a segment is one layer, its period the time from its marker to the
 next. Kernels of one name within a segment are told apart by their order (``#2``, ...).
-``parse`` reads the rows back from profile-step's printed listing.
+``windows`` gives the same segments as each kernel's start and end against one anchor
+kernel's end (e.g. the attention boundary's): when a kernel's blocks start and when it
+ends, whatever the order of capture. ``parse`` reads the rows back from profile-step's
+printed listing.
 """
 
 from __future__ import annotations
@@ -56,21 +59,50 @@ def short(name: str) -> str:
     return re.split(r"[<(]", name, maxsplit=1)[0].strip()
 
 
+def _segments(kernel_rows: list[KernelRow], marker: str) -> list[tuple[list[KernelRow], list[str], float]]:
+    """The rows between two kernels whose name holds ``marker``, their labels (repeats
+    numbered) and the period (the first marker's start to the next one's)."""
+    marks = [i for i, r in enumerate(kernel_rows) if marker in r.name]
+    out = []
+    for a, b in zip(marks, marks[1:]):
+        seen: Counter[str] = Counter()
+        labels = []
+        for r in kernel_rows[a:b]:
+            label = short(r.name)
+            seen[label] += 1
+            labels.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+        out.append((kernel_rows[a:b], labels, kernel_rows[b].start_us - kernel_rows[a].start_us))
+    return out
+
+
 def by_layer(kernel_rows: list[KernelRow], marker: str) -> list[Layer]:
     """The rows cut at each kernel whose name holds ``marker``: one Layer a segment
     between two markers (the rows before the first marker and from the last one on are
     left out: they are not a whole layer)."""
-    marks = [i for i, r in enumerate(kernel_rows) if marker in r.name]
-    layers = []
-    for a, b in zip(marks, marks[1:]):
-        seen: Counter[str] = Counter()
-        labelled = []
-        for r in kernel_rows[a:b]:
-            label = short(r.name)
-            seen[label] += 1
-            labelled.append((label if seen[label] == 1 else f"{label}#{seen[label]}", r.after_us))
-        layers.append(Layer(kernel_rows[b].start_us - kernel_rows[a].start_us, labelled))
-    return layers
+    return [
+        Layer(period, [(label, r.after_us) for r, label in zip(seg, labels)])
+        for seg, labels, period in _segments(kernel_rows, marker)
+    ]
+
+
+def windows(kernel_rows: list[KernelRow], marker: str, anchor: str) -> list[list[tuple[str, float, float]]]:
+    """The segments ``by_layer`` cuts, each as (label, start, end) a kernel, both against
+    the end of the segment's first kernel whose label is ``anchor`` (a label as
+    ``by_layer`` numbers them, e.g. ``boundary_kernel#2``). A segment without it is left
+    out."""
+    out = []
+    for seg, labels, _ in _segments(kernel_rows, marker):
+        if anchor not in labels:
+            continue
+        ref = seg[labels.index(anchor)]
+        t = ref.start_us + ref.duration_us
+        out.append([(label, r.start_us - t, r.start_us + r.duration_us - t) for r, label in zip(seg, labels)])
+    return out
+
+
+def format_windows(segments: list[list[tuple[str, float, float]]]) -> str:
+    """One line a layer: each kernel's label, start and end (``label=start..end``)."""
+    return "\n".join(" ".join(f"{label}={a:.1f}..{b:.1f}" for label, a, b in seg) for seg in segments)
 
 
 def format_layers(layers: list[Layer]) -> str:
@@ -100,4 +132,16 @@ def parse(text: str) -> list[KernelRow]:
     return out
 
 
-__all__ = ["HEADER", "KernelRow", "Layer", "by_layer", "format_layers", "format_row", "parse", "rows", "short"]
+__all__ = [
+    "HEADER",
+    "KernelRow",
+    "Layer",
+    "by_layer",
+    "format_layers",
+    "format_row",
+    "format_windows",
+    "parse",
+    "rows",
+    "short",
+    "windows",
+]

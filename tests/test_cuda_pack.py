@@ -463,13 +463,10 @@ def test_the_collectives_bench_context_keeps_shared_objects():
     assert ctx.shared("lamport_workspace", lambda: pytest.fail("made twice")) is made
 
 
-@pytest.mark.parametrize("pooler_first", [False, True])
-def test_moe_capture_order(monkeypatch, pooler_first):
+def test_moe_capture_order(monkeypatch):
     """cuda.moe's launches as a CUDA graph captures them: the fork's event recorded on the
     current stream first, the router and the routing on the side stream after it, the
-    pooler on the current stream, the join before the experts; the pooler before the
-    router's branch only in the unregistered cuda.moe_pooler_first (the same launches a
-    stream, another capture order)."""
+    pooler on the current stream, the join before the experts."""
     import contextlib
     from types import SimpleNamespace
 
@@ -508,9 +505,8 @@ def test_moe_capture_order(monkeypatch, pooler_first):
     def launch(name):
         return lambda *args, **kwargs: calls.append(f"{name} on {on[-1].name}")
 
-    cls = moe.CudaMoEPoolerFirst if pooler_first else moe.CudaMoE
-    assert moe.CudaMoE in plugin.PROVIDERS and moe.CudaMoEPoolerFirst not in plugin.PROVIDERS
-    block = cls.__new__(cls)
+    assert moe.CudaMoE in plugin.PROVIDERS
+    block = moe.CudaMoE.__new__(moe.CudaMoE)
     spec = ModelSpec.preset("tiny")
     rows = torch.zeros(8, spec.P)
     block.spec, block.side, block.fork, block.join = spec, side, Event("fork"), Event("join")
@@ -527,6 +523,6 @@ def test_moe_capture_order(monkeypatch, pooler_first):
     block.run(None, torch.zeros(3, spec.H))
     branch = ["side waits fork", "router on side", "routing on side", "record join on side"]
     pooler = ["pooler on current"]
-    head = ["record fork on current"] + (pooler + branch if pooler_first else branch + pooler)
+    head = ["record fork on current"] + branch + pooler
     tail = ["pre_norm on current", "current waits join", "experts on current", "tail on current", "unpooler on current"]
     assert calls == head + tail

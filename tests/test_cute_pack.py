@@ -433,23 +433,3 @@ def test_coresident_linear_plans_within_half_an_sm(tma):
         plan = CoresidentTmaWeight.make_plan(w, False, 8, 132)
         assert plan.smem_bytes <= tma.CORESIDENT_SMEM_BYTES and plan.resident >= 2, (name, plan)
     assert "do not fit 4096 bytes" in tma.plan_tma(8192, 1024, 8, max_smem=4096)
-
-
-def test_router_last_plan_fits_beside_the_pooler(tma, splitk):
-    """cute.linear_tma_router_last (unregistered): the router on the last split-K plan that
-    fits on an SM beside one of the pooler's CTAs, at 8 rows 8 rows a lane by 32 splits (a
-    CTA an SM), against the registered 4 by 16; it compiles for sm_90a."""
-    from sparkdecode_cute.linear_tma import CuteLinearTma, CuteLinearTmaRouterLast, TmaWeight
-
-    assert CuteLinearTmaRouterLast not in plugin.PROVIDERS
-    n, k, _ = TP8["pooler"]
-    pooler = TmaWeight.__new__(TmaWeight)
-    pooler.plan = tma.plan_tma(n, k, 8)
-    router = torch.empty(256, 8192)
-    last = CuteLinearTmaRouterLast.router_plan("router", router, {"pooler": pooler}, 8, tma.H200_SMS)
-    first = CuteLinearTma.router_plan("router", router, {"pooler": pooler}, 8, tma.H200_SMS)
-    assert (first.rows, first.splits) == (4, 16) and (last.rows, last.splits) == (8, 32)
-    assert last.ctas <= tma.H200_SMS
-    assert pooler.plan.smem_bytes + last.smem_bytes + 2 * splitk.CTA_RESERVED_BYTES <= tma.SM_SMEM_BYTES
-    assert splitk.compile_splitk(last, "sm_90a") is not None
-    assert CuteLinearTmaRouterLast.router_plan("router", router, {}, 8, tma.H200_SMS) is None

@@ -163,9 +163,6 @@ def _moe_width_unsupported(d: Deployment) -> str | None:
 class CudaMoE(_Cuda):
     block = "moe"
     name = "cuda.moe"
-    # The pooler launched (captured) before the router's side branch, the fork's event
-    # still recorded before both: the same launches a stream, in another capture order.
-    pooler_first = False
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -234,12 +231,9 @@ class CudaMoE(_Cuda):
         else:  # fork: the side stream starts where the current one is
             current = torch.cuda.current_stream(x.device)
             self.fork.record(current)
-            if not self.pooler_first:
-                self._side_route(side, x, topk)
+            self._side_route(side, x, topk)
         pooled = self.pooled[:b]
         self.linear.run("pooler", x, pooled)
-        if side is not None and self.pooler_first:
-            self._side_route(side, x, topk)
         if pooled.shape[1] != spec.P:  # a column-sharded pooler
             pooled = self.collectives.gather_columns(pooled, spec.P)
         h = self.h[:b]
@@ -260,14 +254,3 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
-
-
-class CudaMoEPoolerFirst(CudaMoE):
-    """cuda.moe with the pooler captured before the router's side branch
-    (``pooler_first``): whether the pooler's CTAs, launched first, take the SMs one an SM
-    with the router's fitting in beside them, where the registered order's router CTAs
-    keep most of the pooler's off the SMs until they end (bench/NOTES.md v43). Not
-    registered."""
-
-    name = "cuda.moe_pooler_first"
-    pooler_first = True

@@ -148,14 +148,9 @@ class CuteLinearTma(CuteLinearMma):
     priority = 30
     bf16_weight = TmaWeight
 
-    # Which of the router's plans that fit beside a pooler CTA it takes (gemv_splitk's
-    # ``beside_plans``, best first).
-    beside_choice = 0
-
-    @classmethod
-    def router_plan(cls, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
+    def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
         """The router's split-K plan whose CTAs fit on an SM beside one of the pooler's
-        (gemv_splitk's ``beside_plans``, the ``beside_choice``-th): cuda.moe runs the
+        (gemv_splitk's ``beside_plans``, the best): cuda.moe runs the
         router on a side stream beside the pooler, whose 1-CTA-an-SM tilings leave about
         33 KB of an SM's shared memory, and a router CTA that does not fit there holds its
         SM's pooler CTA back until it ends. The planner's where there is no pooler plan or
@@ -167,7 +162,7 @@ class CuteLinearTma(CuteLinearMma):
             return None
         room = gemv_tma.SM_SMEM_BYTES - pooler.plan.resident * (pooler.plan.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES)
         fits = gemv_splitk.beside_plans(w.shape[0], w.shape[1], True, max_rows, room, w.stride(0), sms)
-        return fits[cls.beside_choice] if fits else None
+        return fits[0] if fits else None
 
     def publish(self, name: str, mailbox: Any) -> bool:
         """Weight ``name``'s output published into ``mailbox`` by its epilogue from now
@@ -203,13 +198,3 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
     name = "cute.linear_tma_coresident"
     bf16_weight = CoresidentTmaWeight
-
-
-class CuteLinearTmaRouterLast(CuteLinearTma):
-    """cute.linear_tma with its router on the last split-K plan that fits beside the
-    pooler's CTA (at 8 rows: 8 rows a lane by 32 splits, 198 registers a thread, so two
-    of its CTAs never share an SM, where the registered plan's two can), to see whether
-    router CTAs doubling up on SMs keep the pooler's off them. Not registered."""
-
-    name = "cute.linear_tma_router_last"
-    beside_choice = -1

@@ -148,7 +148,8 @@ class CuteLinearTma(CuteLinearMma):
     priority = 30
     bf16_weight = TmaWeight
 
-    def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
+    @staticmethod
+    def router_plan(name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
         """The router's split-K plan whose CTAs fit on an SM beside one of the pooler's
         (gemv_splitk's ``beside_plans``, the best): cuda.moe runs the
         router on a side stream beside the pooler, whose 1-CTA-an-SM tilings leave about

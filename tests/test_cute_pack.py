@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 
 import pytest
 import torch
@@ -335,6 +336,38 @@ def test_registered_tma_does_not_publish(tma, tmp_path):
     for n, k in PUBLISHED_SHAPES[:2]:
         ptx = tma.compile_tma(tma.plan_tma(n, k, 8), "sm_90a", _keep_ptx(tmp_path)).artifacts.PTX
         assert "volatile" not in ptx and "fence.acq_rel.sys" not in ptx
+
+
+def _ptx_text(ptx: str) -> str:
+    """The kept PTX's text (``artifacts.PTX`` names the file where the kernel took its own name)."""
+    return open(ptx).read() if ptx.endswith(".ptx") and os.path.exists(ptx) else ptx
+
+
+def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
+    """scripts/beside-trace's kernels (``trace``): the pooler's TMA GEMV and the router's
+    split-K plan beside it compile for sm_90a with %smid and %globaltimer read; the
+    registered kernels read neither. The records sit past the tile counters, 32-byte
+    aligned, a record of TRACE_WORDS words a CTA."""
+    from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight
+
+    n, k, _ = TP8["pooler"]
+    pooler = TmaWeight.__new__(TmaWeight)
+    pooler.plan = tma.plan_tma(n, k, 8)
+    router = CuteLinearTma.router_plan("router", torch.empty(256, 8192), {"pooler": pooler}, 8, tma.H200_SMS)
+    kernels = [
+        (tma.TracedTmaGemv(pooler.plan), tma.TmaGemv(pooler.plan)),
+        (splitk.TracedSplitKGemv(router), splitk.SplitKGemv(router)),
+    ]
+    for d in ("t", "r"):
+        (tmp_path / d).mkdir()
+    for traced, registered in kernels:
+        ptx = _ptx_text(splitk.compile_split(traced, "sm_90a", _keep_ptx(tmp_path / "t")).artifacts.PTX)
+        assert "%smid" in ptx and ptx.count("%globaltimer") == 3
+        ptx = _ptx_text(splitk.compile_split(registered, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX)
+        assert "%smid" not in ptx and "%globaltimer" not in ptx
+    for plan in (pooler.plan, router):
+        assert splitk.trace_offset(plan.tiles) % 8 == 0 and splitk.trace_offset(plan.tiles) >= plan.tiles
+        assert splitk.trace_counters(plan) == splitk.trace_offset(plan.tiles) + splitk.TRACE_WORDS * plan.ctas
 
 
 def test_registered_linear_tma_publishes():

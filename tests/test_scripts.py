@@ -417,6 +417,43 @@ def test_experts_trace_summarizes_blocks_by_sm():
     assert "tail 2.0" in trace_mod.report("up", s)
 
 
+def test_beside_trace_reads_records_and_sharing():
+    """beside-trace's figures from made-up records (ns): the records' words as
+    gemv_splitk's traced kernels write them, each kernel's spread and the SMs where two of
+    its CTAs ran at once, and the pooler's CTAs by what shared their SM."""
+    trace_mod = load_script("beside-trace")
+    from sparkdecode_cute import gemv_splitk
+
+    assert trace_mod.RECORD_WORDS == gemv_splitk.TRACE_WORDS
+
+    def words(ctas: list[tuple[int, int, int, int]], offset: int) -> list[int]:
+        out = [0] * offset
+        for sm, *times in ctas:
+            out += [sm, 0]
+            for t in times:
+                lo = t & 0xFFFFFFFF
+                out += [lo - (1 << 32) if lo >= 1 << 31 else lo, t >> 32]  # int32 words, as read back
+        return out
+
+    big = (5 << 32) + 3_000_000_000  # both words used, the low one negative as int32
+    pooler = [(1, big + 1000, big + 2000, big + 12000), (2, big + 9000, big + 9000, big + 19000)]
+    router = [(2, big + 500, big + 2000, big + 9000), (2, big + 600, big + 2100, big + 8000), (3, big, big, big + 4000)]
+    assert trace_mod.records(words(pooler, 8), 2, 8) == pooler
+    with pytest.raises(ValueError, match="past the counters"):
+        trace_mod.records(words(pooler, 8), 3, 8)
+    with pytest.raises(ValueError, match="no end time"):
+        trace_mod.records(words([(1, 5, 5, 0)], 0), 1, 0)
+    s = trace_mod.summarize(pooler, router)
+    assert (s["router"]["ctas"], s["router"]["sms"], s["router"]["sms_two"]) == (3, 2, 1)
+    assert s["pooler"]["start"] == [1.0, 9.0] and s["router"]["end"] == [9.0, 8.0, 4.0]
+    # SM 1 held no router CTA; SM 2's pooler CTA started as its router CTAs had ended
+    assert (s["beside_at_start"], s["after_router"]) == (0, 1)
+    assert s["run_shared"] == [] and s["run_alone"] == [10.0, 10.0]
+    s2 = trace_mod.summarize([(2, big + 1000, big + 2000, big + 12000)], router)
+    assert (s2["beside_at_start"], s2["after_router"], s2["run_shared"]) == (1, 0, [10.0])
+    assert "1 of 1 started beside a router CTA" in trace_mod.report(s2)
+
+
 def test_experts_trace_rows_are_the_kernels():
     """experts-trace reads rows of experts.cu's TRACE_STRIDE (its TRACE_ITEMS), and the
     registered Marlin providers' kernels (the queues' too) build with EXPERTS_TRACE."""

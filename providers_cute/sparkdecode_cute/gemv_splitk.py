@@ -49,6 +49,9 @@ MAX_CHUNK_BYTES = 128 * 1024  # x's chunk in shared memory (fp32, max_rows rows)
 H200_SMS = 132
 MIN_BALANCE = 0.9  # mean / most CTAs per SM taken before fewer waves
 CTA_RESERVED_BYTES = 1024  # the system's share of each CTA's shared memory
+# A traced kernel's record a CTA (``SplitKKernel.trace``): int32 words of its SM, then
+# %globaltimer (ns, low and high words) at its start, after its PDL wait and at its end.
+TRACE_WORDS = 8
 
 
 class SplitGrid:
@@ -210,16 +213,50 @@ def beside_plans(
     return [p for p in plans if p.ctas <= sms and p.smem_bytes + CTA_RESERVED_BYTES <= room]
 
 
+def trace_offset(tiles: int) -> int:
+    """Where a traced kernel's records start in its counters (int32 elements): past the
+    ``tiles`` tile counters, 32-byte aligned."""
+    return (tiles + 7) // 8 * 8
+
+
+def trace_counters(plan: Any) -> int:
+    """The int32 counters a traced launch of ``plan`` takes: the tiles' and a record a CTA."""
+    return trace_offset(plan.tiles) + TRACE_WORDS * plan.ctas
+
+
 class SplitKKernel:
     """The host side of the split-K GEMVs (this module's, gemv_mma's, gemv_tma's):
     ``__call__(w, x, out, workspace, counters, b, x_stride, out_stride, stream)`` on
     pointers launches ``kernel`` with the same arguments (but the stream) on
     ``plan.ctas`` CTAs of ``plan.threads`` threads, with PDL; ``finish`` ends a CTA
-    by ``finish_tile``. A subclass sets ``plan`` and defines ``kernel``."""
+    by ``finish_tile``. A subclass sets ``plan`` and defines ``kernel``.
+
+    With ``trace`` (a subclass's, for scripts/beside-trace; no registered kernel sets it)
+    the kernel also writes each CTA's record into ``counters`` past the tile counters
+    (``trace_offset``; ``trace_counters`` in all): the kernel's ``mark`` calls at its
+    start, after its PDL wait and at its end compile to nothing without it."""
 
     plan: Any
     weight_dtype: Any = BFloat16
     out_dtype: Any = BFloat16
+    trace = False
+
+    @cute.jit
+    def mark(self, counters: cute.Pointer, slot: cutlass.Constexpr):
+        """Thread 0's record of its CTA in a traced kernel: at ``slot`` 0 the SM and the
+        time, at 1 and 2 the time."""
+        if cutlass.const_expr(self.trace):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            if tidx == 0:
+                p = self.plan
+                records = cute.make_tensor(counters, cute.make_layout((trace_counters(p),)))
+                base = trace_offset(p.tiles) + bidx * TRACE_WORDS
+                now = cute.arch.globaltimer()
+                if cutlass.const_expr(slot == 0):
+                    records[base] = cute.arch.smid()
+                records[base + 2 + 2 * slot] = Int32(now & 0xFFFFFFFF)
+                records[base + 3 + 2 * slot] = Int32(now >> 32)
 
     @cute.jit
     def __call__(
@@ -329,6 +366,7 @@ class SplitKGemv(SplitKKernel):
         chunk0 = split * (TK // V)  # the chunk's first vector
         lane_vector = warp * K_LANES + t  # of each step's K_LANES * WARPS
 
+        self.mark(counters, 0)
         mW = cute.make_tensor(w, cute.make_layout((p.n, p.k), stride=(p.w_stride, 1)))
         buffers = [[cute.make_rmem_tensor((V,), self.weight_dtype) for _ in range(R * D)] for _ in range(2)]
 
@@ -339,6 +377,7 @@ class SplitKGemv(SplitKKernel):
             self.load(mW, buffers[1], 1, w_row, w_vector)
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
+        self.mark(counters, 1)
 
         # x's chunk, fp32, in shared memory; rows past b repeat row b - 1.
         smem = cutlass.memory.SmemAllocator()
@@ -383,6 +422,7 @@ class SplitKGemv(SplitKKernel):
         cute.arch.sync_threads()
 
         self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split)
+        self.mark(counters, 2)
 
 
 def warp_sum(partial: cute.Tensor, q) -> Float32:
@@ -500,3 +540,9 @@ def compile_splitk(plan: SplitKPlan, arch: str | None = None):
     """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
     ``CUTE_DSL_ARCH`` or the GPU's)."""
     return compile_split(SplitKGemv(plan), arch)
+
+
+class TracedSplitKGemv(SplitKGemv):
+    """``SplitKGemv`` writing each CTA's record (``SplitKKernel.trace``)."""
+
+    trace = True

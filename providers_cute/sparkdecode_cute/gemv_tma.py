@@ -295,6 +295,7 @@ class TmaGemv(SplitKKernel):
         tile = bidx // p.splits
         split = bidx - tile * p.splits
         prefetch = min(p.stages, p.k_tiles)
+        self.mark(counters, 0)
 
         if warp == PRODUCER_WARP:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom)
@@ -328,6 +329,7 @@ class TmaGemv(SplitKKernel):
                 ahead.advance()
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
+        self.mark(counters, 1)
 
         # x's chunk, 16-byte vectors in the swizzled B layout; rows past b repeat row b - 1.
         xs = cute.assume(x_stride, divby=VECTOR)
@@ -402,6 +404,7 @@ class TmaGemv(SplitKKernel):
 
         store = None if publisher is None else publisher.store_at(sW.iterator)
         self.finish(smem, partial, out, workspace, counters, b, out_stride, tile, split, store)
+        self.mark(counters, 2)
 
 
 def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = ""):
@@ -409,6 +412,12 @@ def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = ""):
     ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for ``cute.compile``
     (e.g. ``remarks{ptx}``)."""
     return compile_split(TmaGemv(plan), arch, options)
+
+
+class TracedTmaGemv(TmaGemv):
+    """``TmaGemv`` writing each CTA's record (gemv_splitk's ``SplitKKernel.trace``)."""
+
+    trace = True
 
 
 def publish_reason(plan: TmaPlan) -> str | None:

@@ -149,20 +149,26 @@ class CuteLinearTma(CuteLinearMma):
     bf16_weight = TmaWeight
 
     @staticmethod
+    def router_plans(w: torch.Tensor, pooler: Any, max_rows: int, sms: int) -> list:
+        """The fp32 router ``w``'s split-K plans whose CTAs fit on an SM beside one of
+        ``pooler``'s (a TmaWeight), best first (gemv_splitk's ``beside_plans``)."""
+        from . import gemv_splitk, gemv_tma
+
+        room = gemv_tma.SM_SMEM_BYTES - pooler.plan.resident * (pooler.plan.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES)
+        return gemv_splitk.beside_plans(w.shape[0], w.shape[1], True, max_rows, room, w.stride(0), sms)
+
+    @staticmethod
     def router_plan(name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
         """The router's split-K plan whose CTAs fit on an SM beside one of the pooler's
-        (gemv_splitk's ``beside_plans``, the best): cuda.moe runs the
+        (the best of ``router_plans``): cuda.moe runs the
         router on a side stream beside the pooler, whose 1-CTA-an-SM tilings leave about
         33 KB of an SM's shared memory, and a router CTA that does not fit there holds its
         SM's pooler CTA back until it ends. The planner's where there is no pooler plan or
         none fits."""
-        from . import gemv_splitk, gemv_tma
-
         pooler = bf16.get("pooler")
         if not isinstance(pooler, TmaWeight):
             return None
-        room = gemv_tma.SM_SMEM_BYTES - pooler.plan.resident * (pooler.plan.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES)
-        fits = gemv_splitk.beside_plans(w.shape[0], w.shape[1], True, max_rows, room, w.stride(0), sms)
+        fits = CuteLinearTma.router_plans(w, pooler, max_rows, sms)
         return fits[0] if fits else None
 
     def publish(self, name: str, mailbox: Any) -> bool:

@@ -214,13 +214,6 @@ class CudaMoE(_Cuda):
         self.router_linear.run("router", x, logits)
         self.kernels.route(logits, self.layer.expert_bias, self.spec.routed_scaling_factor, topk)
 
-    def _side_route(self, side: torch.cuda.Stream, x: torch.Tensor, topk: RoutedTopk) -> None:
-        """The router and the routing on the side stream, from the fork; the join after."""
-        side.wait_event(self.fork)
-        with torch.cuda.stream(side):
-            self._route(x, topk)
-            self.join.record(side)
-
     def run(self, step: Step, x: torch.Tensor) -> None:
         spec, layer, b = self.spec, self.layer, x.shape[0]
         # behind the side stream's join the routing is complete when the experts launch
@@ -231,7 +224,10 @@ class CudaMoE(_Cuda):
         else:  # fork: the side stream starts where the current one is
             current = torch.cuda.current_stream(x.device)
             self.fork.record(current)
-            self._side_route(side, x, topk)
+            side.wait_event(self.fork)
+            with torch.cuda.stream(side):
+                self._route(x, topk)
+                self.join.record(side)
         pooled = self.pooled[:b]
         self.linear.run("pooler", x, pooled)
         if pooled.shape[1] != spec.P:  # a column-sharded pooler

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 
 import pytest
 import torch
@@ -338,11 +337,6 @@ def test_registered_tma_does_not_publish(tma, tmp_path):
         assert "volatile" not in ptx and "fence.acq_rel.sys" not in ptx
 
 
-def _ptx_text(ptx: str) -> str:
-    """The kept PTX's text (``artifacts.PTX`` names the file where the kernel took its own name)."""
-    return open(ptx).read() if ptx.endswith(".ptx") and os.path.exists(ptx) else ptx
-
-
 def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
     """scripts/beside-trace's kernels (``trace``): the pooler's TMA GEMV and the router's
     split-K plan beside it compile for sm_90a with %smid and %globaltimer read; the
@@ -361,9 +355,9 @@ def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
     for d in ("t", "r"):
         (tmp_path / d).mkdir()
     for traced, registered in kernels:
-        ptx = _ptx_text(splitk.compile_split(traced, "sm_90a", _keep_ptx(tmp_path / "t")).artifacts.PTX)
+        ptx = splitk.compile_split(traced, "sm_90a", _keep_ptx(tmp_path / "t")).artifacts.PTX
         assert "%smid" in ptx and ptx.count("%globaltimer") == 3
-        ptx = _ptx_text(splitk.compile_split(registered, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX)
+        ptx = splitk.compile_split(registered, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX
         assert "%smid" not in ptx and "%globaltimer" not in ptx
     for plan in (pooler.plan, router):
         assert splitk.trace_offset(plan.tiles) % 8 == 0 and splitk.trace_offset(plan.tiles) >= plan.tiles

@@ -452,6 +452,15 @@ def test_beside_trace_reads_records_and_sharing():
     s2 = trace_mod.summarize([(2, big + 1000, big + 2000, big + 12000)], router)
     assert (s2["beside_at_start"], s2["after_router"], s2["run_shared"]) == (1, 0, [10.0])
     assert "1 of 1 started beside a router CTA" in trace_mod.report(s2)
+    # With the o_proj: SM 1's pooler CTA started beside its o_proj CTA; SM 2's as the later
+    # of its router CTAs ended; SM 3's router CTA started beside an o_proj CTA
+    o_proj = [(1, big - 3000, big - 2000, big + 1500), (3, big - 3000, big - 2000, big + 500)]
+    s3 = trace_mod.summarize(pooler, router, o_proj)
+    assert (s3["router_beside_o_proj"], s3["pooler_beside_o_proj"]) == (1, 1)
+    assert (s3["on_empty_sm"], s3["empty_gap"]) == (1, [0.0])
+    assert s3["o_proj"]["end"] == [1.5, 0.5] and s3["pooler"] == s["pooler"]
+    text = trace_mod.report(s3)
+    assert "o_proj " in text and "1 pooler CTAs started on an SM no o_proj or router CTA held" in text
 
 
 def test_experts_trace_rows_are_the_kernels():

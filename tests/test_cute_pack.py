@@ -340,7 +340,8 @@ def test_registered_tma_does_not_publish(tma, tmp_path):
 def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
     """scripts/beside-trace's kernels (``trace``): the pooler's TMA GEMV and the router's
     split-K plan beside it compile for sm_90a with %smid and %globaltimer read; the
-    registered kernels read neither. The records sit past the tile counters, 32-byte
+    registered kernels read neither and leave the carveout to the driver, which a subclass's
+    ``carveout`` sets. The records sit past the tile counters, 32-byte
     aligned, a record of TRACE_WORDS words a CTA."""
     from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight
 
@@ -354,11 +355,21 @@ def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
     ]
     for d in ("t", "r"):
         (tmp_path / d).mkdir()
+
+    def carveouts(compiled) -> list:
+        return [(a.name, v) for kernel in compiled.kernel_info.values() for a, v in kernel.items()]
+
     for traced, registered in kernels:
         ptx = splitk.compile_split(traced, "sm_90a", _keep_ptx(tmp_path / "t")).artifacts.PTX
         assert "%smid" in ptx and ptx.count("%globaltimer") == 3
-        ptx = splitk.compile_split(registered, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX
-        assert "%smid" not in ptx and "%globaltimer" not in ptx
+        compiled = splitk.compile_split(registered, "sm_90a", _keep_ptx(tmp_path / "r"))
+        assert "%smid" not in compiled.artifacts.PTX and "%globaltimer" not in compiled.artifacts.PTX
+        assert carveouts(compiled) == []  # the driver's choice
+        # the ``carve`` form: the kernel asks the driver for all of L1 as shared memory
+        carved = type("Carved", (type(traced),), {"carveout": 100})(traced.plan)
+        assert carveouts(splitk.compile_split(carved, "sm_90a")) == [
+            ("CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT", 100)
+        ]
     for plan in (pooler.plan, router):
         assert splitk.trace_offset(plan.tiles) % 8 == 0 and splitk.trace_offset(plan.tiles) >= plan.tiles
         assert splitk.trace_counters(plan) == splitk.trace_offset(plan.tiles) + splitk.TRACE_WORDS * plan.ctas

@@ -240,6 +240,17 @@ class SplitKKernel:
     weight_dtype: Any = BFloat16
     out_dtype: Any = BFloat16
     trace = False
+    # The preferred shared-memory carveout (percent of the SM's unified L1) a subclass
+    # asks of the driver for its kernel (scripts/beside-trace's ``carve`` form); the
+    # driver's choice where None, as for every registered kernel.
+    carveout: int | None = None
+
+    def launch_options(self) -> dict[str, Any]:
+        """The launch's options past its grid, block and stream: PDL, and ``carveout``
+        where set."""
+        return (
+            {"use_pdl": True} if self.carveout is None else {"use_pdl": True, "preferred_smem_carveout": self.carveout}
+        )
 
     @cute.jit
     def mark(self, counters: cute.Pointer, slot: cutlass.Constexpr):
@@ -273,7 +284,7 @@ class SplitKKernel:
     ):
         p = self.plan
         self.kernel(w, x, out, workspace, counters, b, x_stride, out_stride).launch(
-            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
+            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, **self.launch_options()
         )
 
     def finish(self, smem, partial, out, workspace, counters, b, out_stride, tile, split, store=None):

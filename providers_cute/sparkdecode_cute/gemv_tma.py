@@ -227,7 +227,7 @@ class TmaGemv(SplitKKernel):
         p = self.plan
         tma_atom, tma_w = self.tma_of(w)
         self.kernel(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride).launch(
-            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True
+            grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, **self.launch_options()
         )
 
     def tma_of(self, w: cute.Pointer):
@@ -585,7 +585,7 @@ class PublishingTmaGemv(TmaGemv):
         tma_atom, tma_w = self.tma_of(w)
         self.kernel(
             tma_atom, tma_w, x, out, workspace, counters, peers, control, rank, tp, cap, b, x_stride, out_stride
-        ).launch(grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, use_pdl=True)
+        ).launch(grid=[p.ctas, 1, 1], block=[p.threads, 1, 1], stream=stream, **self.launch_options())
 
     @cute.kernel
     def kernel(

@@ -375,6 +375,30 @@ def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
         assert splitk.trace_counters(plan) == splitk.trace_offset(plan.tiles) + splitk.TRACE_WORDS * plan.ctas
 
 
+def test_beside_trace_forms_compile(tma, splitk):
+    """scripts/beside-trace's ``nopdl`` and ``small`` forms: a kernel whose ``pdl`` is off
+    launches without PDL (every registered kernel with it) and compiles for sm_90a; the
+    pooler's plan a ring buffer shorter takes 32 KB less shared memory and compiles too."""
+    from dataclasses import replace
+
+    from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight
+
+    n, k, _ = TP8["pooler"]
+    pooler = TmaWeight.__new__(TmaWeight)
+    pooler.plan = tma.plan_tma(n, k, 8)
+    router = CuteLinearTma.router_plan("router", torch.empty(256, 8192), {"pooler": pooler}, 8, tma.H200_SMS)
+    assert splitk.SplitKGemv(router).launch_options() == {"use_pdl": True}
+    assert tma.TmaGemv(pooler.plan).launch_options() == {"use_pdl": True}
+    nopdl = type("NoPdl", (splitk.TracedSplitKGemv,), {"pdl": False})(router)
+    assert nopdl.launch_options() == {"use_pdl": False}
+    assert splitk.compile_split(nopdl, "sm_90a") is not None
+    carved = type("Carved", (splitk.TracedSplitKGemv,), {"pdl": False, "carveout": 100})(router)
+    assert carved.launch_options() == {"use_pdl": False, "preferred_smem_carveout": 100}
+    small = replace(pooler.plan, stages=pooler.plan.stages - 1)
+    assert pooler.plan.smem_bytes - small.smem_bytes == 32 * 1024
+    assert splitk.compile_split(tma.TracedTmaGemv(small), "sm_90a") is not None
+
+
 def test_registered_linear_tma_publishes():
     """The registered cute.linear_tma offers ``publish`` (checked on the H200 by
     tests/test_gpu_cute_publish.py), so the cuda pack's attention can ask it for the o_proj."""

@@ -244,13 +244,18 @@ class SplitKKernel:
     # asks of the driver for its kernel (scripts/beside-trace's ``carve`` form); the
     # driver's choice where None, as for every registered kernel.
     carveout: int | None = None
+    # Launched with PDL (programmatic stream serialization), as every registered kernel;
+    # a subclass turns it off (scripts/beside-trace's ``nopdl`` form), so that the launch
+    # waits for the whole of the work before it and the kernel's PDL wait does nothing.
+    pdl = True
 
     def launch_options(self) -> dict[str, Any]:
-        """The launch's options past its grid, block and stream: PDL, and ``carveout``
-        where set."""
-        return (
-            {"use_pdl": True} if self.carveout is None else {"use_pdl": True, "preferred_smem_carveout": self.carveout}
-        )
+        """The launch's options past its grid, block and stream: PDL (``pdl``), and
+        ``carveout`` where set."""
+        options: dict[str, Any] = {"use_pdl": self.pdl}
+        if self.carveout is not None:
+            options["preferred_smem_carveout"] = self.carveout
+        return options
 
     @cute.jit
     def mark(self, counters: cute.Pointer, slot: cutlass.Constexpr):

@@ -463,6 +463,34 @@ def test_beside_trace_reads_records_and_sharing():
     assert "o_proj " in text and "1 pooler CTAs started on an SM no o_proj or router CTA held" in text
 
 
+def test_beside_trace_forms_and_resources():
+    """beside-trace's forms each change one thing against ``base`` (the registered plan and
+    order, the driver's carveout, the pooler's own ring, the router with PDL), and an
+    unknown form is refused before any GPU is asked for; a kernel not yet loaded has no
+    resources to read."""
+    import subprocess
+    import sys
+
+    trace_mod = load_script("beside-trace")
+    base = trace_mod.FORMS["base"]
+    assert (base.plan, base.pooler_first, base.carveout, base.pooler_stages, base.router_pdl) == (
+        0,
+        False,
+        None,
+        None,
+        True,
+    )
+    for name, form in trace_mod.FORMS.items():
+        changed = [f for f in base._fields[:-1] if getattr(form, f) != getattr(base, f)]
+        assert len(changed) <= 2 and (name == "base") == (not changed), (name, changed)
+    assert trace_mod.FORMS["nopdl"].router_pdl is False and trace_mod.FORMS["smallc"].carveout == 100
+    assert trace_mod.kernel_resources(object(), 256) == "not loaded"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "beside-trace"), "--forms", "base,nope"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "unknown forms ['nope']" in done.stderr
+
+
 def test_experts_trace_rows_are_the_kernels():
     """experts-trace reads rows of experts.cu's TRACE_STRIDE (its TRACE_ITEMS), and the
     registered Marlin providers' kernels (the queues' too) build with EXPERTS_TRACE."""

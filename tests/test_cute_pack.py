@@ -337,18 +337,24 @@ def test_registered_tma_does_not_publish(tma, tmp_path):
         assert "volatile" not in ptx and "fence.acq_rel.sys" not in ptx
 
 
+def _pooler_and_router(tma) -> tuple:
+    """A TP-8 rank's pooler (a TmaWeight holding only its 8-row plan) and the router's
+    split-K plan that cute.linear_tma takes beside it on an H200."""
+    from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight
+
+    n, k, _ = TP8["pooler"]
+    pooler = TmaWeight.__new__(TmaWeight)
+    pooler.plan = tma.plan_tma(n, k, 8)
+    return pooler, CuteLinearTma.router_plan("router", torch.empty(256, 8192), {"pooler": pooler}, 8, tma.H200_SMS)
+
+
 def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
     """scripts/beside-trace's kernels (``trace``): the pooler's TMA GEMV and the router's
     split-K plan beside it compile for sm_90a with %smid and %globaltimer read; the
     registered kernels read neither and leave the carveout to the driver, which a subclass's
     ``carveout`` sets. The records sit past the tile counters, 32-byte
     aligned, a record of TRACE_WORDS words a CTA."""
-    from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight
-
-    n, k, _ = TP8["pooler"]
-    pooler = TmaWeight.__new__(TmaWeight)
-    pooler.plan = tma.plan_tma(n, k, 8)
-    router = CuteLinearTma.router_plan("router", torch.empty(256, 8192), {"pooler": pooler}, 8, tma.H200_SMS)
+    pooler, router = _pooler_and_router(tma)
     kernels = [
         (tma.TracedTmaGemv(pooler.plan), tma.TmaGemv(pooler.plan)),
         (splitk.TracedSplitKGemv(router), splitk.SplitKGemv(router)),
@@ -381,12 +387,7 @@ def test_beside_trace_forms_compile(tma, splitk):
     pooler's plan a ring buffer shorter takes 32 KB less shared memory and compiles too."""
     from dataclasses import replace
 
-    from sparkdecode_cute.linear_tma import CuteLinearTma, TmaWeight
-
-    n, k, _ = TP8["pooler"]
-    pooler = TmaWeight.__new__(TmaWeight)
-    pooler.plan = tma.plan_tma(n, k, 8)
-    router = CuteLinearTma.router_plan("router", torch.empty(256, 8192), {"pooler": pooler}, 8, tma.H200_SMS)
+    pooler, router = _pooler_and_router(tma)
     assert splitk.SplitKGemv(router).launch_options() == {"use_pdl": True}
     assert tma.TmaGemv(pooler.plan).launch_options() == {"use_pdl": True}
     nopdl = type("NoPdl", (splitk.TracedSplitKGemv,), {"pdl": False})(router)

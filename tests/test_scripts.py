@@ -464,8 +464,8 @@ def test_beside_trace_reads_records_and_sharing():
 
 
 def test_beside_trace_forms_and_resources():
-    """beside-trace's forms each change one thing against ``base`` (the registered plan and
-    order, the driver's carveout, the pooler's own ring, the router with PDL), and an
+    """beside-trace's forms each change one or two things against ``base`` (the registered
+    plan and order, the driver's carveout, the pooler's own ring, the router with PDL), and an
     unknown form is refused before any GPU is asked for; a kernel not yet loaded has no
     resources to read."""
     import subprocess

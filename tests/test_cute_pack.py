@@ -337,6 +337,11 @@ def test_registered_tma_does_not_publish(tma, tmp_path):
         assert "volatile" not in ptx and "fence.acq_rel.sys" not in ptx
 
 
+def carveouts(compiled) -> list:
+    """The launch attributes a compiled kernel sets on its functions (name, value)."""
+    return [(a.name, v) for kernel in compiled.kernel_info.values() for a, v in kernel.items()]
+
+
 def _pooler_and_router(tma) -> tuple:
     """A TP-8 rank's pooler (a TmaWeight holding only its 8-row plan) and the router's
     split-K plan that cute.linear_tma takes beside it on an H200."""
@@ -361,9 +366,6 @@ def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
     ]
     for d in ("t", "r"):
         (tmp_path / d).mkdir()
-
-    def carveouts(compiled) -> list:
-        return [(a.name, v) for kernel in compiled.kernel_info.values() for a, v in kernel.items()]
 
     for traced, registered in kernels:
         ptx = splitk.compile_split(traced, "sm_90a", _keep_ptx(tmp_path / "t")).artifacts.PTX
@@ -398,6 +400,56 @@ def test_beside_trace_forms_compile(tma, splitk):
     small = replace(pooler.plan, stages=pooler.plan.stages - 1)
     assert pooler.plan.smem_bytes - small.smem_bytes == 32 * 1024
     assert splitk.compile_split(tma.TracedTmaGemv(small), "sm_90a") is not None
+
+
+def test_beside_linear_room_for_the_router(tma, splitk):
+    """cute.linear_tma_beside (unregistered): the pooler's plan is the registered one's ring
+    a buffer shorter (32 KB less a CTA at a TP-8 rank's shape), the router keeps
+    cute.linear_tma's plan, and a pooler CTA and a router CTA leave 32 KB of an SM's
+    shared memory; both kernels ask the largest carveout and compile for sm_90a; the
+    others keep the registered kernels. A plan of two buffers keeps its ring."""
+    from dataclasses import replace
+
+    from sparkdecode_cute.linear_tma import (
+        BESIDE_CARVEOUT,
+        BesideRouterWeight,
+        BesideTmaWeight,
+        CuteLinearTma,
+        CuteLinearTmaBeside,
+        TmaWeight,
+        shorter_ring,
+    )
+
+    assert CuteLinearTmaBeside not in plugin.PROVIDERS and BESIDE_CARVEOUT == 100
+    n, k, _ = TP8["pooler"]
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    registered = TmaWeight.make_plan(w, False, 8, tma.H200_SMS)
+    plan = BesideTmaWeight.make_plan(w, False, 8, tma.H200_SMS)
+    assert plan == replace(registered, stages=registered.stages - 1)
+    assert registered.smem_bytes - plan.smem_bytes == 32 * 1024
+    two = replace(registered, stages=2)
+    assert shorter_ring(two) is two and shorter_ring("no plan") == "no plan"
+
+    pooler = TmaWeight.__new__(TmaWeight)
+    pooler.w, pooler.plan = w, plan
+    router = torch.empty(256, 8192)
+    router_plan = CuteLinearTmaBeside.router_plan("router", router, {"pooler": pooler}, 8, tma.H200_SMS)
+    pooler.plan = registered
+    assert router_plan == CuteLinearTma.router_plan("router", router, {"pooler": pooler}, 8, tma.H200_SMS)
+    assert CuteLinearTmaBeside.router_plan("router", router, {}, 8, tma.H200_SMS) is None
+    beside = plan.smem_bytes + router_plan.smem_bytes + 2 * splitk.CTA_RESERVED_BYTES
+    assert tma.SM_SMEM_BYTES - beside >= 32 * 1024
+
+    for kernel in (BesideTmaWeight.kernel_of(plan), BesideRouterWeight.kernel_of(router_plan)):
+        assert kernel.launch_options() == {"use_pdl": True, "preferred_smem_carveout": 100}
+        compiled = splitk.compile_split(kernel, "sm_90a")
+        assert carveouts(compiled) == [("CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT", 100)]
+    linear = CuteLinearTmaBeside.__new__(CuteLinearTmaBeside)
+    assert (
+        linear.bf16_weight_of("pooler") is BesideTmaWeight and CuteLinearTmaBeside.router_weight is BesideRouterWeight
+    )
+    for name in ("qkvg", "o_proj", "unpooler"):
+        assert linear.bf16_weight_of(name) is TmaWeight
 
 
 def test_registered_linear_tma_publishes():

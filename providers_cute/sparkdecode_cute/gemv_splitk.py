@@ -241,8 +241,9 @@ class SplitKKernel:
     out_dtype: Any = BFloat16
     trace = False
     # The preferred shared-memory carveout (percent of the SM's unified L1) a subclass
-    # asks of the driver for its kernel (scripts/beside-trace's ``carve`` form); the
-    # driver's choice where None, as for every registered kernel.
+    # asks of the driver for its kernel (``formed``: scripts/beside-trace's ``carve`` form,
+    # cute.linear_tma_beside); the driver's choice where None, as for every registered
+    # kernel.
     carveout: int | None = None
     # Launched with PDL (programmatic stream serialization), as every registered kernel;
     # a subclass turns it off (scripts/beside-trace's ``nopdl`` form), so that the launch
@@ -544,6 +545,13 @@ def partial_sums(partial: cute.Tensor):
 def workspace_sums(mWs: cute.Tensor, base, splits: int):
     """``total(q)`` for ``store``: ``split_sum`` of the tile's workspace."""
     return lambda q: split_sum(mWs, base, splits, q)
+
+
+def formed(cls: type[SplitKKernel], carveout: int | None = None, pdl: bool = True) -> type[SplitKKernel]:
+    """``cls`` launched asking ``carveout`` of the driver (where set) and with PDL or not."""
+    if carveout is None and pdl:
+        return cls
+    return type(f"Formed{cls.__name__}", (cls,), {"carveout": carveout, "pdl": pdl})
 
 
 def compile_split(gemv: SplitKKernel, arch: str | None = None, options: str = ""):

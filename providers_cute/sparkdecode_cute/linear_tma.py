@@ -227,10 +227,33 @@ def shorter_ring(plan: Any) -> Any:
     return plan if gemv_tma.publish_reason(shorter) else shorter
 
 
-class BesideTmaWeight(TmaWeight):
+class CarvedKernel:
+    """A weight (mixed in before its class) whose kernel, ``kernel_class()``'s, asks the
+    largest carveout (``BESIDE_CARVEOUT``), compiled once a plan a process."""
+
+    @staticmethod
+    def kernel_class() -> type:
+        raise NotImplementedError
+
+    @classmethod
+    def kernel_of(cls, plan: Any) -> Any:
+        """The kernel of ``plan`` asking ``BESIDE_CARVEOUT``, to compile."""
+        from . import gemv_splitk
+
+        return gemv_splitk.formed(cls.kernel_class(), BESIDE_CARVEOUT)(plan)
+
+    @classmethod
+    def compile(cls, plan: Any) -> Any:
+        from . import gemv_splitk
+
+        key = (cls.kernel_class().__name__, plan, BESIDE_CARVEOUT)
+        return compiled(key, lambda: gemv_splitk.compile_split(cls.kernel_of(plan)))
+
+
+class BesideTmaWeight(CarvedKernel, TmaWeight):
     """The pooler of cute.linear_tma_beside: the registered plan's ring a buffer shorter
-    (``shorter_ring``: 32 KB less a CTA at Muse Spark's TP8-rank shape), launched asking
-    the largest carveout (``BESIDE_CARVEOUT``)."""
+    (``shorter_ring``: 32 KB less a CTA at Muse Spark's TP8-rank shape) on the TMA kernel,
+    asking the largest carveout."""
 
     provider = "cute.linear_tma_beside"
 
@@ -239,42 +262,23 @@ class BesideTmaWeight(TmaWeight):
         return shorter_ring(TmaWeight.make_plan(w, fp32, max_rows, sms))
 
     @staticmethod
-    def kernel_of(plan: Any) -> Any:
-        """The TMA kernel of ``plan`` asking ``BESIDE_CARVEOUT``, to compile."""
-        from . import gemv_splitk, gemv_tma
+    def kernel_class() -> type:
+        from . import gemv_tma
 
-        return gemv_splitk.formed(gemv_tma.TmaGemv, BESIDE_CARVEOUT)(plan)
-
-    @staticmethod
-    def compile(plan: Any) -> Any:
-        from . import gemv_splitk
-
-        return compiled(
-            ("gemv_tma", plan, BESIDE_CARVEOUT), lambda: gemv_splitk.compile_split(BesideTmaWeight.kernel_of(plan))
-        )
+        return gemv_tma.TmaGemv
 
 
-class BesideRouterWeight(SplitKWeight):
-    """The router of cute.linear_tma_beside: the split-K kernel launched asking the
-    largest carveout (``BESIDE_CARVEOUT``)."""
+class BesideRouterWeight(CarvedKernel, SplitKWeight):
+    """The router of cute.linear_tma_beside: the split-K kernel asking the largest
+    carveout."""
 
     provider = "cute.linear_tma_beside"
 
     @staticmethod
-    def kernel_of(plan: Any) -> Any:
-        """The split-K kernel of ``plan`` asking ``BESIDE_CARVEOUT``, to compile."""
+    def kernel_class() -> type:
         from . import gemv_splitk
 
-        return gemv_splitk.formed(gemv_splitk.SplitKGemv, BESIDE_CARVEOUT)(plan)
-
-    @staticmethod
-    def compile(plan: Any) -> Any:
-        from . import gemv_splitk
-
-        return compiled(
-            ("gemv_splitk", plan, BESIDE_CARVEOUT),
-            lambda: gemv_splitk.compile_split(BesideRouterWeight.kernel_of(plan)),
-        )
+        return gemv_splitk.SplitKGemv
 
 
 class CuteLinearTmaBeside(CuteLinearTma):

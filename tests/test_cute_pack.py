@@ -402,56 +402,6 @@ def test_beside_trace_forms_compile(tma, splitk):
     assert splitk.compile_split(tma.TracedTmaGemv(small), "sm_90a") is not None
 
 
-def test_beside_linear_room_for_the_router(tma, splitk):
-    """cute.linear_tma_beside (unregistered): the pooler's plan is the registered one's ring
-    a buffer shorter (32 KB less a CTA at a TP-8 rank's shape), the router keeps
-    cute.linear_tma's plan, and a pooler CTA and a router CTA leave 32 KB of an SM's
-    shared memory; both kernels ask the largest carveout and compile for sm_90a; the
-    others keep the registered kernels. A plan of two buffers keeps its ring."""
-    from dataclasses import replace
-
-    from sparkdecode_cute.linear_tma import (
-        BESIDE_CARVEOUT,
-        BesideRouterWeight,
-        BesideTmaWeight,
-        CuteLinearTma,
-        CuteLinearTmaBeside,
-        TmaWeight,
-        shorter_ring,
-    )
-
-    assert CuteLinearTmaBeside not in plugin.PROVIDERS and BESIDE_CARVEOUT == 100
-    n, k, _ = TP8["pooler"]
-    w = torch.empty(n, k, dtype=torch.bfloat16)
-    registered = TmaWeight.make_plan(w, False, 8, tma.H200_SMS)
-    plan = BesideTmaWeight.make_plan(w, False, 8, tma.H200_SMS)
-    assert plan == replace(registered, stages=registered.stages - 1)
-    assert registered.smem_bytes - plan.smem_bytes == 32 * 1024
-    two = replace(registered, stages=2)
-    assert shorter_ring(two) is two and shorter_ring("no plan") == "no plan"
-
-    pooler = TmaWeight.__new__(TmaWeight)
-    pooler.w, pooler.plan = w, plan
-    router = torch.empty(256, 8192)
-    router_plan = CuteLinearTmaBeside.router_plan("router", router, {"pooler": pooler}, 8, tma.H200_SMS)
-    pooler.plan = registered
-    assert router_plan == CuteLinearTma.router_plan("router", router, {"pooler": pooler}, 8, tma.H200_SMS)
-    assert CuteLinearTmaBeside.router_plan("router", router, {}, 8, tma.H200_SMS) is None
-    beside = plan.smem_bytes + router_plan.smem_bytes + 2 * splitk.CTA_RESERVED_BYTES
-    assert tma.SM_SMEM_BYTES - beside >= 32 * 1024
-
-    for kernel in (BesideTmaWeight.kernel_of(plan), BesideRouterWeight.kernel_of(router_plan)):
-        assert kernel.launch_options() == {"use_pdl": True, "preferred_smem_carveout": 100}
-        compiled = splitk.compile_split(kernel, "sm_90a")
-        assert carveouts(compiled) == [("CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT", 100)]
-    linear = CuteLinearTmaBeside.__new__(CuteLinearTmaBeside)
-    assert (
-        linear.bf16_weight_of("pooler") is BesideTmaWeight and CuteLinearTmaBeside.router_weight is BesideRouterWeight
-    )
-    for name in ("qkvg", "o_proj", "unpooler"):
-        assert linear.bf16_weight_of(name) is TmaWeight
-
-
 def test_registered_linear_tma_publishes():
     """The registered cute.linear_tma offers ``publish`` (checked on the H200 by
     tests/test_gpu_cute_publish.py), so the cuda pack's attention can ask it for the o_proj."""

@@ -5,8 +5,8 @@ products summed in fp32 in another order, rounded once), first at the smallest
 launches (one tile of 64 rows, one row of x: ``-k smallest`` under
 compute-sanitizer is short), then eager and in a replayed graph at TP1 and
 TP8-rank shapes (cute.linear_tma_coresident's tilings, within half an SM's shared
-memory, and cute.linear_tma_beside's, too); the split-K counters back at 0; every
-tiling of the planner's first few within the bounds; and the weight streams of torch.mm, cute.linear_mma
+memory, too); the split-K counters back at 0; every tiling of the planner's
+first few within the bounds; and the weight streams of torch.mm, cute.linear_mma
 and cute.linear_tma, and of each tiling, printed (run with -s; nothing asserted
 about speed).
 """
@@ -35,7 +35,6 @@ from sparkdecode.bench import streams  # noqa: E402
 from sparkdecode_cute.linear_mma import CuteLinearMma  # noqa: E402
 from sparkdecode_cute.linear_tma import (  # noqa: E402
     CuteLinearTma,
-    CuteLinearTmaBeside,
     CuteLinearTmaCoresident,
     TmaWeight,
 )
@@ -68,15 +67,14 @@ def test_tma_smallest_equals_reference(case):
 
 @pytest.mark.parametrize(
     "cls",
-    [CuteLinearTma, CuteLinearTmaCoresident, CuteLinearTmaBeside],
-    ids=["plan", "coresident", "beside"],
+    [CuteLinearTma, CuteLinearTmaCoresident],
+    ids=["plan", "coresident"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_tma_equals_reference(shape, rows, cls):
-    """cute.linear_tma, cute.linear_tma_coresident (its tilings within half an SM's
-    shared memory; unregistered) and cute.linear_tma_beside (the pooler's ring a buffer
-    shorter, the pooler and the router at the largest carveout; unregistered)."""
+    """cute.linear_tma and cute.linear_tma_coresident (its tilings within half an SM's
+    shared memory; unregistered)."""
     equals_reference(cls, shape, rows)
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import inspect
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from ptxas_check import blocks_per_sm, kernel_usage
@@ -485,6 +486,13 @@ def test_beside_trace_forms_and_resources():
         assert len(changed) <= 2 and (name == "base") == (not changed), (name, changed)
     assert trace_mod.FORMS["nopdl"].router_pdl is False and trace_mod.FORMS["smallc"].carveout == 100
     assert trace_mod.kernel_resources(object(), 256) == "not loaded"
+    # the DSL's loaded module holds its cubin's cudaLibrary_t in ``cuda_library`` (empty until loaded)
+    executor = pytest.importorskip(
+        "cutlass.cutlass_dsl.cuda_jit_executor", reason="nvidia-cutlass-dsl is not installed"
+    )
+    assert "cuda_library" in inspect.signature(executor.CudaDialectJitModule).parameters
+    unloaded = SimpleNamespace(jit_module=SimpleNamespace(cuda_library=[]))
+    assert trace_mod.kernel_resources(unloaded, 256) == "not loaded"
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "beside-trace"), "--forms", "base,nope"], capture_output=True, text=True
     )

@@ -241,9 +241,8 @@ class SplitKKernel:
     out_dtype: Any = BFloat16
     trace = False
     # The preferred shared-memory carveout (percent of the SM's unified L1) a subclass
-    # asks of the driver for its kernel (``formed``: scripts/beside-trace's ``carve`` form,
-    # cute.linear_tma_beside); the driver's choice where None, as for every registered
-    # kernel.
+    # asks of the driver for its kernel (``formed``: scripts/beside-trace's ``carve`` form);
+    # the driver's choice where None, as for every registered kernel.
     carveout: int | None = None
     # Launched with PDL (programmatic stream serialization), as every registered kernel;
     # a subclass turns it off (scripts/beside-trace's ``nopdl`` form), so that the launch

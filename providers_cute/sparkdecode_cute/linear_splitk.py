@@ -75,7 +75,6 @@ class CuteLinearSplitK(CuteLinear):
 
     name = "cute.linear_splitk"
     bf16_weight: type[SplitKWeight] = SplitKWeight  # the bf16 weights' kernel (the router's is split-K)
-    router_weight: type[SplitKWeight] = SplitKWeight  # the fp32 router's
 
     def __init__(self, ctx: BuildContext, layer: int):
         lw = ctx.layer(layer)
@@ -84,19 +83,15 @@ class CuteLinearSplitK(CuteLinear):
         for name in LINEAR_WEIGHTS:  # the bf16 weights, then the fp32 ones (router_plan reads the former)
             w = getattr(lw, name)
             if not weight_fp32(name, w):
-                built[name] = self.bf16_weight_of(name)(name, w, ctx.max_rows, sms)
+                built[name] = self.bf16_weight(name, w, ctx.max_rows, sms)
         for name in LINEAR_WEIGHTS:
             w = getattr(lw, name)
             if weight_fp32(name, w):
-                built[name] = self.router_weight(
+                built[name] = SplitKWeight(
                     name, w, ctx.max_rows, sms, self.router_plan(name, w, built, ctx.max_rows, sms)
                 )
         self.weights = {name: built[name] for name in LINEAR_WEIGHTS}
         self.share_scratch(ctx)
-
-    def bf16_weight_of(self, name: str) -> type[SplitKWeight]:
-        """The kernel of bf16 weight ``name``: ``bf16_weight`` for every one."""
-        return self.bf16_weight
 
     def router_plan(self, name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
         """The split-K plan of fp32 weight ``name`` (the router), given the built bf16

@@ -29,7 +29,6 @@ import torch
 from .common import compiled, current_stream, pointer
 from .linear import VECTOR_BYTES
 from .linear_mma import CuteLinearMma, MmaWeight
-from .linear_splitk import SplitKWeight
 
 
 def mailbox_reason(mailbox: Any, device: torch.device) -> str | None:
@@ -152,11 +151,10 @@ class CuteLinearTma(CuteLinearMma):
     @staticmethod
     def router_plans(w: torch.Tensor, pooler: Any, max_rows: int, sms: int) -> list:
         """The fp32 router ``w``'s split-K plans whose CTAs fit on an SM beside one of
-        the pooler's of plan ``pooler`` (a TmaPlan), best first (gemv_splitk's
-        ``beside_plans``)."""
+        ``pooler``'s (a TmaWeight), best first (gemv_splitk's ``beside_plans``)."""
         from . import gemv_splitk, gemv_tma
 
-        room = gemv_tma.SM_SMEM_BYTES - pooler.resident * (pooler.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES)
+        room = gemv_tma.SM_SMEM_BYTES - pooler.plan.resident * (pooler.plan.smem_bytes + gemv_splitk.CTA_RESERVED_BYTES)
         return gemv_splitk.beside_plans(w.shape[0], w.shape[1], True, max_rows, room, w.stride(0), sms)
 
     @staticmethod
@@ -170,7 +168,7 @@ class CuteLinearTma(CuteLinearMma):
         pooler = bf16.get("pooler")
         if not isinstance(pooler, TmaWeight):
             return None
-        fits = CuteLinearTma.router_plans(w, pooler.plan, max_rows, sms)
+        fits = CuteLinearTma.router_plans(w, pooler, max_rows, sms)
         return fits[0] if fits else None
 
     def publish(self, name: str, mailbox: Any) -> bool:
@@ -207,100 +205,3 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
     name = "cute.linear_tma_coresident"
     bf16_weight = CoresidentTmaWeight
-
-
-# The preferred shared-memory carveout (percent) of cute.linear_tma_beside's pooler and
-# router: the largest, so that the SM keeps room for a router CTA beside a pooler CTA.
-BESIDE_CARVEOUT = 100
-
-
-def shorter_ring(plan: Any) -> Any:
-    """``plan`` (a TmaPlan) with its ring a buffer shorter, where it has more than two
-    buffers and the shorter ring still holds the tile's sums and staging; else ``plan``."""
-    from dataclasses import replace
-
-    from . import gemv_tma
-
-    if isinstance(plan, str) or plan.stages <= 2:
-        return plan
-    shorter = replace(plan, stages=plan.stages - 1)
-    return plan if gemv_tma.publish_reason(shorter) else shorter
-
-
-class CarvedKernel:
-    """A weight (mixed in before its class) whose kernel, ``kernel_class()``'s, asks the
-    largest carveout (``BESIDE_CARVEOUT``), compiled once a plan a process."""
-
-    @staticmethod
-    def kernel_class() -> type:
-        raise NotImplementedError
-
-    @classmethod
-    def kernel_of(cls, plan: Any) -> Any:
-        """The kernel of ``plan`` asking ``BESIDE_CARVEOUT``, to compile."""
-        from . import gemv_splitk
-
-        return gemv_splitk.formed(cls.kernel_class(), BESIDE_CARVEOUT)(plan)
-
-    @classmethod
-    def compile(cls, plan: Any) -> Any:
-        from . import gemv_splitk
-
-        key = (cls.kernel_class().__name__, plan, BESIDE_CARVEOUT)
-        return compiled(key, lambda: gemv_splitk.compile_split(cls.kernel_of(plan)))
-
-
-class BesideTmaWeight(CarvedKernel, TmaWeight):
-    """The pooler of cute.linear_tma_beside: the registered plan's ring a buffer shorter
-    (``shorter_ring``: 32 KB less a CTA at Muse Spark's TP8-rank shape) on the TMA kernel,
-    asking the largest carveout."""
-
-    provider = "cute.linear_tma_beside"
-
-    @staticmethod
-    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
-        return shorter_ring(TmaWeight.make_plan(w, fp32, max_rows, sms))
-
-    @staticmethod
-    def kernel_class() -> type:
-        from . import gemv_tma
-
-        return gemv_tma.TmaGemv
-
-
-class BesideRouterWeight(CarvedKernel, SplitKWeight):
-    """The router of cute.linear_tma_beside: the split-K kernel asking the largest
-    carveout."""
-
-    provider = "cute.linear_tma_beside"
-
-    @staticmethod
-    def kernel_class() -> type:
-        from . import gemv_splitk
-
-        return gemv_splitk.SplitKGemv
-
-
-class CuteLinearTmaBeside(CuteLinearTma):
-    """cute.linear_tma with room on each SM for a router CTA beside a pooler CTA: the
-    pooler's ring a buffer shorter (``BesideTmaWeight``), the pooler and the router asking
-    the largest carveout (``BesideRouterWeight``), the router on the plan that fits beside
-    the registered pooler (the same as cute.linear_tma's). Not registered: built to test,
-    in the step, whether the router's CTAs then share SMs with the pooler's
-    (scripts/beside-trace's ``smallc`` form; bench/NOTES.md v47)."""
-
-    name = "cute.linear_tma_beside"
-    router_weight = BesideRouterWeight
-
-    def bf16_weight_of(self, name: str) -> type[SplitKWeight]:
-        return BesideTmaWeight if name == "pooler" else self.bf16_weight
-
-    @staticmethod
-    def router_plan(name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
-        """cute.linear_tma's router plan: the best that fits beside the registered pooler."""
-        pooler = bf16.get("pooler")
-        if not isinstance(pooler, TmaWeight):
-            return None
-        plan = TmaWeight.make_plan(pooler.w, False, max_rows, sms)
-        fits = [] if isinstance(plan, str) else CuteLinearTma.router_plans(w, plan, max_rows, sms)
-        return fits[0] if fits else None

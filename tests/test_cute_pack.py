@@ -374,7 +374,7 @@ def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
         assert "%smid" not in compiled.artifacts.PTX and "%globaltimer" not in compiled.artifacts.PTX
         assert carveouts(compiled) == []  # the driver's choice
         # the ``carve`` form: the kernel asks the driver for all of L1 as shared memory
-        carved = type("Carved", (type(traced),), {"carveout": 100})(traced.plan)
+        carved = splitk.formed(type(traced), carveout=100)(traced.plan)
         assert carveouts(splitk.compile_split(carved, "sm_90a")) == [
             ("CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT", 100)
         ]
@@ -392,10 +392,11 @@ def test_beside_trace_forms_compile(tma, splitk):
     pooler, router = _pooler_and_router(tma)
     assert splitk.SplitKGemv(router).launch_options() == {"use_pdl": True}
     assert tma.TmaGemv(pooler.plan).launch_options() == {"use_pdl": True}
-    nopdl = type("NoPdl", (splitk.TracedSplitKGemv,), {"pdl": False})(router)
+    assert splitk.formed(splitk.SplitKGemv) is splitk.SplitKGemv  # nothing to change
+    nopdl = splitk.formed(splitk.TracedSplitKGemv, pdl=False)(router)
     assert nopdl.launch_options() == {"use_pdl": False}
     assert splitk.compile_split(nopdl, "sm_90a") is not None
-    carved = type("Carved", (splitk.TracedSplitKGemv,), {"pdl": False, "carveout": 100})(router)
+    carved = splitk.formed(splitk.TracedSplitKGemv, carveout=100, pdl=False)(router)
     assert carved.launch_options() == {"use_pdl": False, "preferred_smem_carveout": 100}
     small = replace(pooler.plan, stages=pooler.plan.stages - 1)
     assert pooler.plan.smem_bytes - small.smem_bytes == 32 * 1024

@@ -466,7 +466,8 @@ def test_beside_trace_reads_records_and_sharing():
 
 def test_beside_trace_forms_and_resources():
     """beside-trace's forms each change one or two things against ``base`` (the registered
-    plan and order, the driver's carveout, the pooler's own ring, the router with PDL), and an
+    plan and order, the driver's carveout, the pooler's own ring, the router with PDL, the side
+    stream), and an
     unknown form is refused before any GPU is asked for; a kernel not yet loaded has no
     resources to read."""
     import subprocess
@@ -481,10 +482,13 @@ def test_beside_trace_forms_and_resources():
         None,
         True,
     )
+    assert base.serial is False
     for name, form in trace_mod.FORMS.items():
-        changed = [f for f in base._fields[:-1] if getattr(form, f) != getattr(base, f)]
+        changed = [f for f in base._fields if f != "what" and getattr(form, f) != getattr(base, f)]
         assert len(changed) <= 2 and (name == "base") == (not changed), (name, changed)
     assert trace_mod.FORMS["nopdl"].router_pdl is False and trace_mod.FORMS["smallc"].carveout == 100
+    serial = {name for name, form in trace_mod.FORMS.items() if form.serial}
+    assert serial == {"serial", "serialpf", "serialown"} and trace_mod.FORMS["serialown"].plan is None
     assert trace_mod.kernel_resources(object(), 256) == "not loaded"
     # the DSL's loaded module holds its cubin's cudaLibrary_t in ``cuda_library`` (empty until loaded)
     executor = pytest.importorskip(

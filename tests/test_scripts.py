@@ -488,15 +488,15 @@ def test_beside_trace_forms_and_resources():
         assert len(changed) <= 2 and (name == "base") == (not changed), (name, changed)
     assert trace_mod.FORMS["nopdl"].router_pdl is False and trace_mod.FORMS["smallc"].carveout == 100
     serial = {name for name, form in trace_mod.FORMS.items() if form.serial}
-    assert serial == {"serial", "serialpf", "serialown"} and trace_mod.FORMS["serialown"].plan is None
-    assert trace_mod.kernel_resources(object(), 256) == "not loaded"
+    assert serial == {"serial", "serialpf", "serialc", "serialown"} and trace_mod.FORMS["serialown"].plan is None
+    assert trace_mod.kernel_resources(object(), 256, 1024) == "not loaded"
     # the DSL's loaded module holds its cubin's cudaLibrary_t in ``cuda_library`` (empty until loaded)
     executor = pytest.importorskip(
         "cutlass.cutlass_dsl.cuda_jit_executor", reason="nvidia-cutlass-dsl is not installed"
     )
     assert "cuda_library" in inspect.signature(executor.CudaDialectJitModule).parameters
     unloaded = SimpleNamespace(jit_module=SimpleNamespace(cuda_library=[]))
-    assert trace_mod.kernel_resources(unloaded, 256) == "not loaded"
+    assert trace_mod.kernel_resources(unloaded, 256, 1024) == "not loaded"
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "beside-trace"), "--forms", "base,nope"], capture_output=True, text=True
     )

@@ -84,3 +84,43 @@ def compiled(key: Hashable, compile_fn: Callable[[], Any]) -> Any:
     if kernel is None:
         kernel = _compiled[key] = compile_fn()
     return kernel
+
+
+def driver_value(call: tuple) -> Any:
+    """The value of a cuda-python driver call's (error, value); RuntimeError where it failed."""
+    err, *value = call
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver error {err}")
+    return value[0] if len(value) == 1 else None
+
+
+def loaded_kernels(kernel: Any) -> list:
+    """The driver's ``CUkernel`` handles of a compiled DSL function's kernels once it has
+    been called (the DSL 4.8.1 loads its cubin as a ``cudaLibrary_t``, ``cuda_library``, at
+    the first call); [] before that."""
+    import cuda.bindings.driver as drv
+
+    kernels = []
+    for lib in getattr(getattr(kernel, "jit_module", None), "cuda_library", None) or []:
+        library = drv.CUlibrary(int(lib))  # the runtime's cudaLibrary_t is the driver's handle
+        count = int(driver_value(drv.cuLibraryGetKernelCount(library)))
+        kernels += list(driver_value(drv.cuLibraryEnumerateKernels(count, library)))
+    return kernels
+
+
+def set_carveout(kernel: Any, percent: int, device: int) -> int:
+    """Ask the driver for ``percent`` of the SM's unified L1 as shared memory when
+    ``kernel`` (a compiled DSL function, called once) runs on ``device``: the function
+    attribute ``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`` set on each of its
+    kernels. The DSL's own ``preferred_smem_carveout`` launch option does not reach the
+    loaded library in 4.8.1 (the attribute reads -1 after it). Returns the kernels set;
+    RuntimeError where the function is not loaded yet."""
+    import cuda.bindings.driver as drv
+
+    handles = loaded_kernels(kernel)
+    if not handles:
+        raise RuntimeError("the kernel is not loaded yet: call it once first")
+    attribute = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    for handle in handles:
+        driver_value(drv.cuKernelSetAttribute(attribute, percent, handle, drv.CUdevice(device)))
+    return len(handles)

@@ -463,13 +463,10 @@ def test_the_collectives_bench_context_keeps_shared_objects():
     assert ctx.shared("lamport_workspace", lambda: pytest.fail("made twice")) is made
 
 
-@pytest.mark.parametrize("order", ["beside", "router_first", "serial"])
-def test_moe_capture_order(monkeypatch, order):
+def test_moe_capture_order(monkeypatch):
     """cuda.moe's launches as a CUDA graph captures them: the fork's event recorded on the
     current stream first, the router and the routing on the side stream after it, the
-    pooler on the current stream, the join before the experts; ``cuda.moe_router_first``
-    with the router before the fork on the current stream; ``cuda.moe_serial`` all on the
-    current stream, no fork or join."""
+    pooler on the current stream, the join before the experts."""
     import contextlib
     from types import SimpleNamespace
 
@@ -509,13 +506,10 @@ def test_moe_capture_order(monkeypatch, order):
         return lambda *args, **kwargs: calls.append(f"{name} on {on[-1].name}")
 
     assert moe.CudaMoE in plugin.PROVIDERS
-    cls = {"beside": moe.CudaMoE, "router_first": moe.CudaMoERouterFirst, "serial": moe.CudaMoESerial}[order]
-    assert cls is moe.CudaMoE or cls not in plugin.PROVIDERS
-    block = cls.__new__(cls)
+    block = moe.CudaMoE.__new__(moe.CudaMoE)
     spec = ModelSpec.preset("tiny")
     rows = torch.zeros(8, spec.P)
-    block.spec, block.fork, block.join = spec, Event("fork"), Event("join")
-    block.side = side if cls.routing_aside else None
+    block.spec, block.side, block.fork, block.join = spec, side, Event("fork"), Event("join")
     block.layer = SimpleNamespace(pre_expert_norm=None, post_expert_norm=None, expert_bias=None)
     block.ids, block.weights = torch.zeros(8, spec.top_k), torch.zeros(8, spec.top_k)
     block.logits, block.pooled, block.h, block.m = torch.zeros(8, spec.E), rows, rows, rows
@@ -527,15 +521,8 @@ def test_moe_capture_order(monkeypatch, order):
     block.workspace, block.reduce_rows, block.reduce_out = None, False, False
     block.mailbox = SimpleNamespace(publish=lambda b: None)
     block.run(None, torch.zeros(3, spec.H))
+    branch = ["side waits fork", "router on side", "routing on side", "record join on side"]
     pooler = ["pooler on current"]
-    if order == "beside":
-        branch = ["side waits fork", "router on side", "routing on side", "record join on side"]
-        head = ["record fork on current"] + branch + pooler
-    elif order == "router_first":
-        branch = ["side waits fork", "routing on side", "record join on side"]
-        head = ["router on current", "record fork on current"] + branch + pooler
-    else:
-        head = ["router on current", "routing on current"] + pooler
-    join = [] if order == "serial" else ["current waits join"]
-    tail = ["pre_norm on current", *join, "experts on current", "tail on current", "unpooler on current"]
+    head = ["record fork on current"] + branch + pooler
+    tail = ["pre_norm on current", "current waits join", "experts on current", "tail on current", "unpooler on current"]
     assert calls == head + tail

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .common import compiled, current_stream, pointer, set_carveout
+from .common import compiled, current_stream, pointer
 from .linear import VECTOR_BYTES
 from .linear_mma import CuteLinearMma, MmaWeight
 
@@ -205,24 +205,3 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
     name = "cute.linear_tma_coresident"
     bf16_weight = CoresidentTmaWeight
-
-
-class CuteLinearTmaCarved(CuteLinearTma):
-    """cute.linear_tma with every kernel at the largest shared-memory carveout
-    (``carveout`` percent of the SM's unified L1, the driver's attribute set on each kernel
-    after its first call: ``common.set_carveout``), so that an SM that a small CTA reached
-    first still has room for a pooler CTA beside it. The same kernels, so the same bits.
-    Not registered."""
-
-    name = "cute.linear_tma_carved"
-    carveout = 100
-
-    def __init__(self, ctx: Any, layer: int):
-        super().__init__(ctx, layer)
-        self.carved: set[str] = set()
-
-    def run(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        super().run(name, x, out)
-        if name not in self.carved:
-            set_carveout(self.weights[name].kernel, self.carveout, x.device.index or 0)
-            self.carved.add(name)

@@ -356,8 +356,8 @@ def _pooler_and_router(tma) -> tuple:
 def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
     """scripts/beside-trace's kernels (``trace``): the pooler's TMA GEMV and the router's
     split-K plan beside it compile for sm_90a with %smid and %globaltimer read; the
-    registered kernels read neither and leave the carveout to the driver, which a subclass's
-    ``carveout`` sets. The records sit past the tile counters, 32-byte
+    registered kernels read neither and set no launch attribute (the carveout is the
+    driver's). The records sit past the tile counters, 32-byte
     aligned, a record of TRACE_WORDS words a CTA."""
     pooler, router = _pooler_and_router(tma)
     kernels = [
@@ -373,11 +373,6 @@ def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
         compiled = splitk.compile_split(registered, "sm_90a", _keep_ptx(tmp_path / "r"))
         assert "%smid" not in compiled.artifacts.PTX and "%globaltimer" not in compiled.artifacts.PTX
         assert carveouts(compiled) == []  # the driver's choice
-        # the ``carve`` form: the kernel asks the driver for all of L1 as shared memory
-        carved = splitk.formed(type(traced), carveout=100)(traced.plan)
-        assert carveouts(splitk.compile_split(carved, "sm_90a")) == [
-            ("CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT", 100)
-        ]
     for plan in (pooler.plan, router):
         assert splitk.trace_offset(plan.tiles) % 8 == 0 and splitk.trace_offset(plan.tiles) >= plan.tiles
         assert splitk.trace_counters(plan) == splitk.trace_offset(plan.tiles) + splitk.TRACE_WORDS * plan.ctas
@@ -396,8 +391,6 @@ def test_beside_trace_forms_compile(tma, splitk):
     nopdl = splitk.formed(splitk.TracedSplitKGemv, pdl=False)(router)
     assert nopdl.launch_options() == {"use_pdl": False}
     assert splitk.compile_split(nopdl, "sm_90a") is not None
-    carved = splitk.formed(splitk.TracedSplitKGemv, carveout=100, pdl=False)(router)
-    assert carved.launch_options() == {"use_pdl": False, "preferred_smem_carveout": 100}
     small = replace(pooler.plan, stages=pooler.plan.stages - 1)
     assert pooler.plan.smem_bytes - small.smem_bytes == 32 * 1024
     assert splitk.compile_split(tma.TracedTmaGemv(small), "sm_90a") is not None

@@ -240,22 +240,14 @@ class SplitKKernel:
     weight_dtype: Any = BFloat16
     out_dtype: Any = BFloat16
     trace = False
-    # The preferred shared-memory carveout (percent of the SM's unified L1) a subclass
-    # asks of the driver for its kernel (``formed``: scripts/beside-trace's ``carve`` form);
-    # the driver's choice where None, as for every registered kernel.
-    carveout: int | None = None
     # Launched with PDL (programmatic stream serialization), as every registered kernel;
     # a subclass turns it off (scripts/beside-trace's ``nopdl`` form), so that the launch
     # waits for the whole of the work before it and the kernel's PDL wait does nothing.
     pdl = True
 
     def launch_options(self) -> dict[str, Any]:
-        """The launch's options past its grid, block and stream: PDL (``pdl``), and
-        ``carveout`` where set."""
-        options: dict[str, Any] = {"use_pdl": self.pdl}
-        if self.carveout is not None:
-            options["preferred_smem_carveout"] = self.carveout
-        return options
+        """The launch's options past its grid, block and stream: PDL (``pdl``)."""
+        return {"use_pdl": self.pdl}
 
     @cute.jit
     def mark(self, counters: cute.Pointer, slot: cutlass.Constexpr):
@@ -546,11 +538,13 @@ def workspace_sums(mWs: cute.Tensor, base, splits: int):
     return lambda q: split_sum(mWs, base, splits, q)
 
 
-def formed(cls: type[SplitKKernel], carveout: int | None = None, pdl: bool = True) -> type[SplitKKernel]:
-    """``cls`` launched asking ``carveout`` of the driver (where set) and with PDL or not."""
-    if carveout is None and pdl:
+def formed(cls: type[SplitKKernel], pdl: bool = True) -> type[SplitKKernel]:
+    """``cls`` launched with PDL or not. (A carveout is the driver's kernel attribute, set
+    once the kernel is loaded: ``common.set_carveout``; the DSL 4.8.1's
+    ``preferred_smem_carveout`` launch option does not reach the loaded library.)"""
+    if pdl:
         return cls
-    return type(f"Formed{cls.__name__}", (cls,), {"carveout": carveout, "pdl": pdl})
+    return type(f"Formed{cls.__name__}", (cls,), {"pdl": pdl})
 
 
 def compile_split(gemv: SplitKKernel, arch: str | None = None, options: str = ""):

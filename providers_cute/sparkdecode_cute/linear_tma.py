@@ -160,11 +160,12 @@ class CuteLinearTma(CuteLinearMma):
     @staticmethod
     def router_plan(name: str, w: torch.Tensor, bf16: dict[str, Any], max_rows: int, sms: int) -> Any:
         """The router's split-K plan whose CTAs fit on an SM beside one of the pooler's
-        (the best of ``router_plans``): cuda.moe runs the
-        router on a side stream beside the pooler, whose 1-CTA-an-SM tilings leave about
-        33 KB of an SM's shared memory, and a router CTA that does not fit there holds its
-        SM's pooler CTA back until it ends. The planner's where there is no pooler plan or
-        none fits."""
+        (the best of ``router_plans``): cuda.moe runs the router on a side stream beside
+        the pooler, whose 1-CTA-an-SM tilings leave about 33 KB of an SM's shared memory.
+        At the driver's default carveout the router's CTAs in fact start only as the
+        pooler's leave their SMs (bench/NOTES.md v46-v49); this plan is still the fastest
+        measured there (v11's 62-layer step on the H200: 10.22 ms against 10.35 with the
+        planner's). The planner's where there is no pooler plan or none fits."""
         pooler = bf16.get("pooler")
         if not isinstance(pooler, TmaWeight):
             return None

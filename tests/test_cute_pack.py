@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -505,3 +506,28 @@ def test_set_carveout_needs_a_loaded_kernel():
     assert common.loaded_kernels(unloaded) == [] and common.loaded_kernels(object()) == []
     with pytest.raises(RuntimeError, match="not loaded"):
         common.set_carveout(unloaded, 100, 0)
+
+
+def test_evict_first_tma_hints_only_the_weight_loads(tma, tmp_path):
+    """cute.linear_tma_evict_first's kernel (not registered): the weight's TMA loads carry
+    CUTLASS's evict-first L2 policy word, where the registered kernel's carry the DSL's
+    default word 0; the MMAs are the same."""
+    from sparkdecode_cute.linear_tma import CuteLinearTmaEvictFirst
+
+    assert CuteLinearTmaEvictFirst not in plugin.PROVIDERS
+    plan = tma.plan_tma(4096, 8192, 8)
+    for d in ("r", "e"):
+        (tmp_path / d).mkdir()
+    registered = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX
+    hinted = tma.compile_tma_evict_first(plan, "sm_90a", _keep_ptx(tmp_path / "e")).artifacts.PTX
+
+    def policies(ptx: str) -> set[int]:
+        """The policy words the PTX's TMA loads take (their last operand, moved in as a constant)."""
+        moved = dict(re.findall(r"mov\.b64\s+(%rd\d+), (-?\d+);", ptx))
+        loads = re.findall(r"cp\.async\.bulk\.tensor\.[^;]*L2::cache_hint[^;]*, (%rd\d+);", ptx)
+        assert loads and all(r in moved for r in loads)
+        return {int(moved[r]) for r in loads}
+
+    assert policies(registered) == {0}
+    assert policies(hinted) == {tma.EVICT_FIRST}
+    assert hinted.count("wgmma.mma_async") == registered.count("wgmma.mma_async") > 0

@@ -36,6 +36,7 @@ from sparkdecode_cute.linear_mma import CuteLinearMma  # noqa: E402
 from sparkdecode_cute.linear_tma import (  # noqa: E402
     CuteLinearTma,
     CuteLinearTmaCoresident,
+    CuteLinearTmaEvictFirst,
     TmaWeight,
 )
 
@@ -67,14 +68,15 @@ def test_tma_smallest_equals_reference(case):
 
 @pytest.mark.parametrize(
     "cls",
-    [CuteLinearTma, CuteLinearTmaCoresident],
-    ids=["plan", "coresident"],
+    [CuteLinearTma, CuteLinearTmaCoresident, CuteLinearTmaEvictFirst],
+    ids=["plan", "coresident", "evictfirst"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_tma_equals_reference(shape, rows, cls):
-    """cute.linear_tma and cute.linear_tma_coresident (its tilings within half an SM's
-    shared memory; unregistered)."""
+    """cute.linear_tma, cute.linear_tma_coresident (its tilings within half an SM's
+    shared memory) and cute.linear_tma_evict_first (its weight loads hinted evict-first);
+    the last two unregistered."""
     equals_reference(cls, shape, rows)
 
 

@@ -197,6 +197,11 @@ class TmaGemv(SplitKKernel):
     ``plan.workspace`` elements and ``counters`` int32 of ``plan.tiles``, zero
     before the first launch, both unused without a split)."""
 
+    # The L2 cache hint of the weight's TMA loads (an ``L2::cache_hint`` policy word), or
+    # None for none, as every registered kernel: ``EvictFirstTmaGemv`` streams the weight
+    # evict-first so that it does not push the step's activations out of L2.
+    weight_cache_hint: int | None = None
+
     def __init__(self, plan: TmaPlan):
         # The epilogue's fp32 [WARPS, 64 * 8] sums reuse the ring once it is drained.
         if plan.stages * plan.stage_bytes < SUMS_BYTES:
@@ -249,11 +254,13 @@ class TmaGemv(SplitKKernel):
         variables the loop body itself assigns or calls a method on, so an advance
         in here would be traced once and every iteration would reload one buffer."""
         ring.producer_acquire(state)
+        hint = {} if self.weight_cache_hint is None else {"cache_policy": Int64(self.weight_cache_hint)}
         cute.copy(
             tma_atom,
             tWgW[(None, k_tile0 + state.count)],
             tWsW[(None, state.index)],
             tma_bar_ptr=ring.producer_get_barrier(state),
+            **hint,
         )
 
     @cute.kernel
@@ -412,6 +419,22 @@ def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = ""):
     ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for ``cute.compile``
     (e.g. ``remarks{ptx}``)."""
     return compile_split(TmaGemv(plan), arch, options)
+
+
+# CUTLASS's SM90 TMA cache-hint policy words (cute/arch/copy_sm90_tma.hpp, CacheHintSm90).
+EVICT_FIRST = 0x12F0000000000000
+
+
+class EvictFirstTmaGemv(TmaGemv):
+    """``TmaGemv`` with the weight's TMA loads hinted evict-first in L2 (``EVICT_FIRST``):
+    the same loads and products, so the same bits."""
+
+    weight_cache_hint = EVICT_FIRST
+
+
+def compile_tma_evict_first(plan: TmaPlan, arch: str | None = None, options: str = ""):
+    """``EvictFirstTmaGemv(plan)`` compiled as ``compile_tma``."""
+    return compile_split(EvictFirstTmaGemv(plan), arch, options)
 
 
 class TracedTmaGemv(TmaGemv):

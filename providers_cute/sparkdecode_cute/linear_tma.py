@@ -206,3 +206,25 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
     name = "cute.linear_tma_coresident"
     bf16_weight = CoresidentTmaWeight
+
+
+class EvictFirstTmaWeight(TmaWeight):
+    """A bf16 weight on gemv_tma's ``EvictFirstTmaGemv``: its loads hinted evict-first."""
+
+    provider = "cute.linear_tma_evict_first"
+
+    @staticmethod
+    def compile(plan: Any) -> Any:
+        from . import gemv_tma
+
+        return compiled(("gemv_tma_evict_first", plan), lambda: gemv_tma.compile_tma_evict_first(plan))
+
+
+class CuteLinearTmaEvictFirst(CuteLinearTma):
+    """cute.linear_tma with the bf16 weights' TMA loads hinted evict-first in L2, so that
+    the weight stream leaves the step's activations (the residual stream the boundaries
+    read, the mailboxes) in L2. The same kernels' products, so the same bits. Not
+    registered."""
+
+    name = "cute.linear_tma_evict_first"
+    bf16_weight = EvictFirstTmaWeight

@@ -576,3 +576,35 @@ def test_down_carry2(width, intermediate, spills):
         assert down.count(op) == down_plain.count(op) > 0, op
     assert down.count("bar.sync") == down_plain.count("bar.sync") - 1
     assert down.count("bar.red.or") == 1 and "bar.red" not in down_plain
+
+
+@pytest.mark.parametrize("width,intermediate", [(4096, 512), (512, 256)])
+def test_carry2_evict_hints_the_code_loads(width, intermediate):
+    """_carry2_evict (not registered): _carry2's defines with EXPERTS_STREAM_LOADS = 2. Both
+    kernels' code-word loads (every one past L1) carry the evict-first L2 policy word, and
+    nothing else changes: the same count of those loads and of MMAs as _carry2's, no more
+    spills, the down kernel's blocks an SM kept."""
+    from sparkdecode_cuda import nvrtc, plugin
+
+    cls = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2Evict
+    parent = experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2
+    defines, base = cls.kernel_defines(width, intermediate, 8), parent.kernel_defines(width, intermediate, 8)
+    assert defines == {**base, "EXPERTS_STREAM_LOADS": 2}
+    assert cls not in plugin.PROVIDERS
+    if nvrtc.nvrtc_unavailable() is not None:
+        pytest.skip(f"NVRTC: {nvrtc.nvrtc_unavailable()}")
+    usage, base_usage = ptxas_usage(defines), ptxas_usage(base)
+    down = usage["experts_down_kernel"]
+    assert down.spills <= base_usage["experts_down_kernel"].spills, down
+    assert blocks_per_sm(down.registers) >= cls.down_blocks, down
+    assert usage["experts_up_kernel"].spills <= base_usage["experts_up_kernel"].spills
+    variant, plain = ptx_of(defines), ptx_of(base)
+    for kernel in ("experts_up_kernel", "experts_down_kernel"):
+        hinted, unhinted = ptx_entry(variant, kernel), ptx_entry(plain, kernel)
+        loads = re.findall(r"ld\.global\.nc\.L1::no_allocate[^;]*;", hinted)
+        assert loads and all(".L2::cache_hint.v4.u32" in load for load in loads), kernel
+        assert len(loads) == unhinted.count("ld.global.nc.L1::no_allocate.v4.u32") > 0, kernel
+        assert "L2::cache_hint" not in unhinted
+        assert hinted.count("mma.sync") == unhinted.count("mma.sync") > 0, kernel
+        words = set(re.findall(r"mov\.[ub]64\s+%rd\d+, (-?\d+);", hinted))
+        assert str(0x12F0000000000000) in words, kernel

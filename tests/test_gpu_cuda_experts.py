@@ -139,7 +139,8 @@ def provider(fmt: str):
     blocks' first items' (EXPERTS_DOWN_SPARE), "-v3half4scatterupqueuenasparecarry": that with
     each down warp's next item's first batch carried in registers (EXPERTS_DOWN_CARRY),
     "-v3half4scatterupqueuenasparecarry2": that with one barrier an item fewer
-    (EXPERTS_DOWN_CARRY = 2),
+    (EXPERTS_DOWN_CARRY = 2), "-v3half4scatterupqueuenasparecarry2evict": that with the code
+    words' loads hinted evict-first in L2 (EXPERTS_STREAM_LOADS = 2),
     "-v3bulk" / "-v3bulk2": the bulk-copy kernels with the V3 decode, on 1 / 2 blocks an SM (the
     checkpoint layout's V3, _half4_mask, _half4_scatter, _half4_scatter_masks, _k2, _k1 and the
     two V3 bulk unregistered)."""
@@ -174,6 +175,9 @@ def provider(fmt: str):
         ),
         "nvfp4_marlin-v3half4scatterupqueuenasparecarry2": (
             experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2
+        ),
+        "nvfp4_marlin-v3half4scatterupqueuenasparecarry2evict": (
+            experts_mod.CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2Evict
         ),
         "nvfp4_marlin-v3bulk": bulk_mod.CudaExpertsNvfp4MarlinBulkV3,
         "nvfp4_marlin-v3bulk2": bulk_mod.CudaExpertsNvfp4MarlinBulkV3x2,
@@ -443,13 +447,20 @@ def test_down_spare_is_queue_na_bit_for_bit(shape):
     assert_same_rows(shape, "nvfp4_marlin-v3half4scatterupqueuenaspare", "nvfp4_marlin-v3half4scatterupqueuena")
 
 
-@pytest.mark.parametrize("fmt", ["v3half4scatterupqueuenasparecarry", "v3half4scatterupqueuenasparecarry2"])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        "v3half4scatterupqueuenasparecarry",
+        "v3half4scatterupqueuenasparecarry2",
+        "v3half4scatterupqueuenasparecarry2evict",
+    ],
+)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_down_carry_is_spare_bit_for_bit(shape, fmt):
     """EXPERTS_DOWN_CARRY loads a down warp's next item's first batch before its item's tail
     and decodes the same words in the same order: the rows equal _queue_na_spare's bit for
     bit (the EP shapes cover the zeros for routes to experts not held), also with one
-    barrier an item fewer (= 2)."""
+    barrier an item fewer (= 2), and with the loads hinted evict-first in L2."""
     assert_same_rows(shape, f"nvfp4_marlin-{fmt}", "nvfp4_marlin-v3half4scatterupqueuenaspare")
 
 

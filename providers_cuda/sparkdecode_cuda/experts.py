@@ -829,6 +829,20 @@ class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2(CudaExpertsNvfp4M
     down_carry = 2
 
 
+class CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2Evict(
+    CudaExpertsNvfp4MarlinV3Half4ScatterUpQueueNaSpareCarry2
+):
+    """``cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry2`` with its code
+    words' loads also hinted evict-first in L2 (experts.cu's EXPERTS_STREAM_LOADS = 2:
+    CUTLASS's SM90 policy word on ``ld.global.nc.L1::no_allocate.L2::cache_hint``), so that
+    the expert stream leaves the step's activations in L2, as cute.linear_tma_evict_first
+    does for the dense streams (bench/NOTES.md v50). The same loads' values: the same bits.
+    Not registered."""
+
+    name = "cuda.experts_nvfp4_marlin_v3_half4_scatter_up_queue_na_spare_carry2_evict"
+    stream_loads = 2
+
+
 class CudaExpertsSlice2(_SliceDown, CudaExperts):
     """``cuda.experts`` (bf16) whose down kernel takes 2 warps along K at expert TP's slice
     (EXPERTS_DOWN_WK = 2: 32 k a chunk, so a warp's 64 k at the default 8 become 256, four

@@ -152,7 +152,9 @@
 // EXPERTS_STREAM_LOADS (a define, 0 when absent; the V3 Marlin loop): the weights' code
 // words loaded past L1 (ld.global.nc.L1::no_allocate), where each is read once and would
 // only churn it, so that x's words, which every warp of an expert reads again, stay there.
-// The same values loaded: the same bits.
+// = 2: the same loads also hinted evict-first in L2 (CUTLASS's SM90 policy word, a
+// constant the compiler keeps in a register), so that the weight stream leaves the step's
+// activations there. The same values loaded: the same bits.
 // EXPERTS_DOWN_SPARE (a define, 0 when absent; V3 Marlin with EXPERTS_LEAN): the down
 // kernel without its L2 prefetches but a block's first item's, before its PDL wait: not
 // each next item's first batch, nor the K loop's next batch. At expert TP a warp's item is
@@ -484,7 +486,13 @@ __device__ __forceinline__ void prefetch_rows(const Weights& W, const int row0[2
 // A thread's 16 bytes of a weight (EXPERTS_STREAM_LOADS), read once: not kept in L1.
 __device__ __forceinline__ uint4 ld_weight_16(const uint4* p) {
   uint4 v;
+#if EXPERTS_STREAM_LOADS == 2
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "l"(0x12F0000000000000ull));
+#else
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
   return v;
 }
 #endif

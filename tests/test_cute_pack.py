@@ -146,10 +146,13 @@ def test_splitk_plan_reasons(splitk):
     assert "N 60" in splitk.plan_splitk(60, 1024, False, 8)
 
 
-@pytest.mark.parametrize("module,cls", [("linear_mma", "CuteLinearMma"), ("linear_tma", "CuteLinearTma")])
+@pytest.mark.parametrize(
+    "module,cls",
+    [("linear_mma", "CuteLinearMma"), ("linear_tma", "CuteLinearTma"), ("linear_tma", "CuteLinearTmaEvictFirst")],
+)
 def test_tensor_core_linear_reasons(module, cls):
-    """cute.linear_mma and cute.linear_tma are registered (their H200 tests and
-    compute-sanitizer passed); their reasons are cute.linear's."""
+    """cute.linear_mma, cute.linear_tma and cute.linear_tma_evict_first are registered
+    (their GPU tests and compute-sanitizer passed); their reasons are cute.linear's."""
     provider = getattr(importlib.import_module(f"sparkdecode_cute.{module}"), cls)
     assert provider in plugin.PROVIDERS
     hopper = _hopper(ModelSpec.preset("tiny"))
@@ -398,11 +401,18 @@ def test_beside_trace_forms_compile(tma, splitk):
 
 
 def test_registered_linear_tma_publishes():
-    """The registered cute.linear_tma offers ``publish`` (checked on the H200 by
-    tests/test_gpu_cute_publish.py), so the cuda pack's attention can ask it for the o_proj."""
-    from sparkdecode_cute.linear_tma import CuteLinearTma
+    """The registered cute.linear_tma and cute.linear_tma_evict_first offer ``publish``
+    (checked on one GPU by tests/test_gpu_cute_publish.py), so the cuda pack's attention
+    can ask them for the o_proj; the evict-first weight publishes from its own hinted kernel."""
+    from sparkdecode_cute import gemv_tma
+    from sparkdecode_cute.linear_tma import CuteLinearTma, CuteLinearTmaEvictFirst, EvictFirstTmaWeight, TmaWeight
 
-    assert CuteLinearTma in plugin.PROVIDERS and callable(getattr(CuteLinearTma, "publish", None))
+    for provider in (CuteLinearTma, CuteLinearTmaEvictFirst):
+        assert provider in plugin.PROVIDERS and callable(getattr(provider, "publish", None))
+    assert CuteLinearTmaEvictFirst.priority > CuteLinearTma.priority
+    assert CuteLinearTmaEvictFirst.bf16_weight is EvictFirstTmaWeight
+    assert EvictFirstTmaWeight.compile_publishing is not TmaWeight.compile_publishing
+    assert gemv_tma.EvictFirstPublishingTmaGemv.weight_cache_hint == gemv_tma.EVICT_FIRST
 
 
 def _mailbox(tp: int = 2, rank: int = 1, capacity: int = 8 * 1024, **changes):
@@ -508,26 +518,39 @@ def test_set_carveout_needs_a_loaded_kernel():
         common.set_carveout(unloaded, 100, 0)
 
 
-def test_evict_first_tma_hints_only_the_weight_loads(tma, tmp_path):
-    """cute.linear_tma_evict_first's kernel (not registered): the weight's TMA loads carry
-    CUTLASS's evict-first L2 policy word, where the registered kernel's carry the DSL's
-    default word 0; the MMAs are the same."""
-    from sparkdecode_cute.linear_tma import CuteLinearTmaEvictFirst
+def _tma_load_policies(ptx: str) -> set[int]:
+    """The policy words a PTX's TMA loads take (their last operand, moved in as a constant)."""
+    moved = dict(re.findall(r"mov\.b64\s+(%rd\d+), (-?\d+);", ptx))
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.[^;]*L2::cache_hint[^;]*, (%rd\d+);", ptx)
+    assert loads and all(r in moved for r in loads)
+    return {int(moved[r]) for r in loads}
 
-    assert CuteLinearTmaEvictFirst not in plugin.PROVIDERS
+
+def test_evict_first_tma_hints_only_the_weight_loads(tma, tmp_path):
+    """cute.linear_tma_evict_first's kernel: the weight's TMA loads carry CUTLASS's
+    evict-first L2 policy word, where cute.linear_tma's carry the DSL's default word 0;
+    the MMAs are the same."""
     plan = tma.plan_tma(4096, 8192, 8)
     for d in ("r", "e"):
         (tmp_path / d).mkdir()
     registered = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX
     hinted = tma.compile_tma_evict_first(plan, "sm_90a", _keep_ptx(tmp_path / "e")).artifacts.PTX
-
-    def policies(ptx: str) -> set[int]:
-        """The policy words the PTX's TMA loads take (their last operand, moved in as a constant)."""
-        moved = dict(re.findall(r"mov\.b64\s+(%rd\d+), (-?\d+);", ptx))
-        loads = re.findall(r"cp\.async\.bulk\.tensor\.[^;]*L2::cache_hint[^;]*, (%rd\d+);", ptx)
-        assert loads and all(r in moved for r in loads)
-        return {int(moved[r]) for r in loads}
-
-    assert policies(registered) == {0}
-    assert policies(hinted) == {tma.EVICT_FIRST}
+    assert _tma_load_policies(registered) == {0}
+    assert _tma_load_policies(hinted) == {tma.EVICT_FIRST}
     assert hinted.count("wgmma.mma_async") == registered.count("wgmma.mma_async") > 0
+
+
+def test_evict_first_publishing_tma_hints_the_weight_loads(tma, tmp_path):
+    """cute.linear_tma_evict_first's published epilogue: the weight's TMA loads hinted as
+    its plain kernel's, the pushes and MMAs those of cute.linear_tma's published kernel."""
+    plan = tma.plan_tma(*PUBLISHED_SHAPES[0], 8)
+    for d in ("r", "e"):
+        (tmp_path / d).mkdir()
+    registered = tma.compile_tma_publishing(plan, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX
+    hinted = tma.compile_tma_publishing(
+        plan, "sm_90a", _keep_ptx(tmp_path / "e"), cls=tma.EvictFirstPublishingTmaGemv
+    ).artifacts.PTX
+    assert _tma_load_policies(registered) == {0}
+    assert _tma_load_policies(hinted) == {tma.EVICT_FIRST}
+    for op in ("wgmma.mma_async", "st.volatile.global.v4.u32", "fence.acq_rel.sys"):
+        assert hinted.count(op) == registered.count(op) > 0, op

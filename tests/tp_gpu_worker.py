@@ -348,8 +348,11 @@ def publishing_matches(
     return all(ok)
 
 
-def cute_published_partial(rank: int, tp: int, init: str, out_dir: str, per_gpu: bool = False) -> None:
-    """cute.linear_tma's o_proj publishing its partial from the epilogue, then the cuda
+def cute_published_partial(
+    rank: int, tp: int, init: str, out_dir: str, per_gpu: bool = False, weight: str = "TmaWeight"
+) -> None:
+    """cute.linear_tma's o_proj (``weight``: linear_tma's TmaWeight, or EvictFirstTmaWeight
+    for cute.linear_tma_evict_first's) publishing its partial from the epilogue, then the cuda
     pack's fused boundary gathering only, against the same o_proj (the same plan) not
     publishing and the boundary pushing then gathering, as
     ``published_partial`` checks cuda.linear's: the partial, the stream and the output
@@ -361,14 +364,16 @@ def cute_published_partial(rank: int, tp: int, init: str, out_dir: str, per_gpu:
     from sparkdecode.spec import ModelSpec
     from sparkdecode_cuda.bench_collectives import context
     from sparkdecode_cuda.boundary import CudaAttentionBoundary
-    from sparkdecode_cute.linear_tma import TmaWeight
+    from sparkdecode_cute import linear_tma
+
+    weight_class = getattr(linear_tma, weight)
 
     def width(preset: str, sms: int, device: torch.device) -> tuple[bool, bool, tuple[int, int, int]]:
         spec = ModelSpec.preset(preset)
         ctx = context(spec, 8, tp, rank, device)
         k = spec.q_size // tp
-        weight = o_proj_weight(spec.H, k, rank, device)
-        plain, publishing = TmaWeight("o_proj", weight, 8, sms), TmaWeight("o_proj", weight, 8, sms)
+        w = o_proj_weight(spec.H, k, rank, device)
+        plain, publishing = weight_class("o_proj", w, 8, sms), weight_class("o_proj", w, 8, sms)
         assert plain.plan == publishing.plan, (plain.plan, publishing.plan)
         for o_proj in (plain, publishing):
             workspace = torch.zeros(max(1, o_proj.plan.workspace), device=device)

@@ -198,7 +198,7 @@ class TmaGemv(SplitKKernel):
     before the first launch, both unused without a split)."""
 
     # The L2 cache hint of the weight's TMA loads (an ``L2::cache_hint`` policy word), or
-    # None for none, as every registered kernel: ``EvictFirstTmaGemv`` streams the weight
+    # None for none (the DSL's default word 0): ``EvictFirstTmaGemv`` streams the weight
     # evict-first so that it does not push the step's activations out of L2.
     weight_cache_hint: int | None = None
 
@@ -427,7 +427,7 @@ EVICT_FIRST = 0x12F0000000000000
 
 class EvictFirstTmaGemv(TmaGemv):
     """``TmaGemv`` with the weight's TMA loads hinted evict-first in L2 (``EVICT_FIRST``):
-    the same loads and products, so the same bits."""
+    the same loads and products, so the same bits (cute.linear_tma_evict_first)."""
 
     weight_cache_hint = EVICT_FIRST
 
@@ -632,11 +632,21 @@ class PublishingTmaGemv(TmaGemv):
         self.stream_tile(tma_atom, tma_w, x, out, workspace, counters, b, x_stride, out_stride, publisher)
 
 
-def compile_tma_publishing(plan: TmaPlan, arch: str | None = None, options: str = ""):
-    """``PublishingTmaGemv(plan)`` compiled on fake pointers (out 16-byte aligned) for
-    ``arch``, with further ``options``, as ``compile_tma``."""
+class EvictFirstPublishingTmaGemv(PublishingTmaGemv):
+    """``PublishingTmaGemv`` with the weight's TMA loads hinted evict-first, as
+    ``EvictFirstTmaGemv``."""
+
+    weight_cache_hint = EVICT_FIRST
+
+
+def compile_tma_publishing(
+    plan: TmaPlan, arch: str | None = None, options: str = "", cls: type[PublishingTmaGemv] = PublishingTmaGemv
+):
+    """``cls(plan)`` (``PublishingTmaGemv`` or ``EvictFirstPublishingTmaGemv``) compiled on
+    fake pointers (out 16-byte aligned) for ``arch``, with further ``options``, as
+    ``compile_tma``."""
     return compile_for(
-        PublishingTmaGemv(plan),
+        cls(plan),
         fake_pointer(BFloat16),
         fake_pointer(BFloat16),
         fake_pointer(BFloat16),

@@ -209,7 +209,8 @@ class CuteLinearTmaCoresident(CuteLinearTma):
 
 
 class EvictFirstTmaWeight(TmaWeight):
-    """A bf16 weight on gemv_tma's ``EvictFirstTmaGemv``: its loads hinted evict-first."""
+    """A bf16 weight on gemv_tma's ``EvictFirstTmaGemv``, and on ``EvictFirstPublishingTmaGemv``
+    once it publishes: its loads hinted evict-first."""
 
     provider = "cute.linear_tma_evict_first"
 
@@ -219,12 +220,23 @@ class EvictFirstTmaWeight(TmaWeight):
 
         return compiled(("gemv_tma_evict_first", plan), lambda: gemv_tma.compile_tma_evict_first(plan))
 
+    @staticmethod
+    def compile_publishing(plan: Any) -> Any:
+        from . import gemv_tma
+
+        return compiled(
+            ("gemv_tma_publish_evict_first", plan),
+            lambda: gemv_tma.compile_tma_publishing(plan, cls=gemv_tma.EvictFirstPublishingTmaGemv),
+        )
+
 
 class CuteLinearTmaEvictFirst(CuteLinearTma):
     """cute.linear_tma with the bf16 weights' TMA loads hinted evict-first in L2, so that
     the weight stream leaves the step's activations (the residual stream the boundaries
-    read, the mailboxes) in L2. The same kernels' products, so the same bits. Not
-    registered."""
+    read, the mailboxes) in L2. The same kernels' products, so the same bits."""
 
     name = "cute.linear_tma_evict_first"
+    # Above cute.linear_tma (30): ahead of it in every interleaved 40-layer step on the
+    # H100, by 0.5-1.7 us a layer (bench/NOTES.md v50, v51).
+    priority = 31
     bf16_weight = EvictFirstTmaWeight

@@ -11,9 +11,17 @@ from .experts_mma import CuteExpertsMma
 from .linear import CuteLinear
 from .linear_mma import CuteLinearMma
 from .linear_splitk import CuteLinearSplitK
-from .linear_tma import CuteLinearTma
+from .linear_tma import CuteLinearTma, CuteLinearTmaEvictFirst
 
-PROVIDERS: tuple[type, ...] = (CuteLinear, CuteLinearSplitK, CuteLinearMma, CuteLinearTma, CuteExperts, CuteExpertsMma)
+PROVIDERS: tuple[type, ...] = (
+    CuteLinear,
+    CuteLinearSplitK,
+    CuteLinearMma,
+    CuteLinearTma,
+    CuteLinearTmaEvictFirst,
+    CuteExperts,
+    CuteExpertsMma,
+)
 
 
 @hookimpl

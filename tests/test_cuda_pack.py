@@ -36,6 +36,38 @@ def test_boundary_kernel_compiles_for_hopper(hidden, tmp_path, monkeypatch):
     assert "boundary_kernel" in assert_spill_free(boundary.SOURCE, defines, boundary.COMPILE_OPTIONS)
 
 
+@pytest.mark.parametrize("kernel", ["boundary_kernel", "attention_boundary_all_reduce_kernel"])
+def test_late_trigger_launches_dependents_past_the_first_row_sum(kernel):
+    """PDL_TRIGGER 1 (the unregistered ``_late_trigger`` boundaries): each kernel lets its
+    dependents launch only past the first row sum's barrier after its PDL wait (every
+    thread's input has arrived; the fused kernel's after its gather), where the registered
+    kernels do before the wait; the rest of the PTX is the same."""
+    from ptxas_check import kernel_ptx, ptx_entry
+
+    fused = kernel == "attention_boundary_all_reduce_kernel"
+    for cls in (boundary.CudaBoundaryLateTrigger, boundary.CudaAttentionBoundaryLateTrigger):
+        assert cls.pdl_trigger == 1 and cls.name.endswith("_late_trigger")
+        assert cls.__mro__[1].pdl_trigger == 0
+    assert boundary.kernel_defines(8192, 1) == {**boundary.kernel_defines(8192), "PDL_TRIGGER": 1}
+
+    def ptx(trigger: int) -> str:
+        defines = {"H": 8192, "THREADS": 1024} if fused else boundary.kernel_defines(8192)
+        defines = {**defines, "PDL_TRIGGER": trigger} if trigger else defines
+        return ptx_entry(kernel_ptx(boundary.SOURCE, defines, boundary.COMPILE_OPTIONS), kernel)
+
+    early, late = ptx(0), ptx(1)
+    for text in (early, late):
+        assert text.count("griddepcontrol.launch_dependents;") == 1 and text.count("griddepcontrol.wait;") == 1
+    assert early.index("griddepcontrol.launch_dependents") < early.index("griddepcontrol.wait")
+    after = late.index("griddepcontrol.wait")
+    if fused:  # the gather's polling loads, then the row sum
+        after = late.index("ld.volatile.global.v4.u32", after)
+    assert after < late.index("bar.sync", after) < late.index("griddepcontrol.launch_dependents")
+    assert early.count("ld.global") == late.count("ld.global") and early.count("st.global") == late.count("st.global")
+    with pytest.raises(nvrtc.CompileError, match="PDL_TRIGGER"):
+        nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", {**boundary.kernel_defines(8192), "PDL_TRIGGER": 2})
+
+
 def test_boundary_rows_must_be_aligned():
     """The row kernels move 16 bytes at a time: a misaligned or strided tensor is refused
     with its name, before any launch."""

@@ -92,6 +92,40 @@ def test_boundary_kernel_equals_reference(width, rows, mode):
     one_ulp_close(out, ref_out)
 
 
+@pytest.mark.parametrize("width", [1024, 8192])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("mode", [2, 3])
+def test_late_trigger_boundary_is_bit_for_bit(width, rows, mode):
+    """boundary_kernel with PDL_TRIGGER 1 (cuda.boundary_late_trigger and
+    cuda.attention_boundary_late_trigger, not registered) writes the stream and the
+    output of the registered kernel bit for bit, eagerly and replayed in a graph."""
+    g = torch.Generator().manual_seed(width + rows + mode)
+    w = random_norms(width, g)
+    ctx = SimpleNamespace(spec=SimpleNamespace(H=width), device=torch.device("cuda"))
+    x = (torch.randn(rows, width + 64, generator=g) * 3).to(torch.bfloat16).cuda()[:, :width]
+    stream0 = torch.randn(rows, width, generator=g).cuda()
+    post = w.post_ffn_norm if mode == 2 else None
+    args = (post, w.ffn_alpha, w.ffn_beta, w.pre_qkv_norm, 1e-5, 1e-6, 1.0)
+    results = []
+    for trigger in (0, 1):
+        kernel = boundary._BoundaryKernel(ctx, trigger)
+        stream = stream0.clone()
+        out = torch.full((rows, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kernel(mode, x, stream, out, None, *args)
+        eager = (stream.clone(), out.clone())
+        stream.copy_(stream0)
+        out.fill_(float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kernel(mode, x, stream, out, None, *args)
+        stream.copy_(stream0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(stream, eager[0]) and torch.equal(out, eager[1]), trigger
+        results.append(eager)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_final_kernel_equals_reference():
     spec = ModelSpec.preset("tiny")
     g = torch.Generator().manual_seed(5)

@@ -65,12 +65,15 @@ def row_cluster(width: int) -> int:
     return cluster
 
 
-def kernel_defines(width: int) -> dict[str, int]:
-    """boundary_kernel's defines for hidden size ``width`` (its row cluster included)."""
+def kernel_defines(width: int, pdl_trigger: int = 0) -> dict[str, int]:
+    """boundary_kernel's defines for hidden size ``width`` (its row cluster included),
+    with the source's PDL_TRIGGER where not its default 0."""
     cluster = row_cluster(width)
     defines = {"H": width, "THREADS": width // ITEMS // cluster}
     if cluster > 1:
         defines["CLUSTER"] = cluster
+    if pdl_trigger:
+        defines["PDL_TRIGGER"] = pdl_trigger
     return defines
 
 
@@ -88,10 +91,10 @@ def check_aligned(name: str, t: torch.Tensor | None, strided: bool = False) -> N
 class _BoundaryKernel:
     """boundary_kernel compiled for this width (a row: ``cluster`` blocks of ``threads``)."""
 
-    def __init__(self, ctx: BuildContext):
+    def __init__(self, ctx: BuildContext, pdl_trigger: int = 0):
         self.width = ctx.spec.H
         self.threads = self.width // ITEMS  # a row's threads (the fused kernel's block)
-        defines = kernel_defines(self.width)
+        defines = kernel_defines(self.width, pdl_trigger)
         self.cluster, self.block = defines.get("CLUSTER", 1), defines["THREADS"]
         self.kernel = Kernel(SOURCE, "boundary_kernel", ctx.device, defines, COMPILE_OPTIONS)
 
@@ -145,6 +148,9 @@ class _BoundaryKernel:
 
 class _Cuda:
     priority = 10
+    # boundary.cu's PDL_TRIGGER: 0, the dependents launched at the kernel's start; 1, once
+    # the previous kernel's output has arrived (the unregistered ``_late_trigger`` variants).
+    pdl_trigger = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -167,7 +173,7 @@ class CudaBoundary(_Cuda):
         self.prev = ctx.layer(layer - 1) if layer > 0 else None
         self.embeddings = ctx.buffers["embeddings"]
         self.mailbox = ctx.mailboxes[layer - 1] if layer > 0 else None
-        self.kernel = _BoundaryKernel(ctx)
+        self.kernel = _BoundaryKernel(ctx, self.pdl_trigger)
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaBoundary:
@@ -204,11 +210,13 @@ class CudaAttentionBoundary(_Cuda):
 
     def __init__(self, ctx: BuildContext, layer: int):
         self.spec, self.layer = ctx.spec, ctx.layer(layer)
-        self.kernel = _BoundaryKernel(ctx)
+        self.kernel = _BoundaryKernel(ctx, self.pdl_trigger)
         self.workspace = workspace(ctx)  # None at TP 1 and on a detached rank
         self.published = False  # the layer's attention publishes its partial (pair_attention)
         if self.workspace is not None:
             defines = {"H": self.kernel.width, "THREADS": self.kernel.threads}
+            if self.pdl_trigger:
+                defines["PDL_TRIGGER"] = self.pdl_trigger
             self.fused = Kernel(SOURCE, "attention_boundary_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)
 
     @classmethod
@@ -268,6 +276,25 @@ class CudaAttentionBoundary(_Cuda):
                 *ws.args(),
             ],
         )
+
+
+class CudaBoundaryLateTrigger(CudaBoundary):
+    """cuda.boundary with its dependents (the qkvg GEMM) launched only once the previous
+    kernel's output has arrived (PDL_TRIGGER 1), so its reads are not queued behind the
+    GEMM's first weight loads. The same code after the trigger, so the same bits. Not
+    registered."""
+
+    name = "cuda.boundary_late_trigger"
+    pdl_trigger = 1
+
+
+class CudaAttentionBoundaryLateTrigger(CudaAttentionBoundary):
+    """cuda.attention_boundary with its dependents (the pooler, and the router beside it)
+    launched only once the o_proj's output (at TP > 1 the gathered partials) has arrived
+    (PDL_TRIGGER 1). The same bits. Not registered."""
+
+    name = "cuda.attention_boundary_late_trigger"
+    pdl_trigger = 1
 
 
 class CudaFinal(_Cuda):

@@ -19,6 +19,13 @@
 // kernel's output (x, the stream) is issued right after the PDL wait, before either
 // reduction.
 //
+// PDL_TRIGGER: where a kernel lets its dependents launch (griddepcontrol.launch_dependents).
+// 0 (default): at its start, after the weights' loads, so the next GEMM's CTAs take the SMs
+// as they free and issue their first weight loads (before their own PDL wait) while this
+// kernel still waits or reads; 1: once the previous kernel's output has arrived (after the
+// first row sum's barrier; in the fused kernel after the gather), so this kernel's reads
+// are not queued behind the next GEMM's first weight loads.
+//
 // attention_boundary_all_reduce_kernel (TP > 1): MODE 3 on the one-shot all-reduce
 // of every rank's bf16 o_proj partial (lamport.cuh), rounded to bf16 once as the
 // reference transport rounds, then the same code as boundary_kernel. `published`: the
@@ -35,6 +42,10 @@
 #ifndef CLUSTER
 #define CLUSTER 1
 #endif
+#ifndef PDL_TRIGGER
+#define PDL_TRIGGER 0
+#endif
+static_assert(PDL_TRIGGER == 0 || PDL_TRIGGER == 1, "PDL_TRIGGER: 0 (at the start) or 1 (once the inputs arrived)");
 #define ITEMS (H / (THREADS * CLUSTER))
 static_assert(ITEMS == 8 && H % (8 * THREADS * CLUSTER) == 0, "8 values a thread");
 static_assert(CLUSTER >= 1 && CLUSTER <= 8, "a portable cluster: at most 8 blocks");
@@ -69,6 +80,9 @@ __device__ __forceinline__ void boundary_row(float (&v)[ITEMS], float sq, const 
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) v[i] *= inv;
   }
+#if PDL_TRIGGER == 1
+  pdl_launch_dependents();  // past the row sum's barrier: every thread's x has arrived
+#endif
   if (mode >= 2) {
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) v[i] = a[i] * s[i] + bt[i] * v[i];
@@ -134,7 +148,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   // Weights do not depend on the previous kernel: read them before the PDL wait.
   float wn[ITEMS], wp[ITEMS], a[ITEMS], bt[ITEMS];
   boundary_weights(base, mode, post_weight, alpha, beta, next_weight, next_center, wn, wp, a, bt);
+#if PDL_TRIGGER == 0
   pdl_launch_dependents();
+#endif
   pdl_wait();
 
   float v[ITEMS], s[ITEMS];
@@ -168,7 +184,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_boundary_all_red
   const int base = threadIdx.x * ITEMS;
   float wn[ITEMS], wp[ITEMS], a[ITEMS], bt[ITEMS];
   boundary_weights(base, 3, nullptr, alpha, beta, next_weight, 1.0f, wn, wp, a, bt);
+#if PDL_TRIGGER == 0
   pdl_launch_dependents();
+#endif
   pdl_wait();
   float s[ITEMS];
   load_f32x8(stream + (long long)row * H + base, s);

@@ -540,6 +540,48 @@ def test_evict_first_tma_hints_only_the_weight_loads(tma, tmp_path):
     assert hinted.count("wgmma.mma_async") == registered.count("wgmma.mma_async") > 0
 
 
+def test_shallow_tma_loads_one_buffer_before_the_wait(tma, tmp_path, monkeypatch):
+    """cute.linear_tma_evict_first_shallow (not registered): the qkvg's and the pooler's
+    kernels issue one TMA load of the weight before griddepcontrol.wait, where the
+    registered kernels fill the ring; the other weights take the registered evict-first
+    kernel; the loads' policy words and the MMAs are the same."""
+    from sparkdecode_cute import linear_tma
+    from sparkdecode_cute.linear_tma import (
+        SHALLOW_WEIGHTS,
+        CuteLinearTmaEvictFirstShallow,
+        EvictFirstTmaWeight,
+        ShallowEvictFirstTmaWeight,
+    )
+
+    assert CuteLinearTmaEvictFirstShallow not in plugin.PROVIDERS
+    assert CuteLinearTmaEvictFirstShallow.bf16_weight is ShallowEvictFirstTmaWeight
+    assert SHALLOW_WEIGHTS == {"qkvg", "pooler"}
+    plan = tma.plan_tma(4096, 8192, 8)
+    assert plan.stages > 1 and plan.k_tiles > plan.stages, plan
+    for d in ("r", "s"):
+        (tmp_path / d).mkdir()
+    full = tma.compile_tma_evict_first(plan, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX
+    shallow = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "s"), cls=tma.ShallowEvictFirstTmaGemv)
+    shallow = shallow.artifacts.PTX
+
+    def before_wait(ptx: str) -> int:
+        return ptx[: ptx.index("griddepcontrol.wait")].count("cp.async.bulk.tensor")
+
+    boxes = plan.stage_k // tma.SWIZZLE_K  # a buffer's TMA loads: one a 128-byte swizzled box of K
+    assert (before_wait(full), before_wait(shallow)) == (plan.stages * boxes, boxes)
+    assert _tma_load_policies(shallow) == _tma_load_policies(full) == {tma.EVICT_FIRST}
+    assert shallow.count("wgmma.mma_async") == full.count("wgmma.mma_async") > 0
+
+    # Which compiled kernel each weight takes (the cache's key, nothing compiled).
+    monkeypatch.setattr(linear_tma, "compiled", lambda key, make: key[0])
+    weight = ShallowEvictFirstTmaWeight.__new__(ShallowEvictFirstTmaWeight)
+    for name in ("qkvg", "o_proj", "pooler", "unpooler"):
+        weight.name = name
+        shallow_kernel = name in SHALLOW_WEIGHTS
+        assert weight.compile(plan) == ("gemv_tma_evict_first_shallow" if shallow_kernel else "gemv_tma_evict_first")
+    assert EvictFirstTmaWeight.compile(plan) == "gemv_tma_evict_first"
+
+
 def test_evict_first_publishing_tma_hints_the_weight_loads(tma, tmp_path):
     """cute.linear_tma_evict_first's published epilogue: the weight's TMA loads hinted as
     its plain kernel's, the pushes and MMAs those of cute.linear_tma's published kernel."""

@@ -37,6 +37,7 @@ from sparkdecode_cute.linear_tma import (  # noqa: E402
     CuteLinearTma,
     CuteLinearTmaCoresident,
     CuteLinearTmaEvictFirst,
+    CuteLinearTmaEvictFirstShallow,
     TmaWeight,
 )
 
@@ -68,15 +69,16 @@ def test_tma_smallest_equals_reference(case):
 
 @pytest.mark.parametrize(
     "cls",
-    [CuteLinearTma, CuteLinearTmaCoresident, CuteLinearTmaEvictFirst],
-    ids=["plan", "coresident", "evictfirst"],
+    [CuteLinearTma, CuteLinearTmaCoresident, CuteLinearTmaEvictFirst, CuteLinearTmaEvictFirstShallow],
+    ids=["plan", "coresident", "evictfirst", "shallow"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_tma_equals_reference(shape, rows, cls):
     """cute.linear_tma, cute.linear_tma_coresident (its tilings within half an SM's
-    shared memory) and cute.linear_tma_evict_first (its weight loads hinted evict-first);
-    the last two unregistered."""
+    shared memory; not registered), cute.linear_tma_evict_first (its weight loads hinted
+    evict-first) and cute.linear_tma_evict_first_shallow (the qkvg and the pooler loading
+    one buffer before the PDL wait; not registered)."""
     equals_reference(cls, shape, rows)
 
 

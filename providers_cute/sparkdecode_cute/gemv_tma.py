@@ -201,12 +201,22 @@ class TmaGemv(SplitKKernel):
     # None for none (the DSL's default word 0): ``EvictFirstTmaGemv`` streams the weight
     # evict-first so that it does not push the step's activations out of L2.
     weight_cache_hint: int | None = None
+    # How many of the ring's buffers the producer fills before ``griddepcontrol.wait``, or
+    # None for all of them (every registered kernel): ``ShallowEvictFirstTmaGemv`` issues
+    # fewer, so a boundary kernel before it is not queued behind all of its first loads.
+    pre_wait_stages: int | None = None
 
     def __init__(self, plan: TmaPlan):
         # The epilogue's fp32 [WARPS, 64 * 8] sums reuse the ring once it is drained.
         if plan.stages * plan.stage_bytes < SUMS_BYTES:
             raise ValueError(f"{plan}: a ring of {plan.stages * plan.stage_bytes} bytes cannot hold the tile's sums")
         self.plan = plan
+
+    @property
+    def prefetch(self) -> int:
+        """The buffers the producer fills before ``griddepcontrol.wait``."""
+        p = self.plan
+        return min(p.stages, p.k_tiles, p.stages if self.pre_wait_stages is None else self.pre_wait_stages)
 
     def layouts(self):
         """The swizzled shared-memory layouts: the weight ring (64, stage_k, stages)
@@ -301,7 +311,7 @@ class TmaGemv(SplitKKernel):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tile = bidx // p.splits
         split = bidx - tile * p.splits
-        prefetch = min(p.stages, p.k_tiles)
+        prefetch = self.prefetch
         self.mark(counters, 0)
 
         if warp == PRODUCER_WARP:
@@ -414,11 +424,11 @@ class TmaGemv(SplitKKernel):
         self.mark(counters, 2)
 
 
-def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = ""):
-    """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
-    ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for ``cute.compile``
-    (e.g. ``remarks{ptx}``)."""
-    return compile_split(TmaGemv(plan), arch, options)
+def compile_tma(plan: TmaPlan, arch: str | None = None, options: str = "", cls: type[TmaGemv] = TmaGemv):
+    """The compiled kernel (``cls``, by default ``TmaGemv``) of ``plan`` for ``arch`` (e.g.
+    ``sm_90a``; by default ``CUTE_DSL_ARCH`` or the GPU's), with further ``options`` for
+    ``cute.compile`` (e.g. ``remarks{ptx}``)."""
+    return compile_split(cls(plan), arch, options)
 
 
 # CUTLASS's SM90 TMA cache-hint policy words (cute/arch/copy_sm90_tma.hpp, CacheHintSm90).
@@ -435,6 +445,13 @@ class EvictFirstTmaGemv(TmaGemv):
 def compile_tma_evict_first(plan: TmaPlan, arch: str | None = None, options: str = ""):
     """``EvictFirstTmaGemv(plan)`` compiled as ``compile_tma``."""
     return compile_split(EvictFirstTmaGemv(plan), arch, options)
+
+
+class ShallowEvictFirstTmaGemv(EvictFirstTmaGemv):
+    """``EvictFirstTmaGemv`` whose producer fills one buffer of the ring before the PDL wait
+    and the rest after it: the same loads in the same order, so the same bits."""
+
+    pre_wait_stages = 1
 
 
 class TracedTmaGemv(TmaGemv):

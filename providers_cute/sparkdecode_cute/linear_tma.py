@@ -230,6 +230,29 @@ class EvictFirstTmaWeight(TmaWeight):
         )
 
 
+# The weights a boundary kernel runs just before (the input boundary's qkvg, the attention
+# boundary's pooler), which ``ShallowEvictFirstTmaWeight`` loads shallow.
+SHALLOW_WEIGHTS = frozenset({"qkvg", "pooler"})
+
+
+class ShallowEvictFirstTmaWeight(EvictFirstTmaWeight):
+    """An evict-first weight of ``SHALLOW_WEIGHTS`` on gemv_tma's ``ShallowEvictFirstTmaGemv``
+    (one buffer of its ring loaded before the PDL wait, so the boundary's reads before it
+    queue behind less); the other weights as ``EvictFirstTmaWeight``."""
+
+    provider = "cute.linear_tma_evict_first_shallow"
+
+    def compile(self, plan: Any) -> Any:  # type: ignore[override]  # by the weight's name
+        from . import gemv_tma
+
+        if self.name not in SHALLOW_WEIGHTS:
+            return EvictFirstTmaWeight.compile(plan)
+        return compiled(
+            ("gemv_tma_evict_first_shallow", plan),
+            lambda: gemv_tma.compile_tma(plan, cls=gemv_tma.ShallowEvictFirstTmaGemv),
+        )
+
+
 class CuteLinearTmaEvictFirst(CuteLinearTma):
     """cute.linear_tma with the bf16 weights' TMA loads hinted evict-first in L2, so that
     the weight stream leaves the step's activations (the residual stream the boundaries
@@ -240,3 +263,11 @@ class CuteLinearTmaEvictFirst(CuteLinearTma):
     # H100, by 0.5-1.7 us a layer (bench/NOTES.md v50, v51).
     priority = 31
     bf16_weight = EvictFirstTmaWeight
+
+
+class CuteLinearTmaEvictFirstShallow(CuteLinearTmaEvictFirst):
+    """cute.linear_tma_evict_first with the qkvg and the pooler loading one buffer of their
+    ring before the PDL wait (``ShallowEvictFirstTmaWeight``). The same bits. Not registered."""
+
+    name = "cute.linear_tma_evict_first_shallow"
+    bf16_weight = ShallowEvictFirstTmaWeight

@@ -534,7 +534,7 @@ def test_evict_first_tma_hints_only_the_weight_loads(tma, tmp_path):
     for d in ("r", "e"):
         (tmp_path / d).mkdir()
     registered = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX
-    hinted = tma.compile_tma_evict_first(plan, "sm_90a", _keep_ptx(tmp_path / "e")).artifacts.PTX
+    hinted = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "e"), cls=tma.EvictFirstTmaGemv).artifacts.PTX
     assert _tma_load_policies(registered) == {0}
     assert _tma_load_policies(hinted) == {tma.EVICT_FIRST}
     assert hinted.count("wgmma.mma_async") == registered.count("wgmma.mma_async") > 0
@@ -560,7 +560,7 @@ def test_shallow_tma_loads_one_buffer_before_the_wait(tma, tmp_path, monkeypatch
     assert plan.stages > 1 and plan.k_tiles > plan.stages, plan
     for d in ("r", "s"):
         (tmp_path / d).mkdir()
-    full = tma.compile_tma_evict_first(plan, "sm_90a", _keep_ptx(tmp_path / "r")).artifacts.PTX
+    full = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "r"), cls=tma.EvictFirstTmaGemv).artifacts.PTX
     shallow = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "s"), cls=tma.ShallowEvictFirstTmaGemv)
     shallow = shallow.artifacts.PTX
 

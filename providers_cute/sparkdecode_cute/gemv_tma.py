@@ -442,11 +442,6 @@ class EvictFirstTmaGemv(TmaGemv):
     weight_cache_hint = EVICT_FIRST
 
 
-def compile_tma_evict_first(plan: TmaPlan, arch: str | None = None, options: str = ""):
-    """``EvictFirstTmaGemv(plan)`` compiled as ``compile_tma``."""
-    return compile_split(EvictFirstTmaGemv(plan), arch, options)
-
-
 class ShallowEvictFirstTmaGemv(EvictFirstTmaGemv):
     """``EvictFirstTmaGemv`` whose producer fills one buffer of the ring before the PDL wait
     and the rest after it: the same loads in the same order, so the same bits."""

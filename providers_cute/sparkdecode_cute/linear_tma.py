@@ -218,7 +218,9 @@ class EvictFirstTmaWeight(TmaWeight):
     def compile(plan: Any) -> Any:
         from . import gemv_tma
 
-        return compiled(("gemv_tma_evict_first", plan), lambda: gemv_tma.compile_tma_evict_first(plan))
+        return compiled(
+            ("gemv_tma_evict_first", plan), lambda: gemv_tma.compile_tma(plan, cls=gemv_tma.EvictFirstTmaGemv)
+        )
 
     @staticmethod
     def compile_publishing(plan: Any) -> Any:

@@ -49,10 +49,10 @@ def test_late_trigger_launches_dependents_past_the_first_row_sum(kernel):
         assert cls.pdl_trigger == 1 and cls.name.endswith("_late_trigger")
         assert cls.__mro__[1].pdl_trigger == 0
     assert boundary.kernel_defines(8192, 1) == {**boundary.kernel_defines(8192), "PDL_TRIGGER": 1}
+    assert boundary.fused_defines(8192, 1) == {"H": 8192, "THREADS": 1024, "PDL_TRIGGER": 1}
 
     def ptx(trigger: int) -> str:
-        defines = {"H": 8192, "THREADS": 1024} if fused else boundary.kernel_defines(8192)
-        defines = {**defines, "PDL_TRIGGER": trigger} if trigger else defines
+        defines = (boundary.fused_defines if fused else boundary.kernel_defines)(8192, trigger)
         return ptx_entry(kernel_ptx(boundary.SOURCE, defines, boundary.COMPILE_OPTIONS), kernel)
 
     early, late = ptx(0), ptx(1)
@@ -105,7 +105,8 @@ def test_lamport_kernels_compile_for_hopper(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKDECODE_CACHE", str(tmp_path))
     assert nvrtc.compile_cubin(lamport.SOURCE, "sm_90a", None, lamport.COMPILE_OPTIONS)[:4] == b"\x7fELF"
     for hidden in (1024, 8192):
-        defines = {"H": hidden, "THREADS": hidden // boundary.ITEMS}
+        defines = boundary.fused_defines(hidden)
+        assert defines == {"H": hidden, "THREADS": hidden // boundary.ITEMS}
         cubin = nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", defines, boundary.COMPILE_OPTIONS)
         assert b"attention_boundary_all_reduce_kernel" in cubin
     for width in (512, 4096):

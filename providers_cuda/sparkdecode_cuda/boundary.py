@@ -72,9 +72,17 @@ def kernel_defines(width: int, pdl_trigger: int = 0) -> dict[str, int]:
     defines = {"H": width, "THREADS": width // ITEMS // cluster}
     if cluster > 1:
         defines["CLUSTER"] = cluster
-    if pdl_trigger:
-        defines["PDL_TRIGGER"] = pdl_trigger
-    return defines
+    return _with_trigger(defines, pdl_trigger)
+
+
+def fused_defines(width: int, pdl_trigger: int = 0) -> dict[str, int]:
+    """attention_boundary_all_reduce_kernel's defines for hidden size ``width`` (a block a
+    row), with PDL_TRIGGER as ``kernel_defines``."""
+    return _with_trigger({"H": width, "THREADS": width // ITEMS}, pdl_trigger)
+
+
+def _with_trigger(defines: dict[str, int], pdl_trigger: int) -> dict[str, int]:
+    return {**defines, "PDL_TRIGGER": pdl_trigger} if pdl_trigger else defines
 
 
 def check_aligned(name: str, t: torch.Tensor | None, strided: bool = False) -> None:
@@ -214,9 +222,7 @@ class CudaAttentionBoundary(_Cuda):
         self.workspace = workspace(ctx)  # None at TP 1 and on a detached rank
         self.published = False  # the layer's attention publishes its partial (pair_attention)
         if self.workspace is not None:
-            defines = {"H": self.kernel.width, "THREADS": self.kernel.threads}
-            if self.pdl_trigger:
-                defines["PDL_TRIGGER"] = self.pdl_trigger
+            defines = fused_defines(self.kernel.width, self.pdl_trigger)
             self.fused = Kernel(SOURCE, "attention_boundary_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)
 
     @classmethod

@@ -6,6 +6,7 @@ and the FlashInfer baseline are tested in test_gpu_bench.py."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -143,6 +144,25 @@ def test_a_detached_tp8_rank_runs_and_lists_its_collectives():
     assert experts.w13.shape == (spec.E, 2 * spec.I // 8, spec.P) and experts.w2.shape == (spec.E, spec.P, spec.I // 8)
 
 
+def test_a_detached_sharded_tp8_rank_matches_its_baseline():
+    """The pooler and the unpooler column-sharded (``-sharded``): the rank draws its
+    columns of both, its gathers are left out like its all-reduces, and the executor
+    matches the torch baseline of the same shard bit for bit."""
+    base = BenchConfig("tiny-tp8-rank", "tiny-tp8", 2, (200,), tp=8, rank=5, expert_parallel="tp", speed_claim=False)
+    cfg = dataclasses.replace(base, name="tiny-tp8-rank-sharded", shard_projections=True)
+    record = run(cfg, device=torch.device("cpu"), replays=1, blocks=False, routings=("random",))
+    assert record["shard"]["pooler_unpooler"] == "column-sharded"
+    assert len(record["collectives_left_out"]) == 3
+    assert "column gathers of the sharded pooler" in record["collectives_left_out"][2]
+    (r,) = record["runs"]
+    assert r["check"]["finite"] and r["check"]["relative_error_baseline_vs_executor"] == 0.0
+    spec = ModelSpec.preset("tiny-tp8", 2)
+    moe = draw_weights(cfg, torch.device("cpu"), 0).layers[0]
+    assert moe.pooler.shape == (spec.P // 8, spec.H) and moe.unpooler.shape == (spec.H // 8, spec.P)
+    replicated = run(base, device=torch.device("cpu"), replays=1, blocks=False, routings=("random",))
+    assert record["runs"][0]["floor_s"] < replicated["runs"][0]["floor_s"]
+
+
 def test_named_configs():
     assert named("tp1-real-L2").contexts == (4096, 32768)
     cfg = named("tp8-rank-L36-bf16")
@@ -153,6 +173,20 @@ def test_named_configs():
     with pytest.raises(BenchConfigError):
         named("huge")
     assert configs.ROWS == 8
+
+
+def test_sharded_configs_cut_the_pooler_and_the_unpooler():
+    cfg, replicated = named("tp8-rank-L40-nvfp4-marlin-sharded"), named("tp8-rank-L40-nvfp4-marlin")
+    assert cfg.shard_projections and not replicated.shard_projections
+    assert dataclasses.replace(cfg, name=replicated.name, shard_projections=False) == replicated
+    s = cfg.spec()
+    # Each layer's pooler [P, H] and unpooler [H, P] in bf16: an eighth of each a rank.
+    assert replicated.weights_bytes() - cfg.weights_bytes() == 40 * 2 * (2 * s.P * s.H) * 7 // 8
+    assert named("tp4-L2-bf16-sharded").all_ranks and named("tiny-tp2-sharded").shard_projections
+    assert named("tp8-rank-Lmax-bf16-sharded").fitting(200 << 30).shard_projections
+    for name, why in (("tiny-sharded", "is TP 1"), ("tp1-real-L2-sharded", "is TP 1"), ("-sharded", "unknown")):
+        with pytest.raises(BenchConfigError, match=why):
+            named(name)
 
 
 def test_bench_cli_errors(capsys):

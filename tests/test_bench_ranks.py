@@ -13,6 +13,7 @@ import torch
 
 from sparkdecode.bench.configs import BenchConfigError, named
 from sparkdecode.bench.ranks import Placement
+from sparkdecode.bench.steer import draw_weights
 from sparkdecode.cli import main
 from sparkdecode.spec import ModelSpec
 from sparkdecode.weights import Sharding, random_weights
@@ -65,6 +66,22 @@ def test_tiny_tp2_in_marlins_layout_runs_on_every_rank(tmp_path):
     record = json.loads(path.read_text())
     assert record["shard"]["expert_format"] == "nvfp4_marlin" and record["ranks"]["tp"] == 2
     assert "experts_nvfp4" in record["executor"]["layout"]
+    for r in record["runs"]:
+        assert r["check"] == {"finite": True, "replicated_output_identical": True, "routing_identical": True}
+
+
+def test_tiny_tp2_sharded_gathers_the_pooler_and_the_unpooler_on_every_rank(tmp_path):
+    """The pooler and the unpooler column-sharded: each rank draws half of each, the
+    column gathers run over gloo in the step, and the ranks' outputs and routing agree."""
+    code = main(["bench", "tiny-tp2-sharded", "--device", "cpu", "--replays", "2", "--out", str(tmp_path), "--quiet"])
+    assert code == 0
+    (path,) = tmp_path.glob("tiny-tp2-sharded_*.json")
+    record = json.loads(path.read_text())
+    assert record["shard"]["pooler_unpooler"] == "column-sharded" and record["ranks"]["tp"] == 2
+    assert any("column gathers" in c for c in record["collectives_timed"])
+    spec = ModelSpec.preset("tiny")
+    layer = draw_weights(named("tiny-tp2-sharded"), torch.device("cpu"), 0).layers[0]
+    assert layer.pooler.shape == (spec.P // 2, spec.H) and layer.unpooler.shape == (spec.H // 2, spec.P)
     for r in record["runs"]:
         assert r["check"] == {"finite": True, "replicated_output_identical": True, "routing_identical": True}
 

@@ -9,6 +9,7 @@
 | ``tp8-rank-L<N>-nvfp4-marlin`` | as ``-nvfp4``, each NVFP4 layer's experts repacked as vLLM serves them on Hopper (its SM90 Marlin layout, ``nvfp4_marlin.marlin_form``) | as above | 4096, 32768 | yes, collectives left out |
 | ``tp{2,4,8}-L<N>-bf16`` (``-nvfp4``, ``-nvfp4-marlin``) | real widths, N layers | every rank of TP 2, 4 or 8, one process each, expert TP (``ranks.py``) | 4096, 32768 | yes with one rank per GPU, the collectives in the time; ``--one-gpu``: no |
 | ``tiny-tp2``, ``tiny-tp4``, ``tiny-tp8`` (``-nvfp4-marlin``) | the tiny preset (``tiny-tp8`` widths at TP 4 and 8), bf16 experts (or every layer's in Marlin's layout but the first and last) | every rank, as above | 300 | no: a smoke run |
+| any of the TP names above with ``-sharded`` (``tp8-rank-L40-nvfp4-marlin-sharded``, ``tiny-tp2-sharded``) | as without | the pooler and the unpooler column-sharded over the ranks, as vLLM cuts them on SM100 and newer, or on SM90 with the text config's ``muse_spark_tep_shard_pooler`` and ``muse_spark_tep_shard_unpooler`` | as without | as without |
 
 ``tp8-rank-Lmax-bf16`` (or ``-nvfp4``, ``-nvfp4-marlin``, or ``tp{2,4,8}-Lmax-...``) is the TP-8 rank (each rank) with as many layers as fit beside the
 bench's own memory (``RESERVE_BYTES``) on this GPU; its record carries the
@@ -36,6 +37,7 @@ RESERVE_BYTES = 16 << 30
 _TP8_RANK = re.compile(r"tp8-rank-L(\d+|max)-(bf16|nvfp4|nvfp4-marlin)")
 _ALL_RANKS = re.compile(r"tp([248])-L(\d+|max)-(bf16|nvfp4|nvfp4-marlin)")
 _TINY_RANKS = re.compile(r"tiny-tp([248])(-nvfp4-marlin)?")
+SHARDED = "-sharded"  # a TP config's name with the pooler and the unpooler column-sharded
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,17 @@ class BenchConfig:
     # Every rank of the TP group, one process each, its collectives in the step
     # (ranks.py); False: rank ``rank`` alone, detached when tp > 1.
     all_ranks: bool = False
+    # The pooler and the unpooler column-sharded over the ranks (their output columns,
+    # gathered by the consumer); False: replicated, as vLLM keeps them on SM90 by default.
+    shard_projections: bool = False
 
     def __post_init__(self) -> None:
+        if self.shard_projections:
+            s = ModelSpec.preset(self.preset, None)
+            if self.tp < 2 or s.P % self.tp or s.H % self.tp:
+                raise BenchConfigError(
+                    f"{self.name}: sharding the pooler and the unpooler needs TP > 1 dividing P = {s.P} and H = {s.H}"
+                )
         if self.expert_format == "nvfp4_marlin":
             # Marlin's unpadded layout (the one read here): 64-wide tiles along P and I.
             s = ModelSpec.preset(self.preset, None)
@@ -79,7 +90,8 @@ class BenchConfig:
         tp, H, P, I, E, d = self.tp, s.H, s.P, s.I, s.E, s.head_dim  # noqa: E741
         q, kv = s.num_attention_heads // tp * d, s.num_key_value_heads // tp * d
         experts, inter = (E // tp, I) if self.expert_parallel == "ep" else (E, I // tp)
-        dense = 2 * ((2 * q + 2 * kv) * H + H * q + 2 * P * H + 6 * H + 2 * P) + 4 * (E * H + E + 4 * H)
+        projections = 2 * P * H // tp if self.shard_projections else 2 * P * H  # the pooler and the unpooler
+        dense = 2 * ((2 * q + 2 * kv) * H + H * q + projections + 6 * H + 2 * P) + 4 * (E * H + E + 4 * H)
         bf16_experts = experts * 3 * inter * P * 2
         # codes (half a byte a value), one e4m3 scale per 16 values, globals (2 + 1) and input scales (2 + 1);
         # Marlin's layout: the same codes and one-byte scales, globals (1 + 1), no input scales
@@ -123,7 +135,14 @@ def named(name: str) -> BenchConfig:
     """The config of a name: ``tiny``, ``tp1-real-L2``, ``tp8-rank-L<N>-bf16``,
     ``tp8-rank-L<N>-nvfp4``, ``tp8-rank-L<N>-nvfp4-marlin`` or ``tp8-rank-Lmax-...``
     (layers 0 until ``fitting`` resolves it); every rank: ``tp{2,4,8}-L<N>-...`` (or
-    ``-Lmax-``; bf16, nvfp4 or nvfp4-marlin), ``tiny-tp{2,4,8}`` (or ``-nvfp4-marlin``)."""
+    ``-Lmax-``; bf16, nvfp4 or nvfp4-marlin), ``tiny-tp{2,4,8}`` (or ``-nvfp4-marlin``).
+    A TP name ending in ``-sharded``: the same with the pooler and the unpooler
+    column-sharded."""
+    if name.endswith(SHARDED) and name != SHARDED:
+        base = named(name[: -len(SHARDED)])
+        if base.tp < 2:
+            raise BenchConfigError(f"{name}: -sharded is for TP configs, {base.name} is TP 1")
+        return replace(base, name=name, shard_projections=True)
     if name == "tiny":
         return BenchConfig(name, "tiny", 4, (1024, 4096), speed_claim=False)
     if name == "tp1-real-L2":
@@ -170,7 +189,7 @@ def named(name: str) -> BenchConfig:
     raise BenchConfigError(
         f"unknown bench config {name!r}; configs: tiny, tp1-real-L2, tp8-rank-L<N>-bf16, tp8-rank-L<N>-nvfp4, "
         "tp8-rank-L<N>-nvfp4-marlin, tp{2,4,8}-L<N>-bf16, tp{2,4,8}-L<N>-nvfp4, tp{2,4,8}-L<N>-nvfp4-marlin, "
-        "tiny-tp{2,4,8}, tiny-tp{2,4,8}-nvfp4-marlin"
+        "tiny-tp{2,4,8}, tiny-tp{2,4,8}-nvfp4-marlin; any TP name with -sharded"
     )
 
 

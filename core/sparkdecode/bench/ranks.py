@@ -312,6 +312,7 @@ def assemble(
             "rank": "all",
             "expert_parallel": cfg.expert_parallel,
             "expert_format": cfg.expert_format,
+            "pooler_unpooler": "column-sharded" if cfg.shard_projections else "replicated",
             "weights_bytes": first["weights_bytes"],
             "weights_bytes_by_rank": [m["weights_bytes"] for m in every],
         },

@@ -25,6 +25,11 @@ from .clockwatch import pj_per_byte, reasons_text
 KIND_ORDER = ("embed", "boundary", "attention (sliding)", "attention (full)", "attention_boundary", "moe", "final")
 
 
+def _projections(shard: dict[str, Any]) -> str:
+    """The record's pooler and unpooler cut where they are sharded (older records: replicated)."""
+    return "pooler and unpooler column-sharded, " if shard.get("pooler_unpooler") == "column-sharded" else ""
+
+
 def _us(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e6:.1f}"
 
@@ -67,7 +72,7 @@ def ranks_table(record: dict[str, Any]) -> str:
     lines.append(
         f"model: {m['preset']} {m['layers']} layers (H {m['hidden_size']}, E {m['experts']} top-{m['top_k']}), "
         f"every rank of TP {s['tp']} ({s['expert_parallel']} experts), {s['expert_format']} experts, "
-        f"{s['weights_bytes'] / 1e9:.2f} GB of layer weights a rank"
+        f"{_projections(s)}{s['weights_bytes'] / 1e9:.2f} GB of layer weights a rank"
     )
     lines.append(f"ranks: {ranks['placement']}")
     bw = [b["bytes_per_s"] / 1e12 for b in r["copy_bandwidth_by_rank"]]
@@ -118,7 +123,7 @@ def table(record: dict[str, Any]) -> str:
         f"model: {m['preset']} {m['layers']} layers (H {m['hidden_size']}, E {m['experts']} top-{m['top_k']}), "
         f"TP {s['tp']} rank {s['rank']}"
         + (f" ({s['expert_parallel']} experts)" if s["tp"] > 1 else "")
-        + f", {s['expert_format']} experts, {s['weights_bytes'] / 1e9:.2f} GB of layer weights"
+        + f", {s['expert_format']} experts, {_projections(s)}{s['weights_bytes'] / 1e9:.2f} GB of layer weights"
     )
     bw = r["copy_bandwidth"]
     lines.append(

@@ -110,6 +110,8 @@ def _collectives(cfg: BenchConfig) -> list[str]:
         per_layer.append("the expert-TP route-row all-reduce (bf16 [rows, k, P])")
     else:
         per_layer.append("the EP partial-sum all-reduce of the MoE tail (bf16 [rows, P])")
+    if cfg.shard_projections:
+        per_layer.append("the column gathers of the sharded pooler (bf16 [rows, P]) and unpooler (bf16 [rows, H])")
     return [f"{c}, every layer" for c in per_layer]
 
 
@@ -348,6 +350,7 @@ def run(
             "expert_parallel": cfg.expert_parallel,
             "expert_format": cfg.expert_format,
             "expert_form": EXPERT_FORMS[cfg.expert_format],
+            "pooler_unpooler": "column-sharded" if cfg.shard_projections else "replicated",
             "weights_bytes": sum(
                 t.numel() * t.element_size() for layer in weights.layers for t in _layer_tensors(layer)
             ),

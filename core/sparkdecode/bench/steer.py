@@ -39,7 +39,13 @@ def draw_weights(cfg: BenchConfig, device: torch.device, seed: int) -> ModelWeig
     (``marlin_form``), one layer at a time, its checkpoint-layout tensors freed
     before the next: the peak holds one layer's experts twice, not the model's."""
     marlin = cfg.expert_format == "nvfp4_marlin"
-    sharding = Sharding(tp=cfg.tp, rank=cfg.rank, expert_parallel=cfg.expert_parallel)
+    sharding = Sharding(
+        tp=cfg.tp,
+        rank=cfg.rank,
+        expert_parallel=cfg.expert_parallel,
+        shard_pooler=cfg.shard_projections,
+        shard_unpooler=cfg.shard_projections,
+    )
     weights = random_weights(
         cfg.spec(),
         seed=seed,

@@ -38,16 +38,16 @@ def test_boundary_kernel_compiles_for_hopper(hidden, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["boundary_kernel", "attention_boundary_all_reduce_kernel"])
 def test_late_trigger_launches_dependents_past_the_first_row_sum(kernel):
-    """PDL_TRIGGER 1 (the unregistered ``_late_trigger`` boundaries): each kernel lets its
+    """PDL_TRIGGER 1 (the unregistered ``cuda.attention_boundary_late_trigger``): each kernel lets its
     dependents launch only past the first row sum's barrier after its PDL wait (every
     thread's input has arrived; the fused kernel's after its gather), where the registered
     kernels do before the wait; the rest of the PTX is the same."""
     from ptxas_check import kernel_ptx, ptx_entry
 
     fused = kernel == "attention_boundary_all_reduce_kernel"
-    for cls in (boundary.CudaBoundaryLateTrigger, boundary.CudaAttentionBoundaryLateTrigger):
-        assert cls.pdl_trigger == 1 and cls.name.endswith("_late_trigger")
-        assert cls.__mro__[1].pdl_trigger == 0
+    cls = boundary.CudaAttentionBoundaryLateTrigger
+    assert cls.pdl_trigger == 1 and cls.name.endswith("_late_trigger")
+    assert cls.__mro__[1].pdl_trigger == 0
     assert boundary.kernel_defines(8192, 1) == {**boundary.kernel_defines(8192), "PDL_TRIGGER": 1}
     assert boundary.fused_defines(8192, 1) == {"H": 8192, "THREADS": 1024, "PDL_TRIGGER": 1}
 

@@ -96,8 +96,8 @@ def test_boundary_kernel_equals_reference(width, rows, mode):
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("mode", [2, 3])
 def test_late_trigger_boundary_is_bit_for_bit(width, rows, mode):
-    """boundary_kernel with PDL_TRIGGER 1 (cuda.boundary_late_trigger and
-    cuda.attention_boundary_late_trigger, not registered) writes the stream and the
+    """boundary_kernel with PDL_TRIGGER 1 (cuda.attention_boundary_late_trigger, not
+    registered) writes the stream and the
     output of the registered kernel bit for bit, eagerly and replayed in a graph."""
     g = torch.Generator().manual_seed(width + rows + mode)
     w = random_norms(width, g)

@@ -284,20 +284,13 @@ class CudaAttentionBoundary(_Cuda):
         )
 
 
-class CudaBoundaryLateTrigger(CudaBoundary):
-    """cuda.boundary with its dependents (the qkvg GEMM) launched only once the previous
-    kernel's output has arrived (PDL_TRIGGER 1), so its reads are not queued behind the
-    GEMM's first weight loads. The same code after the trigger, so the same bits. Not
-    registered."""
-
-    name = "cuda.boundary_late_trigger"
-    pdl_trigger = 1
-
-
 class CudaAttentionBoundaryLateTrigger(CudaAttentionBoundary):
     """cuda.attention_boundary with its dependents (the pooler, and the router beside it)
     launched only once the o_proj's output (at TP > 1 the gathered partials) has arrived
-    (PDL_TRIGGER 1). The same bits. Not registered."""
+    (PDL_TRIGGER 1), so its reads are not queued behind the GEMMs' first weight loads.
+    The same code after the trigger, so the same bits. Not registered: level with
+    cuda.attention_boundary in the 40-layer step on an H100 (bench/NOTES.md v53); the
+    same trigger in the input boundary was behind and is removed."""
 
     name = "cuda.attention_boundary_late_trigger"
     pdl_trigger = 1

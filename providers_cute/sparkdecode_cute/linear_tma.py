@@ -269,7 +269,8 @@ class CuteLinearTmaEvictFirst(CuteLinearTma):
 
 class CuteLinearTmaEvictFirstShallow(CuteLinearTmaEvictFirst):
     """cute.linear_tma_evict_first with the qkvg and the pooler loading one buffer of their
-    ring before the PDL wait (``ShallowEvictFirstTmaWeight``). The same bits. Not registered."""
+    ring before the PDL wait (``ShallowEvictFirstTmaWeight``). The same bits. Not registered:
+    level with cute.linear_tma_evict_first in the 40-layer step on an H100 (bench/NOTES.md v53)."""
 
     name = "cute.linear_tma_evict_first_shallow"
     bf16_weight = ShallowEvictFirstTmaWeight

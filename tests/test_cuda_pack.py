@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 import pytest
+import torch
 
 from sparkdecode.deployment import detect
 from sparkdecode.spec import ModelSpec
@@ -112,6 +113,44 @@ def test_lamport_kernels_compile_for_hopper(tmp_path, monkeypatch):
     for width in (512, 4096):
         defines = {"WIDTH": width, "THREADS": width // boundary.ITEMS, "EXPERTS": 256, "TOP_K": 8}
         assert b"tail_all_reduce_kernel" in nvrtc.compile_cubin(moe.SOURCE, "sm_90a", defines, moe.COMPILE_OPTIONS)
+
+
+def test_lamport_gather_pushes_then_takes_every_peer():
+    """gather_columns_kernel (LamportWorkspace.gather_columns): the all-reduce kernel's
+    exchange without the sum. One PDL trigger and wait, then the push (a release fence,
+    one 16-byte store a peer) and the takes (a spinning 16-byte load, the sentinel
+    stored back) with an acquire fence after them, and one 16-byte store of each rank's
+    chunk into the whole."""
+    from ptxas_check import kernel_ptx, ptx_entry
+
+    ptx = kernel_ptx(lamport.SOURCE, {}, lamport.COMPILE_OPTIONS)
+    gather, reduce = ptx_entry(ptx, "gather_columns_kernel"), ptx_entry(ptx, "all_reduce_kernel")
+    for text in (gather, reduce):
+        assert text.count("griddepcontrol.launch_dependents;") == 1 and text.count("griddepcontrol.wait;") == 1
+        assert text.count("fence.acq_rel.sys;") == 2
+    for op in ("ld.volatile.global.v4.u32", "st.volatile.global.v4.u32"):
+        assert gather.count(op) == reduce.count(op), op
+    assert "add.rn.f32" in reduce and "add.rn.f32" not in gather  # laid out, not summed
+    assert "st.global.v4.u32" in gather
+
+
+def test_lamport_gather_refuses_what_it_cannot_lay_out():
+    ws = object.__new__(lamport.LamportWorkspace)
+    ws.tp, ws.capacity = 4, 64
+    block = torch.zeros(2, 8, dtype=torch.bfloat16)
+    cases = [
+        (block.float(), torch.zeros(2, 32), "contiguous 16-byte-aligned bf16"),
+        (torch.zeros(2, 12, dtype=torch.bfloat16), torch.zeros(2, 48, dtype=torch.bfloat16), "16-byte-aligned bf16"),
+        (block, torch.zeros(2, 16, dtype=torch.bfloat16), r"fills a contiguous bf16 \[2, 32\]"),
+        (
+            torch.zeros(16, 8, dtype=torch.bfloat16),
+            torch.zeros(16, 32, dtype=torch.bfloat16),
+            "exceed the Lamport slot",
+        ),
+    ]
+    for b, whole, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ws.gather_columns(b, whole)
 
 
 def test_compile_errors_name_the_source(tmp_path, monkeypatch):

@@ -174,6 +174,24 @@ def check_all_reduce_op(ranks: list[dict]) -> None:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["replicated"], r["replicated"]))
 
 
+# The wholes a sharded step gathers (tiny and real: the pooler's [b, P], the
+# unpooler's [b, H]), a partial step and a short row.
+GATHER_WIDTHS = [(8, 512), (8, 4096), (1, 8192), (3, 1024), (8, 8192), (5, 64)]
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_lamport_gather_is_the_reference_column_gather(tp, tmp_path):
+    """LamportWorkspace.gather_columns (tp_gpu_worker.gather_op): bit for bit the
+    reference transport's column gather (NaN as NaN) on random bf16 with edge values,
+    beside all-reduces sharing the mailbox, eagerly and replaying one graph 10 times;
+    the same bits on every rank (a NaN canonical on all of them)."""
+    ranks = watched(tp_gpu_worker.gather_op, tp, tmp_path, GATHER_WIDTHS, 10)
+    for r in ranks:
+        assert len(r["checks"]) == 12 * len(GATHER_WIDTHS) and all(r["checks"]), r["checks"]
+    for r in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["wholes"], r["wholes"]))
+
+
 def test_collectives_bench_writes_a_labelled_record(tmp_path):
     import json
 

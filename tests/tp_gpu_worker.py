@@ -210,6 +210,62 @@ def all_reduce_op(
         dist.destroy_process_group()
 
 
+def gather_op(
+    rank: int, tp: int, init: str, out_dir: str, widths: list[tuple[int, int]], replays: int, per_gpu: bool = False
+) -> None:
+    """LamportWorkspace.gather_columns against the reference transport's column gather
+    (comm.Collectives over gloo) on random bf16 blocks with edge values, each [b, w]
+    whole in turn with an all-reduce between (the two share the mailbox's generations),
+    eagerly twice, then captured in one graph and replayed on new inputs, the last rank
+    late to every other replay. Saves the checks and the last wholes (as int16 bits)."""
+    from sparkdecode.comm import Collectives
+    from sparkdecode_cuda.lamport import LamportWorkspace
+
+    torch.set_num_threads(1)
+    device = rank_device(rank, per_gpu)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
+    try:
+        capacity = max(b * w for b, w in widths)
+        ws = LamportWorkspace(device, dist.group.WORLD, tp, rank, capacity)
+        reference = Collectives(tp, rank, dist.group.WORLD)
+        g = torch.Generator(device=device).manual_seed(100 + rank)
+        blocks = [torch.empty(b, w // tp, dtype=torch.bfloat16, device=device) for b, w in widths]
+        wholes = [torch.full((b, w), float("nan"), dtype=torch.bfloat16, device=device) for b, w in widths]
+        between = torch.empty(8, 64, dtype=torch.bfloat16, device=device)
+
+        def draw() -> None:
+            for x in blocks:
+                specials(x.copy_(torch.randn(x.shape, generator=g, device=device) * 4), rank)
+            between.copy_(torch.randn(between.shape, generator=g, device=device))
+
+        def calls() -> None:
+            for x, y in zip(blocks, wholes):
+                ws.gather_columns(x, y)
+                ws.all_reduce(between)
+
+        def check() -> list[bool]:
+            return [same_bits(y, reference.gather_columns(x, y.shape[1])) for x, y in zip(blocks, wholes)]
+
+        checks = []
+        for _ in range(2):
+            draw()
+            calls()
+            checks += check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        for i in range(replays):
+            draw()
+            if rank == tp - 1 and i % 2 == 0:
+                time.sleep(0.5)
+            graph.replay()
+            checks += check()
+        results = {"checks": checks, "wholes": [y.view(torch.int16).cpu() for y in wholes]}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
 def one_ulp_close(out: torch.Tensor, ref: torch.Tensor) -> bool:
     """Finite and within one bf16 ulp (test_gpu_cuda_pack.py's bound for the kernels'
     other row-reduction order)."""

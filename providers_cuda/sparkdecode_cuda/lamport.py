@@ -194,6 +194,7 @@ class LamportWorkspace:
         self.peers = torch.tensor(bases, dtype=torch.int64, device=device)
         self.control = torch.zeros(4, dtype=torch.int32, device=device)
         self.kernel = Kernel(SOURCE, "all_reduce_kernel", device, None, COMPILE_OPTIONS)
+        self.gather_kernel = Kernel(SOURCE, "gather_columns_kernel", device, None, COMPILE_OPTIONS)
 
     def args(self) -> list:
         """The kernel arguments every Lamport kernel ends with."""
@@ -208,6 +209,30 @@ class LamportWorkspace:
             raise ValueError(f"{n} elements exceed the Lamport slot of {self.capacity}")
         chunks = n // 8
         self.kernel.launch((-(-chunks // THREADS), 1, 1), (THREADS, 1, 1), [ptr(x), i64(chunks), *self.args()])
+
+    def gather_columns(self, block: torch.Tensor, whole: torch.Tensor) -> None:
+        """Every rank's [b, c] ``block`` (bf16, contiguous, c a multiple of 8) laid out
+        in rank order into this rank's [b, c * tp] ``whole``, as comm.Collectives'
+        ``gather_columns`` lays them (every NaN the canonical one, on every rank)."""
+        b, c = block.shape
+        if block.dtype != torch.bfloat16 or not block.is_contiguous() or c % 8 or block.data_ptr() % 16:
+            raise ValueError(
+                f"the Lamport gather takes contiguous 16-byte-aligned bf16, got {block.dtype} {block.shape}"
+            )
+        if whole.dtype != torch.bfloat16 or not whole.is_contiguous() or tuple(whole.shape) != (b, c * self.tp):
+            raise ValueError(
+                f"the gather of {tuple(block.shape)} over TP {self.tp} fills a contiguous bf16 [{b}, {c * self.tp}]"
+            )
+        if whole.data_ptr() % 16:
+            raise ValueError("the gathered tensor must be 16-byte aligned")
+        if block.numel() > self.capacity:
+            raise ValueError(f"{block.numel()} elements exceed the Lamport slot of {self.capacity}")
+        chunks = block.numel() // 8
+        self.gather_kernel.launch(
+            (-(-chunks // THREADS), 1, 1),
+            (THREADS, 1, 1),
+            [ptr(block), ptr(whole), i64(chunks), i32(c // 8), *self.args()],
+        )
 
 
 # The name of the workspace's marker in the executor's buffers (BuildContext.shared).

@@ -23,6 +23,7 @@ from test_tp import relative_rows
 
 from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.harness import DecodeHarness
+from sparkdecode.plugins import discover, provider_class
 from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.reference.model import ReferenceModel
 from tp_worker import PROMPT, model_and_shard, to_cpu
@@ -67,7 +68,12 @@ PINS = {
         "attention_boundary": "cuda.attention_boundary",
         "moe": "cuda.moe",
     },
+    # cuda.moe with a sharded pooler's output gathered over the Lamport mailbox, its tail
+    # fused with cuda.all_reduce: the same bits as moe_reference_transport.
+    "moe_device_gather": {**REFERENCE, "moe": "cuda.moe_device_gather", "all_reduce": "cuda.all_reduce"},
 }
+# Providers a variant pins that no pack registers yet.
+UNREGISTERED = {"moe_device_gather": ["sparkdecode_cuda.moe:CudaMoEDeviceGather"]}
 
 
 def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict:
@@ -77,7 +83,8 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     max_context = -(-(PROMPT + steps + 16) // 64) * 64
     pins = PINS[variant["pins"]]
     config = DecodeConfig(max_context=max_context, aux_layers=(0, 1, spec.num_layers), pins=pins)
-    executor = SpecializedDecode(shard, config, group=group)
+    registry = discover().adding([provider_class(p) for p in UNREGISTERED.get(variant["pins"], [])])
+    executor = SpecializedDecode(shard, config, group=group, registry=registry)
     chosen = {kind: executor.layout.choices[kind].chosen.name for kind in pins}
     assert chosen == pins, chosen
     published = [getattr(layer.attention_boundary, "published", False) for layer in executor.layers]

@@ -186,6 +186,27 @@ def test_each_part_writes_the_record_when_it_finishes(tmp_path, monkeypatch):
     assert record["parts"] == ["experts"] and record["linear"] is None and record["experts"] == []
 
 
+def test_the_sharded_streams_read_an_eighth_of_the_pooler_and_the_unpooler(monkeypatch, capsys, tmp_path):
+    _fake_gpu(monkeypatch)
+    seen = []
+
+    def linear_streams(timer, providers, shapes, replays):
+        seen.append(shapes)
+        return {}
+
+    monkeypatch.setattr(streams, "linear_streams", linear_streams)
+    assert main(["bench", "streams-tp8-rank-sharded", "--part", "linear", "--out", str(tmp_path), "--quiet"]) == 0
+    (shapes,) = seen
+    whole = streams.SHAPES["streams-tp8-rank"]
+    assert shapes["pooler"] == (whole["pooler"][0] // 8, whole["pooler"][1])
+    assert shapes["unpooler"] == (whole["unpooler"][0] // 8, whole["unpooler"][1])
+    assert {k: v for k, v in shapes.items() if k not in ("pooler", "unpooler")} == {
+        k: v for k, v in whole.items() if k not in ("pooler", "unpooler")
+    }
+    assert main(["bench", "streams-tp8-rank-sharded", "--part", "experts"]) == 2
+    assert "streams-tp8-rank only" in capsys.readouterr().err
+
+
 def test_linear_provider_by_import_path(monkeypatch, capsys, tmp_path):
     """--linear-provider measures a class by its import path beside the registered
     ones (none here); a path that is not module:Class is an error."""

@@ -63,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="tiny, tp1-real-L2, tp8-rank-L<N>-bf16, -nvfp4 or -nvfp4-marlin (vLLM's SM90 Marlin layout), or "
         "tp8-rank-Lmax-...; every rank: tp{2,4,8}-L<N>-bf16, -nvfp4 or -nvfp4-marlin, tiny-tp{2,4,8} "
         "(or -nvfp4-marlin) (ranks.py); "
-        "streams-tp8-rank or streams-tp1 (streams.py)",
+        "any TP name with -sharded (the pooler and the unpooler column-sharded); "
+        "streams-tp8-rank, streams-tp8-rank-sharded or streams-tp1 (streams.py)",
     )
     p.add_argument(
         "--context",

@@ -1,7 +1,8 @@
 """Weight streams: the bandwidth at which each registered provider of a sub-op
 reads its weights, against the copy bandwidth measured in the same run.
 
-``sparkdecode bench streams-tp8-rank`` (or ``streams-tp1``) on a GPU prints, for
+``sparkdecode bench streams-tp8-rank`` (or ``streams-tp1``, or ``streams-tp8-rank-sharded``
+with the pooler and the unpooler column-sharded) on a GPU prints, for
 every provider of ``linear`` that supports the GPU (``reference.linear`` is
 cuBLAS through ``torch.mm``; ``--linear-provider module:Class`` adds one that is
 not registered, ``--experts-provider module:Class`` an experts one):
@@ -87,6 +88,15 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
         "router": (256, 8192),
         "pooler": (4096, 8192),
         "unpooler": (8192, 4096),
+    },
+    # The pooler and the unpooler column-sharded (vLLM's muse_spark_tep_shard_pooler /
+    # _unpooler): each rank's eighth of their output columns.
+    "streams-tp8-rank-sharded": {
+        "qkvg": (2 * 1024 + 2 * 128, 8192),
+        "o_proj": (8192, 1024),
+        "router": (256, 8192),
+        "pooler": (512, 8192),
+        "unpooler": (1024, 4096),
     },
 }
 CHAIN_LAYERS = 2

@@ -22,11 +22,13 @@ Asserted, per TP size:
   ``fused_publish`` 1,000 steps at TP 2, 100 at TP 4, 200 at TP 8, replaying one
   CUDA graph; ``fused_publish_cute`` (the same with cute.linear_tma's o_proj publishing,
   where the CuTe DSL is installed) 200 steps at TP 2, 50 at TP 8;
-- ``moe_device_gather`` (cuda.moe with a column-sharded pooler's output gathered
-  over the Lamport mailbox, ``cuda.moe_device_gather``, not registered) equals
-  ``moe_reference_transport`` with the same sharded pooler (gathered over gloo) bit
-  for bit, eagerly at TP 2; replaying one CUDA graph at TP 2 (EP, 20 steps) and TP 8
-  (expert TP, 6 steps) within the bound below;
+- ``device_gather`` (cuda.moe, cuda.boundary and cuda.final gathering a column-sharded
+  pooler's output and unpooler's mailbox over the Lamport mailbox, the transport
+  ``cuda.all_reduce_device_gather``, not registered) equals
+  ``gather_reference_transport`` (the same blocks gathering over gloo) bit for bit,
+  eagerly at TP 2 with both sharded; replaying one CUDA graph at TP 2 (EP with both
+  sharded, 20 steps; expert TP with the pooler alone, 6) and TP 8 (both, 6 steps)
+  within the bound below;
 - every rank's hidden states (and first steps' aux streams) are the same bits;
 - the TP output equals the TP-1 model within bf16 rounding (3e-2, test_tp.py's bound);
 - no hang: each TP size runs under a watchdog that kills the ranks and fails.
@@ -93,10 +95,11 @@ CASES = {
         variant("tiny", "tp", "fused", 6, True),
         variant("tiny", "tp", "fused_publish", 1000, True),
         *([variant("tiny", "tp", "fused_publish_cute", 200, True)] if CUTE else []),
-        variant("tiny", "tp", "moe_reference_transport", 4, False, shard_pooler=True, smooth=False),
+        variant("tiny", "tp", "gather_reference_transport", 4, False, True, True, smooth=False),
         # the variant before (index 10, or 11 with the cute case)
-        variant("tiny", "tp", "moe_device_gather", 4, False, shard_pooler=True, smooth=False, same_as=10 + int(CUTE)),
-        variant("tiny", "ep", "moe_device_gather", 20, True, shard_pooler=True),
+        variant("tiny", "tp", "device_gather", 4, False, True, True, smooth=False, same_as=10 + int(CUTE)),
+        variant("tiny", "ep", "device_gather", 20, True, True, True),
+        variant("tiny", "tp", "device_gather", 6, True, shard_pooler=True),
     ],
     4: [
         variant("tiny-tp8", "ep", "all_reduce", 4, False, shard_pooler=True, shard_unpooler=True),
@@ -107,7 +110,7 @@ CASES = {
         variant("tiny-tp8", "ep", "fused", 6, True),
         variant("tiny-tp8", "ep", "fused_publish", 200, True),
         *([variant("tiny-tp8", "ep", "fused_publish_cute", 50, True)] if CUTE else []),
-        variant("tiny-tp8", "tp", "moe_device_gather", 6, True, shard_pooler=True),
+        variant("tiny-tp8", "tp", "device_gather", 6, True, True, True),
     ],
 }
 

@@ -68,12 +68,26 @@ PINS = {
         "attention_boundary": "cuda.attention_boundary",
         "moe": "cuda.moe",
     },
-    # cuda.moe with a sharded pooler's output gathered over the Lamport mailbox, its tail
-    # fused with cuda.all_reduce: the same bits as moe_reference_transport.
-    "moe_device_gather": {**REFERENCE, "moe": "cuda.moe_device_gather", "all_reduce": "cuda.all_reduce"},
+    # cuda.moe, cuda.boundary and cuda.final gathering a sharded pooler's and unpooler's
+    # columns over the reference transport, then over the Lamport mailbox (the transport
+    # cuda.all_reduce_device_gather, the tail fused with it): the same bits.
+    "gather_reference_transport": {
+        **REFERENCE,
+        "boundary": "cuda.boundary",
+        "moe": "cuda.moe",
+        "final": "cuda.final",
+        "all_reduce": "reference.all_reduce",
+    },
+    "device_gather": {
+        **REFERENCE,
+        "boundary": "cuda.boundary",
+        "moe": "cuda.moe",
+        "final": "cuda.final",
+        "all_reduce": "cuda.all_reduce_device_gather",
+    },
 }
 # Providers a variant pins that no pack registers yet.
-UNREGISTERED = {"moe_device_gather": ["sparkdecode_cuda.moe:CudaMoEDeviceGather"]}
+UNREGISTERED = {"device_gather": ["sparkdecode_cuda.all_reduce:CudaAllReduceDeviceGather"]}
 
 
 def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict:

@@ -167,6 +167,10 @@ class Deployment:
     host_lengths_exact: bool = True
 
 
+# A device transport's column gather: every rank's [b, w / tp] block into [b, w] in rank order.
+ColumnGather = Callable[[torch.Tensor, torch.Tensor], None]
+
+
 class Mailbox(Protocol):
     """Where a producer publishes its column block of a [b, H] result for the next
     boundary to gather, with no separate collective kernel.
@@ -175,11 +179,13 @@ class Mailbox(Protocol):
     column-sharded producer, [b, H] for a replicated one); ``gather(b)`` returns the
     whole bf16 [b, H] once every rank has published (blocks in rank order). Both are
     capturable; ``gather`` may be where a reference transport runs its collective.
+    ``columns``: a pack's column gather ``columns(block, whole)`` (a device transport
+    the reader holds) in place of the mailbox's own, where the mailbox is column-sharded.
     """
 
     def publish(self, b: int) -> torch.Tensor: ...
 
-    def gather(self, b: int) -> torch.Tensor: ...
+    def gather(self, b: int, columns: ColumnGather | None = None) -> torch.Tensor: ...
 
 
 def check_kv_form(where: str, kv: LayerKV, kv_heads: int, head_dim: int) -> None:

@@ -21,7 +21,7 @@ import torch
 from sparkdecode.protocols import BuildContext, Deployment, LayerKV, Step
 
 from .lamport import collective_setup as lamport_setup
-from .lamport import lamport_unsupported, workspace
+from .lamport import device_gather, lamport_unsupported, workspace
 from .launch import Kernel, f32, i32, ptr
 from .nvrtc import nvrtc_unavailable
 
@@ -181,6 +181,7 @@ class CudaBoundary(_Cuda):
         self.prev = ctx.layer(layer - 1) if layer > 0 else None
         self.embeddings = ctx.buffers["embeddings"]
         self.mailbox = ctx.mailboxes[layer - 1] if layer > 0 else None
+        self.columns = device_gather(ctx) if layer > 0 else None  # a sharded unpooler's, on the device
         self.kernel = _BoundaryKernel(ctx, self.pdl_trigger)
 
     @classmethod
@@ -195,7 +196,7 @@ class CudaBoundary(_Cuda):
             x, post, alpha, beta = self.embeddings[:b], None, None, None
         else:
             assert self.mailbox is not None
-            mode, x = INPUT_SCALE_POST, self.mailbox.gather(b)
+            mode, x = INPUT_SCALE_POST, self.mailbox.gather(b, self.columns)
             post, alpha, beta = self.prev.post_ffn_norm, self.prev.ffn_alpha, self.prev.ffn_beta
         eps_post = spec.rms_norm_eps if self.prev is None else spec.post_norm_eps
         self.kernel(
@@ -306,6 +307,7 @@ class CudaFinal(_Cuda):
         self.spec, self.prev = ctx.spec, ctx.layer(ctx.spec.num_layers - 1)
         self.norm = ctx.weights.final_norm
         self.mailbox = ctx.mailboxes[-1]
+        self.columns = device_gather(ctx)
         self.kernel = _BoundaryKernel(ctx)
 
     @classmethod
@@ -316,7 +318,7 @@ class CudaFinal(_Cuda):
         s, p = self.spec, self.prev
         self.kernel(
             INPUT_SCALE_POST,
-            self.mailbox.gather(step.rows),
+            self.mailbox.gather(step.rows, self.columns),
             stream,
             out,
             aux,

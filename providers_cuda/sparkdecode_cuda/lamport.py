@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 
 from sparkdecode.deployment import on_every_rank
-from sparkdecode.protocols import BuildContext, Deployment
+from sparkdecode.protocols import BuildContext, ColumnGather, Deployment
 from sparkdecode.release import release_deferred, release_outside_capture
 
 from .launch import Kernel, _check, _ensure_context, i32, i64, ptr
@@ -243,6 +243,17 @@ def collective_setup(cls: type, ctx: BuildContext) -> None:
     """The ``collective_setup`` of a provider that uses the executor's Lamport
     workspace: the workspace made (collectively) before any build."""
     workspace(ctx)
+
+
+def device_gather(ctx: BuildContext) -> ColumnGather | None:
+    """The column gather over the executor's Lamport workspace where the resolved
+    ``all_reduce`` sub-op says it gathers on the device (its ``device_gather``), for a
+    column-sharded pooler's output and the mailboxes of a sharded unpooler; None
+    otherwise (TP 1, a detached rank, another transport): the reference gather."""
+    if not getattr(ctx.ops.get("all_reduce"), "device_gather", False):
+        return None
+    ws = workspace(ctx)
+    return None if ws is None else ws.gather_columns
 
 
 def workspace(ctx: BuildContext) -> LamportWorkspace | None:

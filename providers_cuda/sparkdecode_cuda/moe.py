@@ -49,7 +49,7 @@ from sparkdecode.spec import ModelSpec
 
 from .all_reduce import CudaAllReduce
 from .boundary import ITEMS, _Cuda, check_aligned
-from .lamport import LamportWorkspace, workspace
+from .lamport import LamportWorkspace, device_gather, workspace
 from .launch import Kernel, f32, i32, ptr
 
 SOURCE = "moe.cu"
@@ -163,10 +163,6 @@ def _moe_width_unsupported(d: Deployment) -> str | None:
 class CudaMoE(_Cuda):
     block = "moe"
     name = "cuda.moe"
-    # A column-sharded pooler's output gathered over the Lamport mailbox
-    # (LamportWorkspace.gather_columns) where cuda.all_reduce serves the group; False:
-    # over the core's reference transport.
-    device_gather = False
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -198,9 +194,9 @@ class CudaMoE(_Cuda):
         self.weights = ctx.scratch("cuda_moe_weights", (rows, spec.top_k), torch.float32)
         pooled = self.layer.pooler.shape[0]  # P, or this rank's P / tp columns
         self.pooled = ctx.scratch(f"cuda_moe_pooled_{pooled}", (rows, pooled), torch.bfloat16)
-        self.gather = None
-        if self.device_gather and pooled != spec.P and ctx.tp > 1 and ctx.ops.get("all_reduce") is CudaAllReduce:
-            self.gather = workspace(ctx)
+        # A column-sharded pooler's output gathered on the device where the transport does.
+        self.gather = device_gather(ctx) if pooled != spec.P else None
+        if self.gather is not None:
             self.pooled_whole = ctx.scratch("cuda_moe_pooled_whole", (rows, spec.P), torch.bfloat16)
         self.h = ctx.scratch("cuda_moe_h", (rows, spec.P), torch.bfloat16)
         self.rows = ctx.scratch("moe_rows", (rows, spec.top_k, spec.P), torch.bfloat16)
@@ -239,7 +235,7 @@ class CudaMoE(_Cuda):
         pooled = self.pooled[:b]
         self.linear.run("pooler", x, pooled)
         if pooled.shape[1] != spec.P and self.gather is not None:  # a column-sharded pooler
-            self.gather.gather_columns(pooled, self.pooled_whole[:b])
+            self.gather(pooled, self.pooled_whole[:b])
             pooled = self.pooled_whole[:b]
         elif pooled.shape[1] != spec.P:
             pooled = self.collectives.gather_columns(pooled, spec.P)
@@ -261,14 +257,3 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
-
-
-class CudaMoEDeviceGather(CudaMoE):
-    """cuda.moe with a column-sharded pooler's output gathered over the Lamport mailbox
-    where cuda.all_reduce serves the group, so a step with the pooler sharded needs no
-    torch.distributed collective and runs in a CUDA graph. The same bits as the
-    reference gather (a NaN canonical). Not registered: its GPU test
-    (tests/test_gpu_tp_one_device.py) has not run yet."""
-
-    name = "cuda.moe_device_gather"
-    device_gather = True

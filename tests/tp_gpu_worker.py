@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -181,6 +182,30 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.view(torch.int16) == b.view(torch.int16)) | nan).all() and (a.isnan() == b.isnan()).all())
 
 
+def eager_then_replayed(
+    draw: Callable[[], None], calls: Callable[[], None], check: Callable[[], list[bool]], late: bool, replays: int
+) -> list[bool]:
+    """``calls`` on new inputs (``draw``) eagerly twice (every generation's slots reused
+    once), then captured in one graph and replayed ``replays`` times, this rank late to
+    every other replay where ``late`` (the others spin on its slots, then go on); every
+    round's ``check``."""
+    checks = []
+    for _ in range(2):
+        draw()
+        calls()
+        checks += check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    for i in range(replays):
+        draw()
+        if late and i % 2 == 0:
+            time.sleep(0.5)
+        graph.replay()
+        checks += check()
+    return checks
+
+
 def all_reduce_op(
     rank: int, tp: int, init: str, out_dir: str, shapes: list[tuple[int, ...]], replays: int, per_gpu: bool = False
 ) -> None:
@@ -211,20 +236,10 @@ def all_reduce_op(
                 y.copy_(x)
                 ws.all_reduce(y)
 
-        checks = []
-        for _ in range(2):  # eager, twice (every generation's slots reused once)
-            draw()
-            calls()
-            checks += [same_bits(y, reference.all_reduce(x)) for x, y in zip(inputs, outputs)]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            calls()
-        for i in range(replays):
-            draw()
-            if rank == tp - 1 and i % 2 == 0:
-                time.sleep(0.5)  # a slow rank: the others spin on its slots, then go on
-            graph.replay()
-            checks += [same_bits(y, reference.all_reduce(x)) for x, y in zip(inputs, outputs)]
+        def check() -> list[bool]:
+            return [same_bits(y, reference.all_reduce(x)) for x, y in zip(inputs, outputs)]
+
+        checks = eager_then_replayed(draw, calls, check, rank == tp - 1, replays)
         results = {"checks": checks, **fused_ops(rank, tp, reference, device)}
         torch.save(to_cpu(results), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -267,20 +282,7 @@ def gather_op(
         def check() -> list[bool]:
             return [same_bits(y, reference.gather_columns(x, y.shape[1])) for x, y in zip(blocks, wholes)]
 
-        checks = []
-        for _ in range(2):
-            draw()
-            calls()
-            checks += check()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            calls()
-        for i in range(replays):
-            draw()
-            if rank == tp - 1 and i % 2 == 0:
-                time.sleep(0.5)
-            graph.replay()
-            checks += check()
+        checks = eager_then_replayed(draw, calls, check, rank == tp - 1, replays)
         results = {"checks": checks, "wholes": [y.view(torch.int16).cpu() for y in wholes]}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

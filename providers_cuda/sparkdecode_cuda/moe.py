@@ -195,8 +195,8 @@ class CudaMoE(_Cuda):
         pooled = self.layer.pooler.shape[0]  # P, or this rank's P / tp columns
         self.pooled = ctx.scratch(f"cuda_moe_pooled_{pooled}", (rows, pooled), torch.bfloat16)
         # A column-sharded pooler's output gathered on the device where the transport does.
-        self.gather = device_gather(ctx) if pooled != spec.P else None
-        if self.gather is not None:
+        self.columns = device_gather(ctx) if pooled != spec.P else None
+        if self.columns is not None:
             self.pooled_whole = ctx.scratch("cuda_moe_pooled_whole", (rows, spec.P), torch.bfloat16)
         self.h = ctx.scratch("cuda_moe_h", (rows, spec.P), torch.bfloat16)
         self.rows = ctx.scratch("moe_rows", (rows, spec.top_k, spec.P), torch.bfloat16)
@@ -234,8 +234,8 @@ class CudaMoE(_Cuda):
                 self.join.record(side)
         pooled = self.pooled[:b]
         self.linear.run("pooler", x, pooled)
-        if pooled.shape[1] != spec.P and self.gather is not None:  # a column-sharded pooler
-            self.gather(pooled, self.pooled_whole[:b])
+        if pooled.shape[1] != spec.P and self.columns is not None:  # a column-sharded pooler
+            self.columns(pooled, self.pooled_whole[:b])
             pooled = self.pooled_whole[:b]
         elif pooled.shape[1] != spec.P:
             pooled = self.collectives.gather_columns(pooled, spec.P)

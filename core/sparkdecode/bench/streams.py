@@ -89,15 +89,12 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
         "pooler": (4096, 8192),
         "unpooler": (8192, 4096),
     },
-    # The pooler and the unpooler column-sharded (vLLM's muse_spark_tep_shard_pooler /
-    # _unpooler): each rank's eighth of their output columns.
-    "streams-tp8-rank-sharded": {
-        "qkvg": (2 * 1024 + 2 * 128, 8192),
-        "o_proj": (8192, 1024),
-        "router": (256, 8192),
-        "pooler": (512, 8192),
-        "unpooler": (1024, 4096),
-    },
+}
+# The pooler and the unpooler column-sharded (vLLM's muse_spark_tep_shard_pooler /
+# _unpooler): each rank's eighth of their output columns.
+SHAPES["streams-tp8-rank-sharded"] = {
+    **SHAPES["streams-tp8-rank"],
+    **{name: (n // 8, k) for name, (n, k) in SHAPES["streams-tp8-rank"].items() if name in ("pooler", "unpooler")},
 }
 CHAIN_LAYERS = 2
 REPLAYS = 50

@@ -156,9 +156,6 @@ class _BoundaryKernel:
 
 class _Cuda:
     priority = 10
-    # boundary.cu's PDL_TRIGGER: 0, the dependents launched at the kernel's start; 1, once
-    # the previous kernel's output has arrived (the unregistered ``_late_trigger`` variants).
-    pdl_trigger = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -182,7 +179,7 @@ class CudaBoundary(_Cuda):
         self.embeddings = ctx.buffers["embeddings"]
         self.mailbox = ctx.mailboxes[layer - 1] if layer > 0 else None
         self.columns = device_gather(ctx) if layer > 0 else None  # a sharded unpooler's, on the device
-        self.kernel = _BoundaryKernel(ctx, self.pdl_trigger)
+        self.kernel = _BoundaryKernel(ctx)
 
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaBoundary:
@@ -210,6 +207,9 @@ class CudaAttentionBoundary(_Cuda):
 
     block = "attention_boundary"
     name = "cuda.attention_boundary"
+    # boundary.cu's PDL_TRIGGER: 0, the dependents launched at the kernel's start; 1, once
+    # the o_proj's output has arrived (the unregistered ``_late_trigger`` variant).
+    pdl_trigger = 0
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:

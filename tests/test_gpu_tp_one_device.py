@@ -24,7 +24,7 @@ Asserted, per TP size:
   where the CuTe DSL is installed) 200 steps at TP 2, 50 at TP 8;
 - ``device_gather`` (cuda.moe, cuda.boundary and cuda.final gathering a column-sharded
   pooler's output and unpooler's mailbox over the Lamport mailbox, the transport
-  ``cuda.all_reduce_device_gather``, not registered) equals
+  ``cuda.all_reduce``) equals
   ``gather_reference_transport`` (the same blocks gathering over gloo) bit for bit,
   eagerly at TP 2 with both sharded; replaying one CUDA graph at TP 2 (EP with both
   sharded, 20 steps; expert TP with the pooler alone, 6) and TP 8 (both, 6 steps)

@@ -24,7 +24,7 @@ from test_tp import relative_rows
 
 from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.harness import DecodeHarness
-from sparkdecode.plugins import discover, provider_class
+from sparkdecode.plugins import discover
 from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.reference.model import ReferenceModel
 from tp_worker import PROMPT, model_and_shard, to_cpu
@@ -71,7 +71,7 @@ PINS = {
     },
     # cuda.moe, cuda.boundary and cuda.final gathering a sharded pooler's and unpooler's
     # columns over the reference transport, then over the Lamport mailbox (the transport
-    # cuda.all_reduce_device_gather, the tail fused with it): the same bits.
+    # cuda.all_reduce, the tail fused with it): the same bits.
     "gather_reference_transport": {
         **REFERENCE,
         "boundary": "cuda.boundary",
@@ -84,11 +84,9 @@ PINS = {
         "boundary": "cuda.boundary",
         "moe": "cuda.moe",
         "final": "cuda.final",
-        "all_reduce": "cuda.all_reduce_device_gather",
+        "all_reduce": "cuda.all_reduce",
     },
 }
-# Providers a variant pins that no pack registers yet.
-UNREGISTERED = {"device_gather": ["sparkdecode_cuda.all_reduce:CudaAllReduceDeviceGather"]}
 
 
 def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict:
@@ -98,8 +96,7 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     max_context = -(-(PROMPT + steps + 16) // 64) * 64
     pins = PINS[variant["pins"]]
     config = DecodeConfig(max_context=max_context, aux_layers=(0, 1, spec.num_layers), pins=pins)
-    registry = discover().adding([provider_class(p) for p in UNREGISTERED.get(variant["pins"], [])])
-    executor = SpecializedDecode(shard, config, group=group, registry=registry)
+    executor = SpecializedDecode(shard, config, group=group, registry=discover())
     chosen = {kind: executor.layout.choices[kind].chosen.name for kind in pins}
     assert chosen == pins, chosen
     published = [getattr(layer.attention_boundary, "published", False) for layer in executor.layers]

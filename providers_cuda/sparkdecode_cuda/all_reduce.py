@@ -17,9 +17,10 @@ class CudaAllReduce:
     block = "all_reduce"
     name = "cuda.all_reduce"
     priority = 10
-    # Whether the cuda pack's blocks gather column-sharded results over the same Lamport
-    # mailbox (lamport.device_gather); False: over the core's reference transport.
-    device_gather = False
+    # With this transport the cuda pack's blocks gather column-sharded results (vLLM's
+    # sharded pooler and unpooler) over the same Lamport mailbox (lamport.device_gather,
+    # gather_columns_kernel): no torch.distributed collective in the step.
+    device_gather = True
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -40,16 +41,3 @@ class CudaAllReduce:
     def run(self, x: torch.Tensor) -> None:
         if self.workspace is not None:  # None on a detached rank: left out, as the reference's
             self.workspace.all_reduce(x)
-
-
-class CudaAllReduceDeviceGather(CudaAllReduce):
-    """cuda.all_reduce whose group also gathers column-sharded results on the device:
-    with it, cuda.moe gathers a sharded pooler's output, and cuda.boundary and
-    cuda.final a sharded unpooler's mailbox, by ``gather_columns_kernel`` over the
-    Lamport mailbox (LamportWorkspace.gather_columns), so a sharded step runs no
-    torch.distributed collective and is captured in a CUDA graph. The same bits as the
-    reference gather (a NaN canonical). Not registered: its GPU tests
-    (tests/test_gpu_tp_one_device.py) have not run yet."""
-
-    name = "cuda.all_reduce_device_gather"
-    device_gather = True

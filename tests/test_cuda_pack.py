@@ -109,7 +109,8 @@ def test_lamport_kernels_compile_for_hopper(tmp_path, monkeypatch):
         defines = boundary.fused_defines(hidden)
         assert defines == {"H": hidden, "THREADS": hidden // boundary.ITEMS}
         cubin = nvrtc.compile_cubin(boundary.SOURCE, "sm_90a", defines, boundary.COMPILE_OPTIONS)
-        assert b"attention_boundary_all_reduce_kernel" in cubin
+        assert b"attention_boundary_all_reduce_kernel" in cubin and b"boundary_columns_kernel" in cubin
+        assert "boundary_columns_kernel" in assert_spill_free(boundary.SOURCE, defines, boundary.COMPILE_OPTIONS)
     for width in (512, 4096):
         defines = {"WIDTH": width, "THREADS": width // boundary.ITEMS, "EXPERTS": 256, "TOP_K": 8}
         assert b"tail_all_reduce_kernel" in nvrtc.compile_cubin(moe.SOURCE, "sm_90a", defines, moe.COMPILE_OPTIONS)
@@ -132,6 +133,55 @@ def test_lamport_gather_pushes_then_takes_every_peer():
         assert gather.count(op) == reduce.count(op), op
     assert "add.rn.f32" in reduce and "add.rn.f32" not in gather  # laid out, not summed
     assert "st.global.v4.u32" in gather
+
+
+def test_columns_boundary_is_the_gather_exchange_then_the_input_boundary():
+    """boundary_columns_kernel (a sharded unpooler's mailbox, gathered on the device): the
+    gather kernel's exchange (one PDL trigger and wait, the push's release fence and one
+    16-byte store a peer, the spinning take with the sentinel stored back, the acquire
+    fence), no whole written to memory, then boundary_kernel's mode 2 at one block a row
+    (the stream and out stores; its reductions over the block, not a cluster)."""
+    from ptxas_check import kernel_ptx, ptx_entry
+
+    defines = boundary.fused_defines(8192)
+    ptx = kernel_ptx(boundary.SOURCE, defines, boundary.COMPILE_OPTIONS)
+    fused = ptx_entry(ptx, "boundary_columns_kernel")
+    gather = ptx_entry(kernel_ptx(lamport.SOURCE, {}, lamport.COMPILE_OPTIONS), "gather_columns_kernel")
+    plain = ptx_entry(ptx, "boundary_kernel")
+    assert fused.count("griddepcontrol.launch_dependents;") == 1 and fused.count("griddepcontrol.wait;") == 1
+    assert fused.index("griddepcontrol.launch_dependents") < fused.index("griddepcontrol.wait")
+    assert fused.count("fence.acq_rel.sys;") == gather.count("fence.acq_rel.sys;") == 2
+    for op in ("ld.volatile.global.v4.u32", "st.volatile.global.v4.u32"):
+        assert fused.count(op) == gather.count(op), op
+    assert "mapa" not in fused and "barrier.cluster" not in fused  # one block a row
+    # The stream (fp32, 32 bytes), the aux and out stores of the plain kernel's mode 2;
+    # the gathered row stays in registers.
+    assert fused.count("st.global.v4") == plain.count("st.global.v4")
+
+
+def test_input_and_final_boundaries_fuse_the_gather_only_where_both_apply(monkeypatch):
+    """cuda.boundary and cuda.final run boundary_columns_kernel only on a column-sharded
+    mailbox with a transport that gathers on the device; a replicated mailbox, or no
+    device gather (the reference transport, a detached rank), keeps the mailbox's gather."""
+    from sparkdecode.comm import Collectives, ColumnMailbox, LocalMailbox
+
+    spec = ModelSpec.preset("tiny")
+    ctx = type("Ctx", (), {"spec": spec})()
+    cpu = torch.device("cpu")
+    column = ColumnMailbox(8, spec.H, Collectives(4, 1, None), cpu)
+    local = LocalMailbox(8, spec.H, cpu)
+
+    def gather(block: torch.Tensor, whole: torch.Tensor) -> None:
+        raise AssertionError("not run here")
+
+    for transport, box, wanted in [
+        (gather, column, True),
+        (gather, local, False),
+        (None, column, False),
+        (None, local, False),
+    ]:
+        monkeypatch.setattr(boundary, "device_gather", lambda ctx, t=transport: t)
+        assert boundary._ColumnsKernel.wanted(ctx, box) is wanted
 
 
 def test_lamport_gather_refuses_what_it_cannot_lay_out():

@@ -22,9 +22,10 @@ Asserted, per TP size:
   ``fused_publish`` 1,000 steps at TP 2, 100 at TP 4, 200 at TP 8, replaying one
   CUDA graph; ``fused_publish_cute`` (the same with cute.linear_tma's o_proj publishing,
   where the CuTe DSL is installed) 200 steps at TP 2, 50 at TP 8;
-- ``device_gather`` (cuda.moe, cuda.boundary and cuda.final gathering a column-sharded
-  pooler's output and unpooler's mailbox over the Lamport mailbox, the transport
-  ``cuda.all_reduce``) equals
+- ``device_gather`` (the transport ``cuda.all_reduce``: cuda.moe gathering a
+  column-sharded pooler's output over the Lamport mailbox, cuda.boundary and cuda.final
+  taking a sharded unpooler's columns over it inside their kernel,
+  boundary_columns_kernel, whose row sums at the tiny H are boundary_kernel's) equals
   ``gather_reference_transport`` (the same blocks gathering over gloo) bit for bit,
   eagerly at TP 2 with both sharded; replaying one CUDA graph at TP 2 (EP with both
   sharded, 20 steps; expert TP with the pooler alone, 6) and TP 8 (both, 6 steps)

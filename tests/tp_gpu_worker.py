@@ -99,6 +99,12 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     executor = SpecializedDecode(shard, config, group=group, registry=discover())
     chosen = {kind: executor.layout.choices[kind].chosen.name for kind in pins}
     assert chosen == pins, chosen
+    # The input and final boundaries take a sharded unpooler's columns in their own kernel
+    # where the transport gathers on the device (cuda.all_reduce), else the mailbox's gather.
+    readers = [layer.boundary for layer in executor.layers[1:]] + [executor.final]
+    fused = [getattr(reader, "fused", None) is not None for reader in readers]
+    sharded = variant.get("shard_unpooler", False) and pins.get("boundary") == "cuda.boundary"
+    assert fused == [sharded and pins["all_reduce"] == "cuda.all_reduce"] * len(readers), fused
     published = [getattr(layer.attention_boundary, "published", False) for layer in executor.layers]
     assert all(published) if variant["pins"].startswith("fused_publish") else not any(published), published
     harness = DecodeHarness(

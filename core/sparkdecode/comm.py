@@ -19,8 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocols import ColumnGather
-
 
 class Collectives:
     """The reference collectives of one rank of a TP group (None: TP 1 or detached)."""
@@ -71,7 +69,7 @@ class LocalMailbox:
     def publish(self, b: int) -> torch.Tensor:
         return self.buffer[:b]
 
-    def gather(self, b: int, columns: ColumnGather | None = None) -> torch.Tensor:
+    def gather(self, b: int) -> torch.Tensor:
         return self.buffer[:b]
 
 
@@ -87,12 +85,8 @@ class ColumnMailbox:
     def publish(self, b: int) -> torch.Tensor:
         return self.block[:b]
 
-    def gather(self, b: int, columns: ColumnGather | None = None) -> torch.Tensor:
-        """The whole, by ``columns`` (a pack's device transport) where given, else over
-        the reference transport."""
+    def gather(self, b: int) -> torch.Tensor:
+        """The whole over the reference transport."""
         whole = self.whole[:b]
-        if columns is not None and self.collectives.tp > 1 and not self.collectives.detached:
-            columns(self.block[:b], whole)
-        else:
-            whole.copy_(self.collectives.gather_columns(self.block[:b], self.width))
+        whole.copy_(self.collectives.gather_columns(self.block[:b], self.width))
         return whole

@@ -179,13 +179,14 @@ class Mailbox(Protocol):
     column-sharded producer, [b, H] for a replicated one); ``gather(b)`` returns the
     whole bf16 [b, H] once every rank has published (blocks in rank order). Both are
     capturable; ``gather`` may be where a reference transport runs its collective.
-    ``columns``: a pack's column gather ``columns(block, whole)`` (a device transport
-    the reader holds) in place of the mailbox's own, where the mailbox is column-sharded.
+    A reader with a device transport of its own (a column-sharded mailbox:
+    ``publish(b)`` narrower than H) may instead read this rank's block from
+    ``publish(b)`` and exchange the blocks itself, fused into its kernel.
     """
 
     def publish(self, b: int) -> torch.Tensor: ...
 
-    def gather(self, b: int, columns: ColumnGather | None = None) -> torch.Tensor: ...
+    def gather(self, b: int) -> torch.Tensor: ...
 
 
 def check_kv_form(where: str, kv: LayerKV, kv_heads: int, head_dim: int) -> None:

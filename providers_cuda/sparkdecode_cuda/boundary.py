@@ -11,14 +11,17 @@ where that moves a value across a rounding boundary.
 At TP > 1 the attention boundary is one kernel with the all-reduce fused in front
 (attention_boundary_all_reduce_kernel): the one-shot Lamport all-reduce of the
 o_proj partial (lamport.py; the same bits as the reference transport), then the
-same code as boundary_kernel's mode 3.
+same code as boundary_kernel's mode 3. Where the unpooler is column-sharded and the
+resolved transport gathers on the device (``lamport.device_gather``), the input and
+final boundaries are likewise one kernel (boundary_columns_kernel): the Lamport
+exchange of every rank's column block, then mode 2's code.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparkdecode.protocols import BuildContext, Deployment, LayerKV, Step
+from sparkdecode.protocols import BuildContext, Deployment, LayerKV, Mailbox, Step
 
 from .lamport import collective_setup as lamport_setup
 from .lamport import device_gather, lamport_unsupported, workspace
@@ -154,6 +157,68 @@ class _BoundaryKernel:
         )
 
 
+class _ColumnsKernel:
+    """boundary_columns_kernel (mode 2 on the row gathered from every rank's column
+    block of a sharded unpooler's mailbox over the Lamport workspace), where the
+    resolved transport gathers on the device and ``mailbox`` is column-sharded; the
+    same bits as the device gather then boundary_kernel where that runs one block a
+    row (H up to 1024), the row sums in another order above."""
+
+    def __init__(self, ctx: BuildContext, mailbox: Mailbox):
+        self.width = ctx.spec.H
+        self.workspace = workspace(ctx)
+        cols = mailbox.publish(1).shape[1]
+        if cols % ITEMS:
+            raise ValueError(f"a rank's {cols} unpooler columns: the fused boundary takes multiples of {ITEMS}")
+        self.kernel = Kernel(SOURCE, "boundary_columns_kernel", ctx.device, fused_defines(self.width), COMPILE_OPTIONS)
+
+    @staticmethod
+    def wanted(ctx: BuildContext, mailbox: Mailbox) -> bool:
+        """Whether a boundary reading ``mailbox`` runs this kernel: a column-sharded
+        mailbox and a transport that gathers on the device."""
+        return mailbox.publish(1).shape[1] != ctx.spec.H and device_gather(ctx) is not None
+
+    def __call__(
+        self,
+        block: torch.Tensor,
+        stream: torch.Tensor,
+        out: torch.Tensor,
+        aux: torch.Tensor | None,
+        post_weight: torch.Tensor,
+        alpha: torch.Tensor,
+        beta: torch.Tensor,
+        next_weight: torch.Tensor,
+        eps_post: float,
+        eps_next: float,
+        next_center: float,
+    ) -> None:
+        ws = self.workspace
+        assert ws is not None
+        check_aligned("block", block, strided=True)
+        for name, t in (("stream", stream), ("out", out), ("aux", aux), ("next_weight", next_weight)):
+            check_aligned(name, t)
+        self.kernel.launch(
+            (block.shape[0], 1, 1),
+            (self.width // ITEMS, 1, 1),
+            [
+                ptr(block),
+                i32(block.stride(0)),
+                ptr(stream),
+                ptr(out),
+                ptr(aux),
+                ptr(post_weight),
+                ptr(alpha),
+                ptr(beta),
+                ptr(next_weight),
+                f32(eps_post),
+                f32(eps_next),
+                f32(next_center),
+                i32(0),
+                *ws.args(),
+            ],
+        )
+
+
 class _Cuda:
     priority = 10
 
@@ -178,7 +243,10 @@ class CudaBoundary(_Cuda):
         self.prev = ctx.layer(layer - 1) if layer > 0 else None
         self.embeddings = ctx.buffers["embeddings"]
         self.mailbox = ctx.mailboxes[layer - 1] if layer > 0 else None
-        self.columns = device_gather(ctx) if layer > 0 else None  # a sharded unpooler's, on the device
+        # A sharded unpooler's mailbox gathered on the device: in this kernel.
+        self.fused = None
+        if self.mailbox is not None and _ColumnsKernel.wanted(ctx, self.mailbox):
+            self.fused = _ColumnsKernel(ctx, self.mailbox)
         self.kernel = _BoundaryKernel(ctx)
 
     @classmethod
@@ -193,8 +261,13 @@ class CudaBoundary(_Cuda):
             x, post, alpha, beta = self.embeddings[:b], None, None, None
         else:
             assert self.mailbox is not None
-            mode, x = INPUT_SCALE_POST, self.mailbox.gather(b, self.columns)
             post, alpha, beta = self.prev.post_ffn_norm, self.prev.ffn_alpha, self.prev.ffn_beta
+            if self.fused is not None:
+                block = self.mailbox.publish(b)
+                eps = (spec.post_norm_eps, spec.rms_norm_eps)
+                self.fused(block, stream, out, aux, post, alpha, beta, self.layer.pre_qkv_norm, *eps, 1.0)
+                return
+            mode, x = INPUT_SCALE_POST, self.mailbox.gather(b)
         eps_post = spec.rms_norm_eps if self.prev is None else spec.post_norm_eps
         self.kernel(
             mode, x, stream, out, aux, post, alpha, beta, self.layer.pre_qkv_norm, eps_post, spec.rms_norm_eps, 1.0
@@ -307,7 +380,7 @@ class CudaFinal(_Cuda):
         self.spec, self.prev = ctx.spec, ctx.layer(ctx.spec.num_layers - 1)
         self.norm = ctx.weights.final_norm
         self.mailbox = ctx.mailboxes[-1]
-        self.columns = device_gather(ctx)
+        self.fused = _ColumnsKernel(ctx, self.mailbox) if _ColumnsKernel.wanted(ctx, self.mailbox) else None
         self.kernel = _BoundaryKernel(ctx)
 
     @classmethod
@@ -316,9 +389,14 @@ class CudaFinal(_Cuda):
 
     def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None:
         s, p = self.spec, self.prev
+        if self.fused is not None:
+            block = self.mailbox.publish(step.rows)
+            args = (p.post_ffn_norm, p.ffn_alpha, p.ffn_beta, self.norm, s.post_norm_eps, s.rms_norm_eps, 0.0)
+            self.fused(block, stream, out, aux, *args)
+            return
         self.kernel(
             INPUT_SCALE_POST,
-            self.mailbox.gather(step.rows, self.columns),
+            self.mailbox.gather(step.rows),
             stream,
             out,
             aux,

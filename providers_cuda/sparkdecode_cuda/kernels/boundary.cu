@@ -31,6 +31,15 @@
 // reference transport rounds, then the same code as boundary_kernel. `published`: the
 // o_proj GEMM has pushed this rank's partial to the peers from its epilogue
 // (linear.cu's PUBLISH), so this kernel only gathers; else it pushes first.
+//
+// boundary_columns_kernel (TP > 1, a column-sharded unpooler): MODE 2 on the row laid
+// out from every rank's bf16 [b, H / tp] column block over the Lamport mailbox (the
+// exchange of all_reduce.cu's gather_columns_kernel, every NaN the canonical one), then
+// the same code as boundary_kernel: one kernel where a gather kernel and the boundary
+// were two. A thread's 8 columns lie in one rank's block (H / tp a multiple of 8): the
+// threads over this rank's own columns push them (unless `published`: the producer's
+// epilogue pushed them) and use them as pushed; the others take the owner's. Slot
+// offsets are the block's (row * H / tp + column), as the gather kernel's.
 #include "lamport.cuh"
 
 #ifndef H
@@ -204,6 +213,54 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_boundary_all_red
     sq += v[i] * v[i];
   }
   boundary_row(v, sq, s, 3, row, base, stream, out, nullptr, a, bt, wn, eps_post, eps_next, scratch, red);
+  lamport_end(l);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) boundary_columns_kernel(
+    const bf16_t* __restrict__ block, int block_stride,  // [b, H / tp] this rank's columns
+    float* __restrict__ stream,                           // [b, H] fp32, in place
+    bf16_t* __restrict__ out,                             // [b, H]
+    float* __restrict__ aux,                              // [b, H] or null
+    const bf16_t* __restrict__ post_weight, const float* __restrict__ alpha, const float* __restrict__ beta,
+    const bf16_t* __restrict__ next_weight, float eps_post, float eps_next, float next_center, int published,
+    const u64* __restrict__ peers, int* __restrict__ control, int rank, int tp, long long cap) {
+  __shared__ float scratch[32];
+  __shared__ float red[2];
+  const int row = blockIdx.x;
+  const int base = threadIdx.x * ITEMS;
+  float wn[ITEMS], wp[ITEMS], a[ITEMS], bt[ITEMS];
+  boundary_weights(base, 2, post_weight, alpha, beta, next_weight, next_center, wn, wp, a, bt);
+#if PDL_TRIGGER == 0
+  pdl_launch_dependents();
+#endif
+  pdl_wait();
+  float s[ITEMS];
+  load_f32x8(stream + (long long)row * H + base, s);
+  const Lamport l = lamport_begin(peers, control, rank, tp, cap);
+  const int cols = H / tp;
+  const int owner = base / cols, col = base - owner * cols;
+  const long long offset = (long long)row * cols + col;
+  uint4 w;
+  if (owner == rank) {
+    w = *(const uint4*)(block + (long)row * block_stride + col);
+    if (!published) lamport_push(l, offset, w);
+    w.x = canonical_nan2(w.x);
+    w.y = canonical_nan2(w.y);
+    w.z = canonical_nan2(w.z);
+    w.w = canonical_nan2(w.w);
+  } else {
+    w = lamport_take(l, owner, offset);
+  }
+  fence_acq_rel_sys();
+  float v[ITEMS];
+  unpack_bf16x8(w, v);
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    v[i] *= wp[i];
+    sq += v[i] * v[i];
+  }
+  boundary_row(v, sq, s, 2, row, base, stream, out, aux, a, bt, wn, eps_post, eps_next, scratch, red);
   lamport_end(l);
 }
 #endif

@@ -133,14 +133,28 @@ def watched(target, tp: int, tmp_path, *args) -> list[dict]:
     return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(tp)]
 
 
+# The sharded gathers alone, a few steps each, so that a sanitizer run stays short.
+GATHER_CASES = [
+    variant("tiny", "tp", "gather_reference_transport", 2, False, True, True, smooth=False),
+    variant("tiny", "tp", "device_gather", 2, False, True, True, smooth=False, same_as=0),
+    variant("tiny", "ep", "device_gather", 3, True, True, True),
+]
+
+
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tensor_parallel_on_one_gpu(tp, tmp_path):
-    check_variants(tp, watched(tp_gpu_worker.main, tp, tmp_path, CASES[tp]))
+    check_variants(tp, CASES[tp], watched(tp_gpu_worker.main, tp, tmp_path, CASES[tp]))
 
 
-def check_variants(tp: int, ranks: list[dict]) -> None:
-    """The assertions of the module docstring on each rank's runs of ``CASES[tp]``."""
-    for index, case in enumerate(CASES[tp]):
+def test_sharded_gathers_on_one_gpu(tmp_path):
+    """The ``device_gather`` assertions on GATHER_CASES at TP 2 (what memcheck and
+    racecheck run on the Lamport gather and boundary_columns_kernel)."""
+    check_variants(2, GATHER_CASES, watched(tp_gpu_worker.main, 2, tmp_path, GATHER_CASES))
+
+
+def check_variants(tp: int, cases: list[dict], ranks: list[dict]) -> None:
+    """The assertions of the module docstring on each rank's runs of ``cases``."""
+    for index, case in enumerate(cases):
         runs = [r["variants"][index] for r in ranks]
         print(f"TP {tp} {case['pins']} {case['experts']}: {case['steps']} steps in {runs[0]['seconds']:.1f} s")
         for run in runs:

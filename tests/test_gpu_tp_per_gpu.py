@@ -44,7 +44,7 @@ def enough_gpus(tp: int) -> None:
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tensor_parallel_one_rank_per_gpu(tp, tmp_path):
     enough_gpus(tp)
-    check_variants(tp, watched(tp_gpu_worker.main, tp, tmp_path, CASES[tp], True))
+    check_variants(tp, CASES[tp], watched(tp_gpu_worker.main, tp, tmp_path, CASES[tp], True))
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])

@@ -184,6 +184,64 @@ def test_input_and_final_boundaries_fuse_the_gather_only_where_both_apply(monkey
         assert boundary._ColumnsKernel.wanted(ctx, box) is wanted
 
 
+def test_sharded_unpooler_publishes_into_the_fused_boundary():
+    """The fused input or final boundary asks the MoE before it to push this rank's
+    unpooler block from the GEMM's epilogue, and takes only the peers' blocks where the
+    MoE agreed; cuda.moe agrees only for a column-sharded unpooler whose linear provider
+    publishes (asked for the unpooler, into the boundary's workspace); a MoE provider
+    without ``publish_columns`` is left alone; a boundary without the fused kernel asks
+    nothing. The registered cuda.moe never agrees (``cuda.moe_publish_columns`` does)."""
+    from sparkdecode.comm import Collectives, ColumnMailbox, LocalMailbox
+    from sparkdecode_cuda.boundary import CudaBoundary, CudaFinal, _ColumnsKernel
+    from sparkdecode_cuda.moe import CudaMoE, CudaMoEPublishColumns
+
+    class Linear:
+        def __init__(self, answer: bool):
+            self.answer, self.calls = answer, []
+
+        def publish(self, name: str, mailbox: object) -> bool:
+            self.calls.append((name, mailbox))
+            return self.answer
+
+    spec = ModelSpec.preset("tiny")
+    cpu = torch.device("cpu")
+    moe_block = CudaMoE.__new__(CudaMoE)  # the registered cuda.moe never publishes
+    moe_block.spec, moe_block.linear = spec, Linear(True)
+    moe_block.mailbox = ColumnMailbox(8, spec.H, Collectives(4, 1, None), cpu)
+    assert moe_block.publish_columns("ws") is False and moe_block.linear.calls == []
+    moe_block = CudaMoEPublishColumns.__new__(CudaMoEPublishColumns)
+    moe_block.spec = spec
+    moe_block.mailbox = ColumnMailbox(8, spec.H, Collectives(4, 1, None), cpu)
+    for answer in (True, False):
+        moe_block.linear = Linear(answer)
+        assert moe_block.publish_columns("ws") is answer and moe_block.linear.calls == [("unpooler", "ws")]
+    moe_block.linear = object()  # a linear provider that cannot publish (reference.linear)
+    assert moe_block.publish_columns("ws") is False
+    moe_block.mailbox, moe_block.linear = LocalMailbox(8, spec.H, cpu), Linear(True)
+    assert moe_block.publish_columns("ws") is False and moe_block.linear.calls == []
+
+    class Agreeing:
+        def __init__(self):
+            self.asked: list[object] = []
+
+        def publish_columns(self, mailbox: object) -> bool:
+            self.asked.append(mailbox)
+            return True
+
+    for cls in (CudaBoundary, CudaFinal):
+        reader = cls.__new__(cls)
+        reader.fused = None
+        producer = Agreeing()
+        reader.pair_producer(producer)
+        assert producer.asked == []
+        reader.fused = _ColumnsKernel.__new__(_ColumnsKernel)
+        reader.fused.workspace, reader.fused.published = "ws", False
+        reader.pair_producer(object())  # reference.moe: no publish_columns
+        assert reader.fused.published is False
+        reader.pair_producer(producer)
+        assert reader.fused.published is True and producer.asked == ["ws"]
+
+
 def test_lamport_gather_refuses_what_it_cannot_lay_out():
     ws = object.__new__(lamport.LamportWorkspace)
     ws.tp, ws.capacity = 4, 64

@@ -176,6 +176,47 @@ def test_each_attention_boundary_meets_its_layers_attention(weights):
     assert PairingBoundary.met == [(i, layer.attention) for i, layer in enumerate(executor.layers)]
 
 
+def test_each_boundary_meets_the_moe_that_publishes_into_its_mailbox(weights):
+    """A boundary (input or final) with ``pair_producer`` is handed the MoE block that
+    publishes into its mailbox and runs right before it: layer l's boundary layer
+    l - 1's MoE, the final boundary the last layer's; layer 0's front none."""
+    from sparkdecode.plugins import Registered, Registry
+    from sparkdecode.reference.providers import PROVIDERS, ReferenceBoundary, ReferenceFinal
+
+    met: list[tuple[object, object]] = []
+
+    class PairingBoundary(ReferenceBoundary):
+        name = "test.pairing_input_boundary"
+        priority = 5
+
+        @classmethod
+        def build(cls, ctx, layer):
+            built = super().build(ctx, layer)
+            built.index = layer
+            return built
+
+        def pair_producer(self, moe: object) -> None:
+            met.append((self.index, moe))
+
+    class PairingFinal(ReferenceFinal):
+        name = "test.pairing_final"
+        priority = 5
+
+        def pair_producer(self, moe: object) -> None:
+            met.append(("final", moe))
+
+    registry = Registry(
+        [Registered(c, "reference", "sparkdecode", "0") for c in PROVIDERS]
+        + [Registered(c, "test", "dist-test", "1.0") for c in (PairingBoundary, PairingFinal)]
+    )
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=MAX_CONTEXT), registry=registry)
+    assert executor.layout.choices["boundary"].chosen.name == "test.pairing_input_boundary"
+    assert executor.layout.choices["final"].chosen.name == "test.pairing_final"
+    layers = executor.layers
+    expected = [(i, layers[i - 1].moe) for i in range(1, len(layers))] + [("final", layers[-1].moe)]
+    assert met == expected
+
+
 def test_measured_layers_are_four_periods_of_the_pattern() -> None:
     """The resolver times candidates over the first sixteen layers: four periods of
     one full-attention layer (l % 4 == 1) and three sliding ones, as the model has

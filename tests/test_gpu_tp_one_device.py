@@ -29,7 +29,10 @@ Asserted, per TP size:
   ``gather_reference_transport`` (the same blocks gathering over gloo) bit for bit,
   eagerly at TP 2 with both sharded; replaying one CUDA graph at TP 2 (EP with both
   sharded, 20 steps; expert TP with the pooler alone, 6) and TP 8 (both, 6 steps)
-  within the bound below;
+  within the bound below; ``device_gather_publish`` (cuda.moe on cuda.linear, or
+  cute.linear_tma where installed, its sharded unpooler pushing its columns from the
+  epilogue, every input and final boundary only taking them) replaying one graph at
+  TP 2 (20 steps) and TP 8 (6 steps) within the bound below;
 - every rank's hidden states (and first steps' aux streams) are the same bits;
 - the TP output equals the TP-1 model within bf16 rounding (3e-2, test_tp.py's bound);
 - no hang: each TP size runs under a watchdog that kills the ranks and fails.
@@ -101,6 +104,8 @@ CASES = {
         variant("tiny", "tp", "device_gather", 4, False, True, True, smooth=False, same_as=10 + int(CUTE)),
         variant("tiny", "ep", "device_gather", 20, True, True, True),
         variant("tiny", "tp", "device_gather", 6, True, shard_pooler=True),
+        variant("tiny", "ep", "device_gather_publish", 20, True, True, True),
+        *([variant("tiny", "tp", "device_gather_publish_cute", 20, True, True, True)] if CUTE else []),
     ],
     4: [
         variant("tiny-tp8", "ep", "all_reduce", 4, False, shard_pooler=True, shard_unpooler=True),
@@ -112,6 +117,7 @@ CASES = {
         variant("tiny-tp8", "ep", "fused_publish", 200, True),
         *([variant("tiny-tp8", "ep", "fused_publish_cute", 50, True)] if CUTE else []),
         variant("tiny-tp8", "tp", "device_gather", 6, True, True, True),
+        variant("tiny-tp8", "tp", "device_gather_publish", 6, True, True, True),
     ],
 }
 
@@ -138,6 +144,7 @@ GATHER_CASES = [
     variant("tiny", "tp", "gather_reference_transport", 2, False, True, True, smooth=False),
     variant("tiny", "tp", "device_gather", 2, False, True, True, smooth=False, same_as=0),
     variant("tiny", "ep", "device_gather", 3, True, True, True),
+    variant("tiny", "ep", "device_gather_publish", 3, True, True, True),
 ]
 
 

@@ -24,7 +24,7 @@ from test_tp import relative_rows
 
 from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.harness import DecodeHarness
-from sparkdecode.plugins import discover
+from sparkdecode.plugins import discover, provider_class
 from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.reference.model import ReferenceModel
 from tp_worker import PROMPT, model_and_shard, to_cpu
@@ -86,6 +86,29 @@ PINS = {
         "final": "cuda.final",
         "all_reduce": "cuda.all_reduce",
     },
+    # The same with cuda.moe_publish_columns on cuda.linear (then cute.linear_tma): a
+    # sharded unpooler's epilogue pushes its columns and the boundary after it only takes.
+    "device_gather_publish": {
+        **REFERENCE,
+        "boundary": "cuda.boundary",
+        "moe": "cuda.moe_publish_columns",
+        "final": "cuda.final",
+        "all_reduce": "cuda.all_reduce",
+        "linear": "cuda.linear",
+    },
+    "device_gather_publish_cute": {
+        **REFERENCE,
+        "boundary": "cuda.boundary",
+        "moe": "cuda.moe_publish_columns",
+        "final": "cuda.final",
+        "all_reduce": "cuda.all_reduce",
+        "linear": "cute.linear_tma",
+    },
+}
+# Providers a variant pins that no pack registers yet.
+UNREGISTERED = {
+    "device_gather_publish": ["sparkdecode_cuda.moe:CudaMoEPublishColumns"],
+    "device_gather_publish_cute": ["sparkdecode_cuda.moe:CudaMoEPublishColumns"],
 }
 
 
@@ -96,7 +119,8 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     max_context = -(-(PROMPT + steps + 16) // 64) * 64
     pins = PINS[variant["pins"]]
     config = DecodeConfig(max_context=max_context, aux_layers=(0, 1, spec.num_layers), pins=pins)
-    executor = SpecializedDecode(shard, config, group=group, registry=discover())
+    registry = discover().adding([provider_class(p) for p in UNREGISTERED.get(variant["pins"], [])])
+    executor = SpecializedDecode(shard, config, group=group, registry=registry)
     chosen = {kind: executor.layout.choices[kind].chosen.name for kind in pins}
     assert chosen == pins, chosen
     # The input and final boundaries take a sharded unpooler's columns in their own kernel
@@ -105,6 +129,8 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     fused = [getattr(reader, "fused", None) is not None for reader in readers]
     sharded = variant.get("shard_unpooler", False) and pins.get("boundary") == "cuda.boundary"
     assert fused == [sharded and pins["all_reduce"] == "cuda.all_reduce"] * len(readers), fused
+    taken = [getattr(getattr(reader, "fused", None), "published", False) for reader in readers]
+    assert taken == [sharded and variant["pins"].startswith("device_gather_publish")] * len(readers), taken
     published = [getattr(layer.attention_boundary, "published", False) for layer in executor.layers]
     assert all(published) if variant["pins"].startswith("fused_publish") else not any(published), published
     harness = DecodeHarness(

@@ -227,6 +227,8 @@ class SpecializedDecode:
         layers = []
         for i in range(self.spec.num_layers):
             boundary, attention = named_build(classes["boundary"], ctx, i), named_build(classes["attention"], ctx, i)
+            if layers:
+                pair_producer(boundary, layers[-1].moe)
             attention_boundary = named_build(classes["attention_boundary"], ctx, i)
             pair(attention_boundary, attention)
             moe = named_build(classes["moe"], ctx, i)
@@ -234,6 +236,7 @@ class SpecializedDecode:
             layers.append(DecodeLayer(boundary, attention, attention_boundary, moe, aux_buffer))
         self.layers = tuple(layers)
         self.final = named_build(classes["final"], ctx, None)
+        pair_producer(self.final, layers[-1].moe)
         end = self.spec.num_layers
         self.final_aux = self._buffer(f"aux{end}", torch.float32) if end in aux else None
 
@@ -452,14 +455,18 @@ class SpecializedDecode:
         rows, device = self.config.q, self.device
         indices = measured_layers(self.spec.num_layers)
         built: list[DecodeLayer] = []
-        for index in indices:
+        for n, index in enumerate(indices):
             boundary = named_build(classes["boundary"], ctx, index)
+            if n and indices[n - 1] == index - 1:  # the MoE publishing into its mailbox runs right before it
+                pair_producer(boundary, built[-1].moe)
             attention = named_build(classes["attention"], ctx, index)
             attention_boundary = named_build(classes["attention_boundary"], ctx, index)
             pair(attention_boundary, attention)
             moe = named_build(classes["moe"], ctx, index)
             built.append(DecodeLayer(boundary, attention, attention_boundary, moe, None))
         last = named_build(classes["final"], ctx, None) if final else None
+        if last is not None and indices[-1] == self.spec.num_layers - 1:
+            pair_producer(last, built[-1].moe)
         providers = [p for layer in built for p in layer.blocks] + ([last] if last else [])
         for provider in providers:
             provider.prepare_kv(kv)
@@ -626,6 +633,16 @@ def pair(attention_boundary: Any, attention: Any) -> None:
     hook = getattr(attention_boundary, "pair_attention", None)
     if hook is not None:
         hook(attention)
+
+
+def pair_producer(reader: Any, moe: Any) -> None:
+    """A boundary meets the MoE block that publishes into its mailbox and runs right
+    before it, once both are built (``BoundaryProvider.pair_producer``, optional):
+    where the boundary exchanges the mailbox's column blocks itself and the MoE can
+    push its block from the unpooler's epilogue, they agree on it here."""
+    hook = getattr(reader, "pair_producer", None)
+    if hook is not None:
+        hook(moe)
 
 
 def metadata_ok(group: KVGroupMetadata, b: int) -> bool:

@@ -301,7 +301,17 @@ class BoundaryProvider(Provider, Protocol):
     ``step.normed_embeddings``). Later layers: the previous MoE's output gathered from
     ``ctx.mailboxes[l - 1]``, post_ffn_norm, the gated add into ``stream``. Then this
     layer's pre_qkv_proj_norm into ``out``. ``aux`` (fp32 [b, H]) receives the updated
-    stream when layer l is an aux layer."""
+    stream when layer l is an aux layer.
+
+    Optional ``pair_producer(moe)`` (layers after the first, and the final boundary):
+    called by the executor once this boundary and the MoE block that publishes into its
+    mailbox (layer l - 1's; the last layer's for the final boundary) are built, where
+    that MoE runs right before it (before any KV binding or capture, in the same order
+    on every rank). A boundary that exchanges a column-sharded mailbox's blocks itself
+    offers its exchange to the MoE provider (by a method both packs know, e.g. the cuda
+    pack's ``publish_columns(mailbox) -> bool``); where the MoE agrees, the unpooler's
+    epilogue pushes this rank's block to the peers and the boundary only takes theirs.
+    The block still holds this rank's values, so the result is the same bits either way."""
 
     def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None: ...
 
@@ -342,7 +352,8 @@ class MoEProvider(Provider, Protocol):
 class FinalProvider(Provider, Protocol):
     """The final boundary (``build(ctx, None)``): the last MoE's output gathered from
     ``ctx.mailboxes[-1]``, post_ffn_norm, the gated add, model.norm into ``out``
-    (bf16 [b, H]); ``aux`` receives the final stream when the drafter reads it."""
+    (bf16 [b, H]); ``aux`` receives the final stream when the drafter reads it.
+    Optional ``pair_producer(moe)``: as the input boundary's, with the last layer's MoE."""
 
     def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None: ...
 

@@ -167,6 +167,7 @@ class _ColumnsKernel:
     def __init__(self, ctx: BuildContext, mailbox: Mailbox):
         self.width = ctx.spec.H
         self.workspace = workspace(ctx)
+        self.published = False  # the unpooler's epilogue pushes this rank's block (pair)
         cols = mailbox.publish(1).shape[1]
         if cols % ITEMS:
             raise ValueError(f"a rank's {cols} unpooler columns: the fused boundary takes multiples of {ITEMS}")
@@ -177,6 +178,14 @@ class _ColumnsKernel:
         """Whether a boundary reading ``mailbox`` runs this kernel: a column-sharded
         mailbox and a transport that gathers on the device."""
         return mailbox.publish(1).shape[1] != ctx.spec.H and device_gather(ctx) is not None
+
+    def pair(self, producer: object) -> None:
+        """Ask the MoE that publishes into the mailbox (and runs right before this
+        kernel) to push this rank's block from its unpooler's epilogue
+        (``publish_columns``, where the MoE provider has one); if it does, this kernel
+        only takes the peers' blocks. The same bits either way."""
+        publish = getattr(producer, "publish_columns", None)
+        self.published = bool(publish is not None and publish(self.workspace))
 
     def __call__(
         self,
@@ -213,7 +222,7 @@ class _ColumnsKernel:
                 f32(eps_post),
                 f32(eps_next),
                 f32(next_center),
-                i32(0),
+                i32(int(self.published)),
                 *ws.args(),
             ],
         )
@@ -253,6 +262,13 @@ class CudaBoundary(_Cuda):
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaBoundary:
         assert layer is not None
         return cls(ctx, layer)
+
+    def pair_producer(self, moe: object) -> None:
+        """The previous layer's MoE, once both are built (BoundaryProvider.pair_producer):
+        where this boundary takes a sharded unpooler's columns itself, the unpooler may
+        push them from its epilogue."""
+        if self.fused is not None:
+            self.fused.pair(moe)
 
     def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None:
         spec, b = self.spec, step.rows
@@ -386,6 +402,11 @@ class CudaFinal(_Cuda):
     @classmethod
     def build(cls, ctx: BuildContext, layer: int | None) -> CudaFinal:
         return cls(ctx)
+
+    def pair_producer(self, moe: object) -> None:
+        """The last layer's MoE, as CudaBoundary.pair_producer."""
+        if self.fused is not None:
+            self.fused.pair(moe)
 
     def run(self, step: Step, stream: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None:
         s, p = self.spec, self.prev

@@ -163,6 +163,8 @@ def _moe_width_unsupported(d: Deployment) -> str | None:
 class CudaMoE(_Cuda):
     block = "moe"
     name = "cuda.moe"
+    # Whether publish_columns agrees (the unregistered ``cuda.moe_publish_columns``).
+    publishes_columns = False
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -218,6 +220,17 @@ class CudaMoE(_Cuda):
         self.router_linear.run("router", x, logits)
         self.kernels.route(logits, self.layer.expert_bias, self.spec.routed_scaling_factor, topk)
 
+    def publish_columns(self, mailbox: object) -> bool:
+        """A column-sharded unpooler's output is this rank's block of the next
+        boundary's input as it stands (nothing after it in this block), so its GEMM may
+        push the block into that boundary's Lamport mailbox from its epilogue, where the
+        ``linear`` provider can (``publish``); whether it will. Never for a replicated
+        unpooler (nothing to exchange)."""
+        if not self.publishes_columns or self.mailbox.publish(1).shape[1] == self.spec.H:
+            return False
+        publish = getattr(self.linear, "publish", None)
+        return bool(publish is not None and publish("unpooler", mailbox))
+
     def run(self, step: Step, x: torch.Tensor) -> None:
         spec, layer, b = self.spec, self.layer, x.shape[0]
         # behind the side stream's join the routing is complete when the experts launch
@@ -257,3 +270,15 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
+
+
+class CudaMoEPublishColumns(CudaMoE):
+    """cuda.moe whose column-sharded unpooler pushes this rank's block into the next
+    boundary's Lamport mailbox from its epilogue (``publish_columns``, paired by the
+    executor with cuda.boundary or cuda.final, whose boundary_columns_kernel then only
+    takes the peers' blocks): the exchange starts as the GEMM's rows are ready instead
+    of in the next kernel. The same bits as cuda.moe. Not registered: its GPU cases
+    (``device_gather_publish`` in tests/test_gpu_tp_one_device.py) have not run yet."""
+
+    name = "cuda.moe_publish_columns"
+    publishes_columns = True

@@ -59,6 +59,23 @@ def test_other_accepted_deployments(make_config: MakeConfig, overrides: dict) ->
     assert settings.deployment.expert_parallel == ("ep" if ep else "tp")
 
 
+@pytest.mark.parametrize("ep", [True, False], ids=["ep", "expert-tp"])
+def test_the_recommended_override_shards_the_pooler_and_unpooler(make_config: MakeConfig, ep: bool) -> None:
+    """The README's `--hf-overrides` for TP 8 on Hopper: vLLM 0.33 merges the nested
+    text_config override into the checkpoint's text config, so its MoE column-shards the
+    pooler and the unpooler on SM90, and the deployment follows that cut."""
+    shard = {"text_config": {"muse_spark_tep_shard_pooler": True, "muse_spark_tep_shard_unpooler": True}}
+    parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": ep}
+    config = make_config(model={"hf_overrides": shard}, parallel=parallel)
+    assert config.model_config.hf_text_config.muse_spark_tep_shard_pooler is True
+    assert reasons(config) == []
+    settings = gate.check(config, capability=HOPPER)
+    assert settings is not None
+    assert (settings.deployment.shard_pooler, settings.deployment.shard_unpooler) == (True, True)
+    plain = gate.check(make_config(parallel=parallel), capability=HOPPER)
+    assert plain is not None and (plain.deployment.shard_pooler, plain.deployment.shard_unpooler) == (False, False)
+
+
 def test_auto_is_the_stock_decode(make_config: MakeConfig) -> None:
     for extra in ({"decode_backend": "auto"}, {}):
         config = make_config()

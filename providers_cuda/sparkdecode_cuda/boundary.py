@@ -169,7 +169,7 @@ class _ColumnsKernel:
         self.workspace = workspace(ctx)
         self.published = False  # the unpooler's epilogue pushes this rank's block (pair)
         cols = mailbox.publish(1).shape[1]
-        if cols % ITEMS:
+        if cols % ITEMS:  # unreachable past _width_unsupported (H a multiple of 256, TP up to 8)
             raise ValueError(f"a rank's {cols} unpooler columns: the fused boundary takes multiples of {ITEMS}")
         self.kernel = Kernel(SOURCE, "boundary_columns_kernel", ctx.device, fused_defines(self.width), COMPILE_OPTIONS)
 

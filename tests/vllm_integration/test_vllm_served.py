@@ -405,7 +405,14 @@ def test_the_adapter_at_tp2(checkpoint: Path, draft: Path, tmp_path: Path) -> No
 
 
 def tp_rank_served_steps(
-    rank: int, world: int, port: int, checkpoint: Path, draft: Path, out: Path, nvfp4: bool = False
+    rank: int,
+    world: int,
+    port: int,
+    checkpoint: Path,
+    draft: Path,
+    out: Path,
+    nvfp4: bool = False,
+    sharded: bool = False,
 ) -> None:
     """One rank of a TP-2 deployment served with latency_specialized over gloo (the
     reference providers pinned), under EP, then expert TP: vLLM builds, loads and
@@ -416,7 +423,9 @@ def tp_rank_served_steps(
     streams bit for bit. With ``nvfp4`` the checkpoint's experts are NVFP4, which vLLM
     repacks for Marlin as on Hopper and the executor reads in place; the reference
     then takes them with the global scales vLLM hands to Marlin. Writes ``ok`` or
-    the first difference to ``out/rank{rank}-{mode}``."""
+    the first difference to ``out/rank{rank}-{mode}``. With ``sharded`` the text config
+    asks vLLM to column-shard the pooler and the unpooler (the README's override for
+    TP 8 on Hopper), and the reference takes the same cut."""
     from vllm.distributed import parallel_state
     from vllm_support import marlin_definition, patch_marlin_backend, patch_marlin_repack
 
@@ -425,7 +434,9 @@ def tp_rank_served_steps(
     for ep in (True, False):
         mode = "ep" if ep else "expert-tp"
         parallel = {"tensor_parallel_size": world, "enable_expert_parallel": ep}
-        probe_config = build_config(checkpoint, draft, parallel=parallel)
+        shard_text = {"muse_spark_tep_shard_pooler": True, "muse_spark_tep_shard_unpooler": True}
+        model_args = {"hf_overrides": {"text_config": shard_text}} if sharded else None
+        probe_config = build_config(checkpoint, draft, model=model_args, parallel=parallel)
         if ep:
             init_tp_rank(probe_config, rank, world, port)
         with pytest.MonkeyPatch.context() as mp:
@@ -437,8 +448,11 @@ def tp_rank_served_steps(
             mp.setattr(DefaultModelState, "prepare_attn", lambda self, *args, **kw: {"stock": True})
             probe = gate.check(probe_config, capability=(9, 0))
             assert probe is not None and probe.deployment.tp == world
+            assert (probe.deployment.shard_pooler, probe.deployment.shard_unpooler) == (sharded, sharded)
             pins = {kind: f"reference.{kind}" for kind in needed_kinds(probe.deployment)}
-            config = build_config(checkpoint, draft, parallel=parallel, additional={"decode_providers": pins})
+            config = build_config(
+                checkpoint, draft, model=model_args, parallel=parallel, additional={"decode_providers": pins}
+            )
             model = load_model(config, checkpoint)
             set_eagle3_aux_hidden_state_layers(model, config.speculative_config)
             with set_current_vllm_config(config):
@@ -448,7 +462,8 @@ def tp_rank_served_steps(
             with set_current_vllm_config(config):
                 state.initialize_kv_cache(kv_cache_config, tables)
             group = parallel_state.get_tp_group().device_group
-            shard = shard_weights(load_checkpoint(checkpoint), Sharding(world, rank, "ep" if ep else "tp"))
+            cut = Sharding(world, rank, "ep" if ep else "tp", shard_pooler=sharded, shard_unpooler=sharded)
+            shard = shard_weights(load_checkpoint(checkpoint), cut)
             if nvfp4:
                 layers = [
                     dataclasses.replace(x, experts=marlin_definition(x.experts)) if x.experts.nvfp4 else x
@@ -456,6 +471,7 @@ def tp_rank_served_steps(
                 ]
                 shard = dataclasses.replace(shard, layers=layers)
             assert state.decode.weights.expert_format == ("nvfp4_marlin" if nvfp4 else "bf16")
+            assert state.decode.weights.sharding == cut  # vLLM's cut, read off its modules
             reference = ReferenceModel(shard, MAX_CONTEXT, group)
             spec = shard.spec
             cache = PagedKVCache(spec, 64, MAX_CONTEXT, Q, num_kv_heads=spec.num_key_value_heads // world)
@@ -490,6 +506,18 @@ def test_served_steps_at_tp2(checkpoint: Path, draft: Path, tmp_path: Path) -> N
     import torch.multiprocessing as mp
 
     mp.spawn(tp_rank_served_steps, args=(2, free_port(), checkpoint, draft, tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        for mode in ("ep", "expert-tp"):
+            assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)
+
+
+def test_served_steps_at_tp2_sharded(checkpoint: Path, draft: Path, tmp_path: Path) -> None:
+    """The same with the pooler and the unpooler column-sharded by the README's override:
+    vLLM's sharded MoE and the executor's mailbox gathers, bit for bit."""
+    import torch.multiprocessing as mp
+
+    args = (2, free_port(), checkpoint, draft, tmp_path, False, True)
+    mp.spawn(tp_rank_served_steps, args=args, nprocs=2, join=True)
     for rank in range(2):
         for mode in ("ep", "expert-tp"):
             assert (tmp_path / f"rank{rank}-{mode}").read_text() == "ok", (rank, mode)

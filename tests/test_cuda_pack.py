@@ -159,6 +159,27 @@ def test_columns_boundary_is_the_gather_exchange_then_the_input_boundary():
     assert fused.count("st.global.v4") == plain.count("st.global.v4")
 
 
+def test_columns_norm_is_the_gather_exchange_then_the_pre_expert_norm():
+    """rmsnorm_columns_kernel (``cuda.moe_publish_columns``' sharded pooler): the gather
+    kernel's exchange, then rmsnorm_kernel's code (its one output store), the gathered
+    row kept in registers; spill-free at the real and the tiny widths."""
+    from ptxas_check import kernel_ptx, ptx_entry
+
+    spec = ModelSpec.preset("muse-spark-open")
+    defines = moe.kernel_defines(spec)
+    ptx = kernel_ptx(moe.SOURCE, defines, moe.COMPILE_OPTIONS)
+    fused, plain = ptx_entry(ptx, "rmsnorm_columns_kernel"), ptx_entry(ptx, "rmsnorm_kernel")
+    gather = ptx_entry(kernel_ptx(lamport.SOURCE, {}, lamport.COMPILE_OPTIONS), "gather_columns_kernel")
+    assert fused.count("griddepcontrol.launch_dependents;") == 1 and fused.count("griddepcontrol.wait;") == 1
+    assert fused.count("fence.acq_rel.sys;") == gather.count("fence.acq_rel.sys;") == 2
+    for op in ("ld.volatile.global.v4.u32", "st.volatile.global.v4.u32"):
+        assert fused.count(op) == gather.count(op), op
+    assert fused.count("st.global.v4") == plain.count("st.global.v4") == 1
+    for s in (spec, ModelSpec.preset("tiny")):
+        d = moe.kernel_defines(s)
+        assert "rmsnorm_columns_kernel" in assert_spill_free(moe.SOURCE, d, moe.COMPILE_OPTIONS)
+
+
 def test_input_and_final_boundaries_fuse_the_gather_only_where_both_apply(monkeypatch):
     """cuda.boundary and cuda.final run boundary_columns_kernel only on a column-sharded
     mailbox with a transport that gathers on the device; a replicated mailbox, or no

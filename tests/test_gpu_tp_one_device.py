@@ -29,10 +29,11 @@ Asserted, per TP size:
   ``gather_reference_transport`` (the same blocks gathering over gloo) bit for bit,
   eagerly at TP 2 with both sharded; replaying one CUDA graph at TP 2 (EP with both
   sharded, 20 steps; expert TP with the pooler alone, 6) and TP 8 (both, 6 steps)
-  within the bound below; ``device_gather_publish`` (cuda.moe on cuda.linear, or
-  cute.linear_tma where installed, its sharded unpooler pushing its columns from the
-  epilogue, every input and final boundary only taking them) replaying one graph at
-  TP 2 (20 steps) and TP 8 (6 steps) within the bound below;
+  within the bound below; ``device_gather_publish`` (cuda.moe_publish_columns on
+  cuda.linear, or cute.linear_tma where installed: its sharded pooler and unpooler
+  pushing their columns from the epilogues, the pre-expert norm and every input and
+  final boundary only taking them) replaying one graph at TP 2 (20 steps) and TP 8
+  (6 steps) within the bound below;
 - every rank's hidden states (and first steps' aux streams) are the same bits;
 - the TP output equals the TP-1 model within bf16 rounding (3e-2, test_tp.py's bound);
 - no hang: each TP size runs under a watchdog that kills the ranks and fails.

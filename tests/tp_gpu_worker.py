@@ -129,8 +129,15 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     fused = [getattr(reader, "fused", None) is not None for reader in readers]
     sharded = variant.get("shard_unpooler", False) and pins.get("boundary") == "cuda.boundary"
     assert fused == [sharded and pins["all_reduce"] == "cuda.all_reduce"] * len(readers), fused
+    publishing = variant["pins"].startswith("device_gather_publish")
     taken = [getattr(getattr(reader, "fused", None), "published", False) for reader in readers]
-    assert taken == [sharded and variant["pins"].startswith("device_gather_publish")] * len(readers), taken
+    assert taken == [sharded and publishing] * len(readers), taken
+    # cuda.moe_publish_columns: a sharded pooler pushed from its epilogue, taken in the norm.
+    pooled = [
+        (getattr(layer.moe, "pooled_exchange", None) is not None, getattr(layer.moe, "pooled_published", False))
+        for layer in executor.layers
+    ]
+    assert pooled == [(publishing and variant["shard_pooler"],) * 2] * len(executor.layers), pooled
     published = [getattr(layer.attention_boundary, "published", False) for layer in executor.layers]
     assert all(published) if variant["pins"].startswith("fused_publish") else not any(published), published
     harness = DecodeHarness(

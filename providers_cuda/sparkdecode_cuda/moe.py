@@ -79,6 +79,7 @@ class MoEKernels:
         self.norm = Kernel(SOURCE, "rmsnorm_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail = Kernel(SOURCE, "tail_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail_all_reduce = Kernel(SOURCE, "tail_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        self.norm_columns = Kernel(SOURCE, "rmsnorm_columns_kernel", ctx.device, defines, COMPILE_OPTIONS)
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, scaling: float, topk: RoutedTopk) -> None:
         b = logits.shape[0]
@@ -105,6 +106,27 @@ class MoEKernels:
             (x.shape[0], 1, 1),
             (self.threads, 1, 1),
             [ptr(x), i32(x.stride(0)), ptr(weight), f32(eps), f32(1.0), ptr(out)],
+        )
+
+    def pre_norm_columns(
+        self,
+        block: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+        ws: LamportWorkspace,
+        published: bool,
+    ) -> None:
+        """pre_norm of the whole whose column ``block`` this rank holds (a sharded
+        pooler's output), the blocks exchanged over the Lamport mailbox in the same
+        kernel (``published``: the pooler's epilogue pushed this rank's)."""
+        check_aligned("block", block, strided=True)
+        check_aligned("weight", weight)
+        check_aligned("out", out)
+        self.norm_columns.launch(
+            (block.shape[0], 1, 1),
+            (self.threads, 1, 1),
+            [ptr(block), i32(block.stride(0)), ptr(weight), f32(eps), f32(1.0), ptr(out), i32(published), *ws.args()],
         )
 
     def finish(
@@ -163,8 +185,10 @@ def _moe_width_unsupported(d: Deployment) -> str | None:
 class CudaMoE(_Cuda):
     block = "moe"
     name = "cuda.moe"
-    # Whether publish_columns agrees (the unregistered ``cuda.moe_publish_columns``).
-    publishes_columns = False
+    # Whether a sharded pooler's and unpooler's columns are exchanged inside the kernels
+    # that read them and pushed from the GEMMs' epilogues (the unregistered
+    # ``cuda.moe_publish_columns``).
+    fuses_columns = False
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -196,9 +220,17 @@ class CudaMoE(_Cuda):
         self.weights = ctx.scratch("cuda_moe_weights", (rows, spec.top_k), torch.float32)
         pooled = self.layer.pooler.shape[0]  # P, or this rank's P / tp columns
         self.pooled = ctx.scratch(f"cuda_moe_pooled_{pooled}", (rows, pooled), torch.bfloat16)
-        # A column-sharded pooler's output gathered on the device where the transport does.
+        # A column-sharded pooler's output gathered on the device where the transport does:
+        # by the gather kernel, or (fuses_columns) inside the pre-expert norm's kernel, the
+        # pooler's epilogue pushing this rank's block where the linear provider can.
         self.columns = device_gather(ctx) if pooled != spec.P else None
-        if self.columns is not None:
+        self.pooled_exchange: LamportWorkspace | None = None
+        self.pooled_published = False
+        if self.columns is not None and self.fuses_columns:
+            self.pooled_exchange = workspace(ctx)
+            publish = getattr(self.linear, "publish", None)
+            self.pooled_published = bool(publish is not None and publish("pooler", self.pooled_exchange))
+        elif self.columns is not None:
             self.pooled_whole = ctx.scratch("cuda_moe_pooled_whole", (rows, spec.P), torch.bfloat16)
         self.h = ctx.scratch("cuda_moe_h", (rows, spec.P), torch.bfloat16)
         self.rows = ctx.scratch("moe_rows", (rows, spec.top_k, spec.P), torch.bfloat16)
@@ -226,7 +258,7 @@ class CudaMoE(_Cuda):
         push the block into that boundary's Lamport mailbox from its epilogue, where the
         ``linear`` provider can (``publish``); whether it will. Never for a replicated
         unpooler (nothing to exchange)."""
-        if not self.publishes_columns or self.mailbox.publish(1).shape[1] == self.spec.H:
+        if not self.fuses_columns or self.mailbox.publish(1).shape[1] == self.spec.H:
             return False
         publish = getattr(self.linear, "publish", None)
         return bool(publish is not None and publish("unpooler", mailbox))
@@ -245,15 +277,18 @@ class CudaMoE(_Cuda):
             with torch.cuda.stream(side):
                 self._route(x, topk)
                 self.join.record(side)
-        pooled = self.pooled[:b]
+        pooled, h = self.pooled[:b], self.h[:b]
         self.linear.run("pooler", x, pooled)
-        if pooled.shape[1] != spec.P and self.columns is not None:  # a column-sharded pooler
-            self.columns(pooled, self.pooled_whole[:b])
-            pooled = self.pooled_whole[:b]
-        elif pooled.shape[1] != spec.P:
-            pooled = self.collectives.gather_columns(pooled, spec.P)
-        h = self.h[:b]
-        self.kernels.pre_norm(pooled, layer.pre_expert_norm, spec.rms_norm_eps, h)
+        if self.pooled_exchange is not None:  # a column-sharded pooler, exchanged in the norm
+            ex, pub = self.pooled_exchange, self.pooled_published
+            self.kernels.pre_norm_columns(pooled, layer.pre_expert_norm, spec.rms_norm_eps, h, ex, pub)
+        else:
+            if pooled.shape[1] != spec.P and self.columns is not None:  # a column-sharded pooler
+                self.columns(pooled, self.pooled_whole[:b])
+                pooled = self.pooled_whole[:b]
+            elif pooled.shape[1] != spec.P:
+                pooled = self.collectives.gather_columns(pooled, spec.P)
+            self.kernels.pre_norm(pooled, layer.pre_expert_norm, spec.rms_norm_eps, h)
         if current is not None:  # join: the routing is read from here on
             current.wait_event(self.join)
         rows = self.rows[:b]
@@ -273,12 +308,16 @@ class CudaMoE(_Cuda):
 
 
 class CudaMoEPublishColumns(CudaMoE):
-    """cuda.moe whose column-sharded unpooler pushes this rank's block into the next
-    boundary's Lamport mailbox from its epilogue (``publish_columns``, paired by the
-    executor with cuda.boundary or cuda.final, whose boundary_columns_kernel then only
-    takes the peers' blocks): the exchange starts as the GEMM's rows are ready instead
-    of in the next kernel. The same bits as cuda.moe. Not registered: its GPU cases
-    (``device_gather_publish`` in tests/test_gpu_tp_one_device.py) have not run yet."""
+    """cuda.moe with a column-sharded pooler's and unpooler's blocks pushed from the
+    GEMMs' epilogues (the ``linear`` sub-op's ``publish``: ``cuda.linear``,
+    ``cute.linear_tma`` and its evict-first form) and taken inside the kernels that read
+    them: the pooler's by the pre-expert norm (rmsnorm_columns_kernel, in place of the
+    column gather and the norm), the unpooler's by the next boundary
+    (``publish_columns``, paired by the executor with cuda.boundary or cuda.final,
+    whose boundary_columns_kernel then only takes the peers' blocks). The exchange
+    starts as the GEMM's rows are ready, and the pooler's gather kernel is gone. The
+    same bits as cuda.moe. Not registered: its GPU cases (``device_gather_publish`` in
+    tests/test_gpu_tp_one_device.py) have not run yet."""
 
     name = "cuda.moe_publish_columns"
-    publishes_columns = True
+    fuses_columns = True

@@ -36,10 +36,8 @@
 // out from every rank's bf16 [b, H / tp] column block over the Lamport mailbox (the
 // exchange of all_reduce.cu's gather_columns_kernel, every NaN the canonical one), then
 // the same code as boundary_kernel: one kernel where a gather kernel and the boundary
-// were two. A thread's 8 columns lie in one rank's block (H / tp a multiple of 8): the
-// threads over this rank's own columns push them (unless `published`: the producer's
-// epilogue pushed them) and use them as pushed; the others take the owner's. Slot
-// offsets are the block's (row * H / tp + column), as the gather kernel's.
+// were two (lamport.cuh's lamport_column_vector: a thread's 8 columns from this rank's
+// block, pushed unless `published`, or from the owner's slot).
 #include "lamport.cuh"
 
 #ifndef H
@@ -237,23 +235,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) boundary_columns_kernel(
   float s[ITEMS];
   load_f32x8(stream + (long long)row * H + base, s);
   const Lamport l = lamport_begin(peers, control, rank, tp, cap);
-  const int cols = H / tp;
-  const int owner = base / cols, col = base - owner * cols;
-  const long long offset = (long long)row * cols + col;
-  uint4 w;
-  if (owner == rank) {
-    w = *(const uint4*)(block + (long)row * block_stride + col);
-    if (!published) lamport_push(l, offset, w);
-    w.x = canonical_nan2(w.x);
-    w.y = canonical_nan2(w.y);
-    w.z = canonical_nan2(w.z);
-    w.w = canonical_nan2(w.w);
-  } else {
-    w = lamport_take(l, owner, offset);
-  }
-  fence_acq_rel_sys();
   float v[ITEMS];
-  unpack_bf16x8(w, v);
+  unpack_bf16x8(lamport_column_vector(l, block, block_stride, row, base, H, published), v);
   float sq = 0.f;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {

@@ -110,6 +110,36 @@ extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
   store_bf16x8(out + (long)row * WIDTH + base, v);
 }
 
+#if ITEMS == 8
+// rmsnorm_columns_kernel (TP > 1, a column-sharded pooler): rmsnorm_kernel on the row
+// exchanged from every rank's [b, WIDTH / tp] column block over the Lamport mailbox
+// (lamport_column_vector; pushed unless `published`), one kernel where the column gather
+// and the norm were two: the same bits.
+extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_columns_kernel(
+    const bf16_t* __restrict__ block, int block_stride, const bf16_t* __restrict__ weight, float eps, float center,
+    bf16_t* __restrict__ out, int published, const u64* __restrict__ peers, int* __restrict__ control, int rank,
+    int tp, long long cap) {
+  __shared__ float scratch[32];
+  const int row = blockIdx.x, base = threadIdx.x * ITEMS;
+  float w[ITEMS];
+  load_bf16x8(weight + base, w);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) w[i] += center;
+  pdl_launch_dependents();
+  pdl_wait();
+  const Lamport l = lamport_begin(peers, control, rank, tp, cap);
+  float v[ITEMS], sq = 0.f;
+  unpack_bf16x8(lamport_column_vector(l, block, block_stride, row, base, WIDTH, published), v);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) sq += v[i] * v[i];
+  const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)WIDTH + eps);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) v[i] = v[i] * inv * w[i];
+  store_bf16x8(out + (long)row * WIDTH + base, v);
+  lamport_end(l);
+}
+#endif
+
 // The tail, one block per row: m = bf16(sum_j w[j] * rms(y_j * (1 + n), eps)), the
 // per-route norms and the sum in fp32, slots summed in order 0..k-1. The routes go
 // TAIL_GROUP at a time: their rows loaded together (16 bytes a thread each) and their

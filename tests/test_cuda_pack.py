@@ -717,13 +717,25 @@ def test_moe_capture_order(monkeypatch):
     block.rows = torch.zeros(8, spec.top_k, spec.P)
     block.router_linear = SimpleNamespace(run=lambda name, *a: calls.append(f"{name} on {on[-1].name}"))
     block.linear = block.router_linear
-    block.kernels = SimpleNamespace(route=launch("routing"), pre_norm=launch("pre_norm"), finish=launch("tail"))
+    block.kernels = SimpleNamespace(
+        route=launch("routing"),
+        pre_norm=launch("pre_norm"),
+        pre_norm_columns=launch("pre_norm_columns"),
+        finish=launch("tail"),
+    )
     block.experts = SimpleNamespace(run=launch("experts"))
     block.workspace, block.reduce_rows, block.reduce_out = None, False, False
+    block.pooled_exchange, block.pooled_published = None, False
     block.mailbox = SimpleNamespace(publish=lambda b: None)
     block.run(None, torch.zeros(3, spec.H))
     branch = ["side waits fork", "router on side", "routing on side", "record join on side"]
     pooler = ["pooler on current"]
     head = ["record fork on current"] + branch + pooler
-    tail = ["pre_norm on current", "current waits join", "experts on current", "tail on current", "unpooler on current"]
-    assert calls == head + tail
+    tail = ["current waits join", "experts on current", "tail on current", "unpooler on current"]
+    assert calls == head + ["pre_norm on current"] + tail
+    # cuda.moe_publish_columns' sharded pooler: its columns exchanged in the norm, right
+    # after the pooler on the same stream (the Lamport consumer its epilogue pushes to).
+    calls.clear()
+    block.pooled_exchange = "ws"
+    block.run(None, torch.zeros(3, spec.H))
+    assert calls == head + ["pre_norm_columns on current"] + tail

@@ -19,6 +19,7 @@ if nvrtc.nvrtc_unavailable() is not None:
 from ptxas_check import assert_spill_free  # noqa: E402
 
 from sparkdecode_cuda import all_reduce, attention, boundary, lamport, moe  # noqa: E402
+from sparkdecode_cuda.launch import i32, i64, ptr  # noqa: E402
 
 
 @pytest.mark.parametrize("hidden", [1024, 2048, 4096, 8192])
@@ -178,6 +179,44 @@ def test_columns_norm_is_the_gather_exchange_then_the_pre_expert_norm():
     for s in (spec, ModelSpec.preset("tiny")):
         d = moe.kernel_defines(s)
         assert "rmsnorm_columns_kernel" in assert_spill_free(moe.SOURCE, d, moe.COMPILE_OPTIONS)
+
+
+def test_boundary_launches_match_their_kernels_parameters():
+    """boundary_kernel's and boundary_columns_kernel's launches pass one argument per
+    parameter of the compiled entry, each of its PTX type (pointers and the Lamport
+    capacity 64-bit, the strides, mode and flags 32-bit integers, the epsilons and
+    center fp32), the row arguments in the same order."""
+    import ctypes
+    import re
+    from types import SimpleNamespace
+
+    from ptxas_check import kernel_ptx, ptx_entry
+
+    ptx_types = {ctypes.c_void_p: "u64", ctypes.c_int: "u32", ctypes.c_float: "f32", ctypes.c_longlong: "u64"}
+
+    def params(kernel: str) -> list[str]:
+        text = ptx_entry(kernel_ptx(boundary.SOURCE, boundary.fused_defines(1024), boundary.COMPILE_OPTIONS), kernel)
+        head = text[: text.index(")")]
+        return [t.replace("s32", "u32").replace("s64", "u64") for t in re.findall(r"\.param \.([a-z]\d+)", head)]
+
+    launched: list[list] = []
+    fake = SimpleNamespace(launch=lambda grid, block, args: launched.append(args))
+    rows = torch.zeros(3, 1024, dtype=torch.bfloat16)
+    stream, out = torch.zeros(3, 1024), torch.zeros(3, 1024, dtype=torch.bfloat16)
+    weight, gate = torch.zeros(1024, dtype=torch.bfloat16), torch.zeros(1024)
+    plain = boundary._BoundaryKernel.__new__(boundary._BoundaryKernel)
+    plain.kernel, plain.cluster, plain.block = fake, 1, 128
+    plain(2, rows, stream, out, None, weight, gate, gate, weight, 1e-6, 2e-6, 1.0)
+    fused = boundary._ColumnsKernel.__new__(boundary._ColumnsKernel)
+    fused.kernel, fused.width, fused.published = fake, 1024, True
+    fused.workspace = SimpleNamespace(args=lambda: [ptr(rows), ptr(rows), i32(1), i32(2), i64(4096)])
+    fused(rows[:, :512], stream, out, stream, weight, gate, gate, weight, 1e-6, 2e-6, 1.0)
+    for args, kernel in zip(launched, ("boundary_kernel", "boundary_columns_kernel")):
+        assert [ptx_types[a.ctype] for a in args] == params(kernel), kernel
+    p = [t.data_ptr() for t in (rows, stream, out, weight, gate)]
+    rows_args = [p[0], 1024, p[1], p[2], None, p[3], p[4], p[4], p[3], 1e-6, 2e-6, 1.0]
+    assert [a.value for a in launched[0]] == [*rows_args[:4], 0, *rows_args[5:], 2]
+    assert [a.value for a in launched[1][:13]] == [*rows_args[:4], p[1], *rows_args[5:], 1]
 
 
 def test_input_and_final_boundaries_fuse_the_gather_only_where_both_apply(monkeypatch):

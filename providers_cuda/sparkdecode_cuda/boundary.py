@@ -99,6 +99,30 @@ def check_aligned(name: str, t: torch.Tensor | None, strided: bool = False) -> N
         raise ValueError(f"this pack's row kernels take 16-byte-aligned rows; {name} has strides {t.stride()}")
 
 
+def row_arguments(
+    x_name: str,
+    x: torch.Tensor,
+    stream: torch.Tensor,
+    out: torch.Tensor,
+    aux: torch.Tensor | None,
+    post_weight: torch.Tensor | None,
+    alpha: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    next_weight: torch.Tensor,
+    eps_post: float,
+    eps_next: float,
+) -> list:
+    """The arguments boundary_kernel and boundary_columns_kernel begin with (the row's
+    input, named ``x_name`` in an error, its stride, the stream and outputs, the weights,
+    the two epsilons), every tensor checked for the kernels' 16-byte accesses."""
+    check_aligned(x_name, x, strided=True)
+    weights = (("post_weight", post_weight), ("alpha", alpha), ("beta", beta), ("next_weight", next_weight))
+    for name, t in (("stream", stream), ("out", out), ("aux", aux), *weights):
+        check_aligned(name, t)
+    tensors = (stream, out, aux, post_weight, alpha, beta, next_weight)
+    return [ptr(x), i32(x.stride(0)), *(ptr(t) for t in tensors), f32(eps_post), f32(eps_next)]
+
+
 class _BoundaryKernel:
     """boundary_kernel compiled for this width (a row: ``cluster`` blocks of ``threads``)."""
 
@@ -124,37 +148,8 @@ class _BoundaryKernel:
         eps_next: float,
         next_center: float,
     ) -> None:
-        b = x.shape[0]
-        check_aligned("x", x, strided=True)
-        for name, t in (
-            ("stream", stream),
-            ("out", out),
-            ("aux", aux),
-            ("post_weight", post_weight),
-            ("alpha", alpha),
-            ("beta", beta),
-            ("next_weight", next_weight),
-        ):
-            check_aligned(name, t)
-        self.kernel.launch(
-            (b * self.cluster, 1, 1),
-            (self.block, 1, 1),
-            [
-                ptr(x),
-                i32(x.stride(0)),
-                ptr(stream),
-                ptr(out),
-                ptr(aux),
-                ptr(post_weight),
-                ptr(alpha),
-                ptr(beta),
-                ptr(next_weight),
-                f32(eps_post),
-                f32(eps_next),
-                f32(next_center),
-                i32(mode),
-            ],
-        )
+        rows = row_arguments("x", x, stream, out, aux, post_weight, alpha, beta, next_weight, eps_post, eps_next)
+        self.kernel.launch((x.shape[0] * self.cluster, 1, 1), (self.block, 1, 1), [*rows, f32(next_center), i32(mode)])
 
 
 class _ColumnsKernel:
@@ -203,28 +198,13 @@ class _ColumnsKernel:
     ) -> None:
         ws = self.workspace
         assert ws is not None
-        check_aligned("block", block, strided=True)
-        for name, t in (("stream", stream), ("out", out), ("aux", aux), ("next_weight", next_weight)):
-            check_aligned(name, t)
+        rows = row_arguments(
+            "block", block, stream, out, aux, post_weight, alpha, beta, next_weight, eps_post, eps_next
+        )
         self.kernel.launch(
             (block.shape[0], 1, 1),
             (self.width // ITEMS, 1, 1),
-            [
-                ptr(block),
-                i32(block.stride(0)),
-                ptr(stream),
-                ptr(out),
-                ptr(aux),
-                ptr(post_weight),
-                ptr(alpha),
-                ptr(beta),
-                ptr(next_weight),
-                f32(eps_post),
-                f32(eps_next),
-                f32(next_center),
-                i32(int(self.published)),
-                *ws.args(),
-            ],
+            [*rows, f32(next_center), i32(int(self.published)), *ws.args()],
         )
 
 

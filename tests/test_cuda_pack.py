@@ -22,6 +22,18 @@ from sparkdecode_cuda import all_reduce, attention, boundary, lamport, moe  # no
 from sparkdecode_cuda.launch import i32, i64, ptr  # noqa: E402
 
 
+class PublishingLinear:
+    """A linear provider's ``publish`` as the blocks ask it: records each ask, answers
+    ``answer``."""
+
+    def __init__(self, answer: bool):
+        self.answer, self.calls = answer, []
+
+    def publish(self, name: str, mailbox: object) -> bool:
+        self.calls.append((name, mailbox))
+        return self.answer
+
+
 @pytest.mark.parametrize("hidden", [1024, 2048, 4096, 8192])
 def test_boundary_kernel_compiles_for_hopper(hidden, tmp_path, monkeypatch):
     """boundary_kernel as the provider builds it (a row over a cluster of up to 8 blocks of
@@ -255,29 +267,21 @@ def test_sharded_unpooler_publishes_into_the_fused_boundary():
     from sparkdecode_cuda.boundary import CudaBoundary, CudaFinal, _ColumnsKernel
     from sparkdecode_cuda.moe import CudaMoE, CudaMoEPublishColumns
 
-    class Linear:
-        def __init__(self, answer: bool):
-            self.answer, self.calls = answer, []
-
-        def publish(self, name: str, mailbox: object) -> bool:
-            self.calls.append((name, mailbox))
-            return self.answer
-
     spec = ModelSpec.preset("tiny")
     cpu = torch.device("cpu")
     moe_block = CudaMoE.__new__(CudaMoE)  # the registered cuda.moe never publishes
-    moe_block.spec, moe_block.linear = spec, Linear(True)
+    moe_block.spec, moe_block.linear = spec, PublishingLinear(True)
     moe_block.mailbox = ColumnMailbox(8, spec.H, Collectives(4, 1, None), cpu)
     assert moe_block.publish_columns("ws") is False and moe_block.linear.calls == []
     moe_block = CudaMoEPublishColumns.__new__(CudaMoEPublishColumns)
     moe_block.spec = spec
     moe_block.mailbox = ColumnMailbox(8, spec.H, Collectives(4, 1, None), cpu)
     for answer in (True, False):
-        moe_block.linear = Linear(answer)
+        moe_block.linear = PublishingLinear(answer)
         assert moe_block.publish_columns("ws") is answer and moe_block.linear.calls == [("unpooler", "ws")]
     moe_block.linear = object()  # a linear provider that cannot publish (reference.linear)
     assert moe_block.publish_columns("ws") is False
-    moe_block.mailbox, moe_block.linear = LocalMailbox(8, spec.H, cpu), Linear(True)
+    moe_block.mailbox, moe_block.linear = LocalMailbox(8, spec.H, cpu), PublishingLinear(True)
     assert moe_block.publish_columns("ws") is False and moe_block.linear.calls == []
 
     class Agreeing:
@@ -565,17 +569,9 @@ def test_publish_pairs_o_proj_with_the_fused_boundary():
         assert boundary.published is published
     assert asked == ["ws"]
 
-    class Linear:
-        def __init__(self, answer: bool):
-            self.answer, self.calls = answer, []
-
-        def publish(self, name: str, mailbox: object) -> bool:
-            self.calls.append((name, mailbox))
-            return self.answer
-
     front = CudaAttention.__new__(CudaAttention)
     for answer in (True, False):
-        front.linear = Linear(answer)
+        front.linear = PublishingLinear(answer)
         assert front.publish_partial("ws") is answer and front.linear.calls == [("o_proj", "ws")]
     front.linear = object()  # a linear provider that cannot publish (reference.linear)
     assert front.publish_partial("ws") is False

@@ -129,64 +129,46 @@ def test_lamport_kernels_compile_for_hopper(tmp_path, monkeypatch):
         assert b"tail_all_reduce_kernel" in nvrtc.compile_cubin(moe.SOURCE, "sm_90a", defines, moe.COMPILE_OPTIONS)
 
 
-def test_lamport_gather_pushes_then_takes_every_peer():
-    """gather_columns_kernel (LamportWorkspace.gather_columns): the all-reduce kernel's
-    exchange without the sum. One PDL trigger and wait, then the push (a release fence,
-    one 16-byte store a peer) and the takes (a spinning 16-byte load, the sentinel
-    stored back) with an acquire fence after them, and one 16-byte store of each rank's
-    chunk into the whole."""
-    from ptxas_check import kernel_ptx, ptx_entry
-
-    ptx = kernel_ptx(lamport.SOURCE, {}, lamport.COMPILE_OPTIONS)
-    gather, reduce = ptx_entry(ptx, "gather_columns_kernel"), ptx_entry(ptx, "all_reduce_kernel")
-    for text in (gather, reduce):
-        assert text.count("griddepcontrol.launch_dependents;") == 1 and text.count("griddepcontrol.wait;") == 1
-        assert text.count("fence.acq_rel.sys;") == 2
-    for op in ("ld.volatile.global.v4.u32", "st.volatile.global.v4.u32"):
-        assert gather.count(op) == reduce.count(op), op
-    assert "add.rn.f32" in reduce and "add.rn.f32" not in gather  # laid out, not summed
-    assert "st.global.v4.u32" in gather
-
-
-def test_columns_boundary_is_the_gather_exchange_then_the_input_boundary():
+def test_columns_boundary_is_the_lamport_exchange_then_the_input_boundary():
     """boundary_columns_kernel (a sharded unpooler's mailbox, gathered on the device): the
-    gather kernel's exchange (one PDL trigger and wait, the push's release fence and one
-    16-byte store a peer, the spinning take with the sentinel stored back, the acquire
-    fence), no whole written to memory, then boundary_kernel's mode 2 at one block a row
-    (the stream and out stores; its reductions over the block, not a cluster)."""
+    all-reduce kernel's exchange without the sum (one PDL trigger and wait, the push's
+    release fence and one 16-byte store a peer, the spinning take with the sentinel
+    stored back, the acquire fence), no whole written to memory, then boundary_kernel's
+    mode 2 at one block a row (the stream and out stores; its reductions over the block,
+    not a cluster)."""
     from ptxas_check import kernel_ptx, ptx_entry
 
     defines = boundary.fused_defines(8192)
     ptx = kernel_ptx(boundary.SOURCE, defines, boundary.COMPILE_OPTIONS)
     fused = ptx_entry(ptx, "boundary_columns_kernel")
-    gather = ptx_entry(kernel_ptx(lamport.SOURCE, {}, lamport.COMPILE_OPTIONS), "gather_columns_kernel")
+    exchange = ptx_entry(kernel_ptx(lamport.SOURCE, {}, lamport.COMPILE_OPTIONS), "all_reduce_kernel")
     plain = ptx_entry(ptx, "boundary_kernel")
     assert fused.count("griddepcontrol.launch_dependents;") == 1 and fused.count("griddepcontrol.wait;") == 1
     assert fused.index("griddepcontrol.launch_dependents") < fused.index("griddepcontrol.wait")
-    assert fused.count("fence.acq_rel.sys;") == gather.count("fence.acq_rel.sys;") == 2
+    assert fused.count("fence.acq_rel.sys;") == exchange.count("fence.acq_rel.sys;") == 2
     for op in ("ld.volatile.global.v4.u32", "st.volatile.global.v4.u32"):
-        assert fused.count(op) == gather.count(op), op
+        assert fused.count(op) == exchange.count(op), op
     assert "mapa" not in fused and "barrier.cluster" not in fused  # one block a row
     # The stream (fp32, 32 bytes), the aux and out stores of the plain kernel's mode 2;
     # the gathered row stays in registers.
     assert fused.count("st.global.v4") == plain.count("st.global.v4")
 
 
-def test_columns_norm_is_the_gather_exchange_then_the_pre_expert_norm():
-    """rmsnorm_columns_kernel (``cuda.moe_publish_columns``' sharded pooler): the gather
-    kernel's exchange, then rmsnorm_kernel's code (its one output store), the gathered
-    row kept in registers; spill-free at the real and the tiny widths."""
+def test_columns_norm_is_the_lamport_exchange_then_the_pre_expert_norm():
+    """rmsnorm_columns_kernel (cuda.moe's sharded pooler): the all-reduce kernel's
+    exchange without the sum, then rmsnorm_kernel's code (its one output store), the
+    gathered row kept in registers; spill-free at the real and the tiny widths."""
     from ptxas_check import kernel_ptx, ptx_entry
 
     spec = ModelSpec.preset("muse-spark-open")
     defines = moe.kernel_defines(spec)
     ptx = kernel_ptx(moe.SOURCE, defines, moe.COMPILE_OPTIONS)
     fused, plain = ptx_entry(ptx, "rmsnorm_columns_kernel"), ptx_entry(ptx, "rmsnorm_kernel")
-    gather = ptx_entry(kernel_ptx(lamport.SOURCE, {}, lamport.COMPILE_OPTIONS), "gather_columns_kernel")
+    exchange = ptx_entry(kernel_ptx(lamport.SOURCE, {}, lamport.COMPILE_OPTIONS), "all_reduce_kernel")
     assert fused.count("griddepcontrol.launch_dependents;") == 1 and fused.count("griddepcontrol.wait;") == 1
-    assert fused.count("fence.acq_rel.sys;") == gather.count("fence.acq_rel.sys;") == 2
+    assert fused.count("fence.acq_rel.sys;") == exchange.count("fence.acq_rel.sys;") == 2
     for op in ("ld.volatile.global.v4.u32", "st.volatile.global.v4.u32"):
-        assert fused.count(op) == gather.count(op), op
+        assert fused.count(op) == exchange.count(op), op
     assert fused.count("st.global.v4") == plain.count("st.global.v4") == 1
     for s in (spec, ModelSpec.preset("tiny")):
         d = moe.kernel_defines(s)
@@ -243,12 +225,11 @@ def test_input_and_final_boundaries_fuse_the_gather_only_where_both_apply(monkey
     column = ColumnMailbox(8, spec.H, Collectives(4, 1, None), cpu)
     local = LocalMailbox(8, spec.H, cpu)
 
-    def gather(block: torch.Tensor, whole: torch.Tensor) -> None:
-        raise AssertionError("not run here")
+    workspace = object()  # the Lamport workspace the device transport exchanges over
 
     for transport, box, wanted in [
-        (gather, column, True),
-        (gather, local, False),
+        (workspace, column, True),
+        (workspace, local, False),
         (None, column, False),
         (None, local, False),
     ]:
@@ -262,18 +243,14 @@ def test_sharded_unpooler_publishes_into_the_fused_boundary():
     MoE agreed; cuda.moe agrees only for a column-sharded unpooler whose linear provider
     publishes (asked for the unpooler, into the boundary's workspace); a MoE provider
     without ``publish_columns`` is left alone; a boundary without the fused kernel asks
-    nothing. The registered cuda.moe never agrees (``cuda.moe_publish_columns`` does)."""
+    nothing."""
     from sparkdecode.comm import Collectives, ColumnMailbox, LocalMailbox
     from sparkdecode_cuda.boundary import CudaBoundary, CudaFinal, _ColumnsKernel
-    from sparkdecode_cuda.moe import CudaMoE, CudaMoEPublishColumns
+    from sparkdecode_cuda.moe import CudaMoE
 
     spec = ModelSpec.preset("tiny")
     cpu = torch.device("cpu")
-    moe_block = CudaMoE.__new__(CudaMoE)  # the registered cuda.moe never publishes
-    moe_block.spec, moe_block.linear = spec, PublishingLinear(True)
-    moe_block.mailbox = ColumnMailbox(8, spec.H, Collectives(4, 1, None), cpu)
-    assert moe_block.publish_columns("ws") is False and moe_block.linear.calls == []
-    moe_block = CudaMoEPublishColumns.__new__(CudaMoEPublishColumns)
+    moe_block = CudaMoE.__new__(CudaMoE)
     moe_block.spec = spec
     moe_block.mailbox = ColumnMailbox(8, spec.H, Collectives(4, 1, None), cpu)
     for answer in (True, False):
@@ -304,25 +281,6 @@ def test_sharded_unpooler_publishes_into_the_fused_boundary():
         assert reader.fused.published is False
         reader.pair_producer(producer)
         assert reader.fused.published is True and producer.asked == ["ws"]
-
-
-def test_lamport_gather_refuses_what_it_cannot_lay_out():
-    ws = object.__new__(lamport.LamportWorkspace)
-    ws.tp, ws.capacity = 4, 64
-    block = torch.zeros(2, 8, dtype=torch.bfloat16)
-    cases = [
-        (block.float(), torch.zeros(2, 32), "contiguous 16-byte-aligned bf16"),
-        (torch.zeros(2, 12, dtype=torch.bfloat16), torch.zeros(2, 48, dtype=torch.bfloat16), "16-byte-aligned bf16"),
-        (block, torch.zeros(2, 16, dtype=torch.bfloat16), r"fills a contiguous bf16 \[2, 32\]"),
-        (
-            torch.zeros(16, 8, dtype=torch.bfloat16),
-            torch.zeros(16, 32, dtype=torch.bfloat16),
-            "exceed the Lamport slot",
-        ),
-    ]
-    for b, whole, message in cases:
-        with pytest.raises(ValueError, match=message):
-            ws.gather_columns(b, whole)
 
 
 def test_compile_errors_name_the_source(tmp_path, monkeypatch):
@@ -768,7 +726,7 @@ def test_moe_capture_order(monkeypatch):
     head = ["record fork on current"] + branch + pooler
     tail = ["current waits join", "experts on current", "tail on current", "unpooler on current"]
     assert calls == head + ["pre_norm on current"] + tail
-    # cuda.moe_publish_columns' sharded pooler: its columns exchanged in the norm, right
+    # A sharded pooler over the device transport: its columns exchanged in the norm, right
     # after the pooler on the same stream (the Lamport consumer its epilogue pushes to).
     calls.clear()
     block.pooled_exchange = "ws"

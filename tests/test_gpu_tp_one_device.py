@@ -22,18 +22,19 @@ Asserted, per TP size:
   ``fused_publish`` 1,000 steps at TP 2, 100 at TP 4, 200 at TP 8, replaying one
   CUDA graph; ``fused_publish_cute`` (the same with cute.linear_tma's o_proj publishing,
   where the CuTe DSL is installed) 200 steps at TP 2, 50 at TP 8;
-- ``device_gather`` (the transport ``cuda.all_reduce``: cuda.moe gathering a
-  column-sharded pooler's output over the Lamport mailbox, cuda.boundary and cuda.final
-  taking a sharded unpooler's columns over it inside their kernel,
-  boundary_columns_kernel, whose row sums at the tiny H are boundary_kernel's) equals
+- ``device_gather`` (the transport ``cuda.all_reduce``: cuda.moe taking a column-sharded
+  pooler's output over the Lamport mailbox inside the pre-expert norm's kernel,
+  rmsnorm_columns_kernel, cuda.boundary and cuda.final a sharded unpooler's columns
+  inside theirs, boundary_columns_kernel, whose row sums at the tiny H are
+  boundary_kernel's; the GEMMs reference.linear's, which push nothing) equals
   ``gather_reference_transport`` (the same blocks gathering over gloo) bit for bit,
   eagerly at TP 2 with both sharded; replaying one CUDA graph at TP 2 (EP with both
   sharded, 20 steps; expert TP with the pooler alone, 6) and TP 8 (both, 6 steps)
-  within the bound below; ``device_gather_publish`` (cuda.moe_publish_columns on
-  cuda.linear, or cute.linear_tma where installed: its sharded pooler and unpooler
-  pushing their columns from the epilogues, the pre-expert norm and every input and
-  final boundary only taking them) replaying one graph at TP 2 (20 steps) and TP 8
-  (6 steps) within the bound below;
+  within the bound below; ``device_gather_publish`` (the same on cuda.linear, or
+  cute.linear_tma where installed: the sharded pooler and unpooler pushing their
+  columns from the GEMMs' epilogues, the pre-expert norm and every input and final
+  boundary only taking them) replaying one graph at TP 2 (20 steps) and TP 8 (6 steps)
+  within the bound below;
 - every rank's hidden states (and first steps' aux streams) are the same bits;
 - the TP output equals the TP-1 model within bf16 rounding (3e-2, test_tp.py's bound);
 - no hang: each TP size runs under a watchdog that kills the ranks and fails.
@@ -156,7 +157,8 @@ def test_tensor_parallel_on_one_gpu(tp, tmp_path):
 
 def test_sharded_gathers_on_one_gpu(tmp_path):
     """The ``device_gather`` assertions on GATHER_CASES at TP 2 (what memcheck and
-    racecheck run on the Lamport gather and boundary_columns_kernel)."""
+    racecheck run on rmsnorm_columns_kernel and boundary_columns_kernel, taking and
+    pushing, and on the publishing epilogues)."""
     check_variants(2, GATHER_CASES, watched(tp_gpu_worker.main, 2, tmp_path, GATHER_CASES))
 
 
@@ -208,24 +210,6 @@ def check_all_reduce_op(ranks: list[dict]) -> None:
         assert r["published_ok"] == [True, True], r["published_ok"]
     for r in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["replicated"], r["replicated"]))
-
-
-# The wholes a sharded step gathers (tiny and real: the pooler's [b, P], the
-# unpooler's [b, H]), a partial step and a short row.
-GATHER_WIDTHS = [(8, 512), (8, 4096), (1, 8192), (3, 1024), (8, 8192), (5, 64)]
-
-
-@pytest.mark.parametrize("tp", [2, 8])
-def test_lamport_gather_is_the_reference_column_gather(tp, tmp_path):
-    """LamportWorkspace.gather_columns (tp_gpu_worker.gather_op): bit for bit the
-    reference transport's column gather (NaN as NaN) on random bf16 with edge values,
-    beside all-reduces sharing the mailbox, eagerly and replaying one graph 10 times;
-    the same bits on every rank (a NaN canonical on all of them)."""
-    ranks = watched(tp_gpu_worker.gather_op, tp, tmp_path, GATHER_WIDTHS, 10)
-    for r in ranks:
-        assert len(r["checks"]) == 12 * len(GATHER_WIDTHS) and all(r["checks"]), r["checks"]
-    for r in ranks[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["wholes"], r["wholes"]))
 
 
 def test_collectives_bench_writes_a_labelled_record(tmp_path):

@@ -24,7 +24,6 @@ from test_tp import relative_rows
 
 from sparkdecode.executor import DecodeConfig, SpecializedDecode
 from sparkdecode.harness import DecodeHarness
-from sparkdecode.plugins import discover, provider_class
 from sparkdecode.reference.kvcache import PagedKVCache
 from sparkdecode.reference.model import ReferenceModel
 from tp_worker import PROMPT, model_and_shard, to_cpu
@@ -86,12 +85,12 @@ PINS = {
         "final": "cuda.final",
         "all_reduce": "cuda.all_reduce",
     },
-    # The same with cuda.moe_publish_columns on cuda.linear (then cute.linear_tma): a
-    # sharded unpooler's epilogue pushes its columns and the boundary after it only takes.
+    # The same on cuda.linear (then cute.linear_tma): a sharded pooler's and unpooler's
+    # epilogues push their columns, and the norm and the boundary after them only take.
     "device_gather_publish": {
         **REFERENCE,
         "boundary": "cuda.boundary",
-        "moe": "cuda.moe_publish_columns",
+        "moe": "cuda.moe",
         "final": "cuda.final",
         "all_reduce": "cuda.all_reduce",
         "linear": "cuda.linear",
@@ -99,16 +98,11 @@ PINS = {
     "device_gather_publish_cute": {
         **REFERENCE,
         "boundary": "cuda.boundary",
-        "moe": "cuda.moe_publish_columns",
+        "moe": "cuda.moe",
         "final": "cuda.final",
         "all_reduce": "cuda.all_reduce",
         "linear": "cute.linear_tma",
     },
-}
-# Providers a variant pins that no pack registers yet.
-UNREGISTERED = {
-    "device_gather_publish": ["sparkdecode_cuda.moe:CudaMoEPublishColumns"],
-    "device_gather_publish_cute": ["sparkdecode_cuda.moe:CudaMoEPublishColumns"],
 }
 
 
@@ -119,8 +113,7 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     max_context = -(-(PROMPT + steps + 16) // 64) * 64
     pins = PINS[variant["pins"]]
     config = DecodeConfig(max_context=max_context, aux_layers=(0, 1, spec.num_layers), pins=pins)
-    registry = discover().adding([provider_class(p) for p in UNREGISTERED.get(variant["pins"], [])])
-    executor = SpecializedDecode(shard, config, group=group, registry=registry)
+    executor = SpecializedDecode(shard, config, group=group)
     chosen = {kind: executor.layout.choices[kind].chosen.name for kind in pins}
     assert chosen == pins, chosen
     # The input and final boundaries take a sharded unpooler's columns in their own kernel
@@ -129,15 +122,18 @@ def run_variant(rank: int, tp: int, variant: dict, device: torch.device) -> dict
     fused = [getattr(reader, "fused", None) is not None for reader in readers]
     sharded = variant.get("shard_unpooler", False) and pins.get("boundary") == "cuda.boundary"
     assert fused == [sharded and pins["all_reduce"] == "cuda.all_reduce"] * len(readers), fused
-    publishing = variant["pins"].startswith("device_gather_publish")
+    # The pack's publishing GEMMs push a sharded result's columns from their epilogues.
+    publishing = pins["linear"] in ("cuda.linear", "cute.linear_tma")
     taken = [getattr(getattr(reader, "fused", None), "published", False) for reader in readers]
     assert taken == [sharded and publishing] * len(readers), taken
-    # cuda.moe_publish_columns: a sharded pooler pushed from its epilogue, taken in the norm.
+    # cuda.moe on the device transport: a sharded pooler's columns exchanged in the norm,
+    # pushed from the pooler's epilogue where the linear provider publishes.
+    exchanged = variant["shard_pooler"] and pins["moe"] == "cuda.moe" and pins["all_reduce"] == "cuda.all_reduce"
     pooled = [
         (getattr(layer.moe, "pooled_exchange", None) is not None, getattr(layer.moe, "pooled_published", False))
         for layer in executor.layers
     ]
-    assert pooled == [(publishing and variant["shard_pooler"],) * 2] * len(executor.layers), pooled
+    assert pooled == [(exchanged, exchanged and publishing)] * len(executor.layers), pooled
     published = [getattr(layer.attention_boundary, "published", False) for layer in executor.layers]
     assert all(published) if variant["pins"].startswith("fused_publish") else not any(published), published
     harness = DecodeHarness(
@@ -278,49 +274,6 @@ def all_reduce_op(
         checks = eager_then_replayed(draw, calls, check, rank == tp - 1, replays)
         results = {"checks": checks, **fused_ops(rank, tp, reference, device)}
         torch.save(to_cpu(results), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def gather_op(
-    rank: int, tp: int, init: str, out_dir: str, widths: list[tuple[int, int]], replays: int, per_gpu: bool = False
-) -> None:
-    """LamportWorkspace.gather_columns against the reference transport's column gather
-    (comm.Collectives over gloo) on random bf16 blocks with edge values, each [b, w]
-    whole in turn with an all-reduce between (the two share the mailbox's generations),
-    eagerly twice, then captured in one graph and replayed on new inputs, the last rank
-    late to every other replay. Saves the checks and the last wholes (as int16 bits)."""
-    from sparkdecode.comm import Collectives
-    from sparkdecode_cuda.lamport import LamportWorkspace
-
-    torch.set_num_threads(1)
-    device = rank_device(rank, per_gpu)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
-    try:
-        capacity = max(b * w for b, w in widths)
-        ws = LamportWorkspace(device, dist.group.WORLD, tp, rank, capacity)
-        reference = Collectives(tp, rank, dist.group.WORLD)
-        g = torch.Generator(device=device).manual_seed(100 + rank)
-        blocks = [torch.empty(b, w // tp, dtype=torch.bfloat16, device=device) for b, w in widths]
-        wholes = [torch.full((b, w), float("nan"), dtype=torch.bfloat16, device=device) for b, w in widths]
-        between = torch.empty(8, 64, dtype=torch.bfloat16, device=device)
-
-        def draw() -> None:
-            for x in blocks:
-                specials(x.copy_(torch.randn(x.shape, generator=g, device=device) * 4), rank)
-            between.copy_(torch.randn(between.shape, generator=g, device=device))
-
-        def calls() -> None:
-            for x, y in zip(blocks, wholes):
-                ws.gather_columns(x, y)
-                ws.all_reduce(between)
-
-        def check() -> list[bool]:
-            return [same_bits(y, reference.gather_columns(x, y.shape[1])) for x, y in zip(blocks, wholes)]
-
-        checks = eager_then_replayed(draw, calls, check, rank == tp - 1, replays)
-        results = {"checks": checks, "wholes": [y.view(torch.int16).cpu() for y in wholes]}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 

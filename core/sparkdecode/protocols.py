@@ -167,10 +167,6 @@ class Deployment:
     host_lengths_exact: bool = True
 
 
-# A device transport's column gather: every rank's [b, w / tp] block into [b, w] in rank order.
-ColumnGather = Callable[[torch.Tensor, torch.Tensor], None]
-
-
 class Mailbox(Protocol):
     """Where a producer publishes its column block of a [b, H] result for the next
     boundary to gather, with no separate collective kernel.

@@ -18,8 +18,8 @@ class CudaAllReduce:
     name = "cuda.all_reduce"
     priority = 10
     # With this transport the cuda pack's blocks gather column-sharded results (vLLM's
-    # sharded pooler and unpooler) over the same Lamport mailbox (lamport.device_gather,
-    # gather_columns_kernel): no torch.distributed collective in the step.
+    # sharded pooler and unpooler) over the same Lamport mailbox, inside the kernels that
+    # read them (lamport.device_gather): no torch.distributed collective in the step.
     device_gather = True
 
     @classmethod

@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 
 from sparkdecode.deployment import on_every_rank
-from sparkdecode.protocols import BuildContext, ColumnGather, Deployment
+from sparkdecode.protocols import BuildContext, Deployment
 from sparkdecode.release import release_deferred, release_outside_capture
 
 from .launch import Kernel, _check, _ensure_context, i32, i64, ptr
@@ -194,7 +194,6 @@ class LamportWorkspace:
         self.peers = torch.tensor(bases, dtype=torch.int64, device=device)
         self.control = torch.zeros(4, dtype=torch.int32, device=device)
         self.kernel = Kernel(SOURCE, "all_reduce_kernel", device, None, COMPILE_OPTIONS)
-        self.gather_kernel = Kernel(SOURCE, "gather_columns_kernel", device, None, COMPILE_OPTIONS)
 
     def args(self) -> list:
         """The kernel arguments every Lamport kernel ends with."""
@@ -210,30 +209,6 @@ class LamportWorkspace:
         chunks = n // 8
         self.kernel.launch((-(-chunks // THREADS), 1, 1), (THREADS, 1, 1), [ptr(x), i64(chunks), *self.args()])
 
-    def gather_columns(self, block: torch.Tensor, whole: torch.Tensor) -> None:
-        """Every rank's [b, c] ``block`` (bf16, contiguous, c a multiple of 8) laid out
-        in rank order into this rank's [b, c * tp] ``whole``, as comm.Collectives'
-        ``gather_columns`` lays them (every NaN the canonical one, on every rank)."""
-        b, c = block.shape
-        if block.dtype != torch.bfloat16 or not block.is_contiguous() or c % 8 or block.data_ptr() % 16:
-            raise ValueError(
-                f"the Lamport gather takes contiguous 16-byte-aligned bf16, got {block.dtype} {block.shape}"
-            )
-        if whole.dtype != torch.bfloat16 or not whole.is_contiguous() or tuple(whole.shape) != (b, c * self.tp):
-            raise ValueError(
-                f"the gather of {tuple(block.shape)} over TP {self.tp} fills a contiguous bf16 [{b}, {c * self.tp}]"
-            )
-        if whole.data_ptr() % 16:
-            raise ValueError("the gathered tensor must be 16-byte aligned")
-        if block.numel() > self.capacity:
-            raise ValueError(f"{block.numel()} elements exceed the Lamport slot of {self.capacity}")
-        chunks = block.numel() // 8
-        self.gather_kernel.launch(
-            (-(-chunks // THREADS), 1, 1),
-            (THREADS, 1, 1),
-            [ptr(block), ptr(whole), i64(chunks), i32(c // 8), *self.args()],
-        )
-
 
 # The name of the workspace's marker in the executor's buffers (BuildContext.shared).
 _MARKER = "lamport_workspace"
@@ -245,15 +220,15 @@ def collective_setup(cls: type, ctx: BuildContext) -> None:
     workspace(ctx)
 
 
-def device_gather(ctx: BuildContext) -> ColumnGather | None:
-    """The column gather over the executor's Lamport workspace where the resolved
-    ``all_reduce`` sub-op says it gathers on the device (its ``device_gather``), for a
-    column-sharded pooler's output and the mailboxes of a sharded unpooler; None
-    otherwise (TP 1, a detached rank, another transport): the reference gather."""
+def device_gather(ctx: BuildContext) -> LamportWorkspace | None:
+    """The executor's Lamport workspace where the resolved ``all_reduce`` sub-op says
+    it gathers on the device (its ``device_gather``): the kernels that read a
+    column-sharded result (a sharded pooler's output, a sharded unpooler's mailbox)
+    exchange the ranks' blocks over it themselves. None otherwise (TP 1, a detached
+    rank, another transport): the reference transport's gather."""
     if not getattr(ctx.ops.get("all_reduce"), "device_gather", False):
         return None
-    ws = workspace(ctx)
-    return None if ws is None else ws.gather_columns
+    return workspace(ctx)
 
 
 def workspace(ctx: BuildContext) -> LamportWorkspace | None:

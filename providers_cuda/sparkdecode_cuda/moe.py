@@ -185,10 +185,6 @@ def _moe_width_unsupported(d: Deployment) -> str | None:
 class CudaMoE(_Cuda):
     block = "moe"
     name = "cuda.moe"
-    # Whether a sharded pooler's and unpooler's columns are exchanged inside the kernels
-    # that read them and pushed from the GEMMs' epilogues (the unregistered
-    # ``cuda.moe_publish_columns``).
-    fuses_columns = False
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -220,18 +216,14 @@ class CudaMoE(_Cuda):
         self.weights = ctx.scratch("cuda_moe_weights", (rows, spec.top_k), torch.float32)
         pooled = self.layer.pooler.shape[0]  # P, or this rank's P / tp columns
         self.pooled = ctx.scratch(f"cuda_moe_pooled_{pooled}", (rows, pooled), torch.bfloat16)
-        # A column-sharded pooler's output gathered on the device where the transport does:
-        # by the gather kernel, or (fuses_columns) inside the pre-expert norm's kernel, the
-        # pooler's epilogue pushing this rank's block where the linear provider can.
-        self.columns = device_gather(ctx) if pooled != spec.P else None
-        self.pooled_exchange: LamportWorkspace | None = None
+        # A column-sharded pooler's output exchanged inside the pre-expert norm's kernel
+        # where the transport gathers on the device, the pooler's epilogue pushing this
+        # rank's block where the linear provider can; else the reference gather.
+        self.pooled_exchange: LamportWorkspace | None = device_gather(ctx) if pooled != spec.P else None
         self.pooled_published = False
-        if self.columns is not None and self.fuses_columns:
-            self.pooled_exchange = workspace(ctx)
+        if self.pooled_exchange is not None:
             publish = getattr(self.linear, "publish", None)
             self.pooled_published = bool(publish is not None and publish("pooler", self.pooled_exchange))
-        elif self.columns is not None:
-            self.pooled_whole = ctx.scratch("cuda_moe_pooled_whole", (rows, spec.P), torch.bfloat16)
         self.h = ctx.scratch("cuda_moe_h", (rows, spec.P), torch.bfloat16)
         self.rows = ctx.scratch("moe_rows", (rows, spec.top_k, spec.P), torch.bfloat16)
         self.m = ctx.scratch("cuda_moe_m", (rows, spec.P), torch.bfloat16)
@@ -258,7 +250,7 @@ class CudaMoE(_Cuda):
         push the block into that boundary's Lamport mailbox from its epilogue, where the
         ``linear`` provider can (``publish``); whether it will. Never for a replicated
         unpooler (nothing to exchange)."""
-        if not self.fuses_columns or self.mailbox.publish(1).shape[1] == self.spec.H:
+        if self.mailbox.publish(1).shape[1] == self.spec.H:
             return False
         publish = getattr(self.linear, "publish", None)
         return bool(publish is not None and publish("unpooler", mailbox))
@@ -283,10 +275,7 @@ class CudaMoE(_Cuda):
             ex, pub = self.pooled_exchange, self.pooled_published
             self.kernels.pre_norm_columns(pooled, layer.pre_expert_norm, spec.rms_norm_eps, h, ex, pub)
         else:
-            if pooled.shape[1] != spec.P and self.columns is not None:  # a column-sharded pooler
-                self.columns(pooled, self.pooled_whole[:b])
-                pooled = self.pooled_whole[:b]
-            elif pooled.shape[1] != spec.P:
+            if pooled.shape[1] != spec.P:  # a column-sharded pooler, the reference gather
                 pooled = self.collectives.gather_columns(pooled, spec.P)
             self.kernels.pre_norm(pooled, layer.pre_expert_norm, spec.rms_norm_eps, h)
         if current is not None:  # join: the routing is read from here on
@@ -305,19 +294,3 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
-
-
-class CudaMoEPublishColumns(CudaMoE):
-    """cuda.moe with a column-sharded pooler's and unpooler's blocks pushed from the
-    GEMMs' epilogues (the ``linear`` sub-op's ``publish``: ``cuda.linear``,
-    ``cute.linear_tma`` and its evict-first form) and taken inside the kernels that read
-    them: the pooler's by the pre-expert norm (rmsnorm_columns_kernel, in place of the
-    column gather and the norm), the unpooler's by the next boundary
-    (``publish_columns``, paired by the executor with cuda.boundary or cuda.final,
-    whose boundary_columns_kernel then only takes the peers' blocks). The exchange
-    starts as the GEMM's rows are ready, and the pooler's gather kernel is gone. The
-    same bits as cuda.moe. Not registered: its GPU cases (``device_gather_publish`` in
-    tests/test_gpu_tp_one_device.py) have not run yet."""
-
-    name = "cuda.moe_publish_columns"
-    fuses_columns = True

@@ -33,10 +33,9 @@
 // (linear.cu's PUBLISH), so this kernel only gathers; else it pushes first.
 //
 // boundary_columns_kernel (TP > 1, a column-sharded unpooler): MODE 2 on the row laid
-// out from every rank's bf16 [b, H / tp] column block over the Lamport mailbox (the
-// exchange of all_reduce.cu's gather_columns_kernel, every NaN the canonical one), then
-// the same code as boundary_kernel: one kernel where a gather kernel and the boundary
-// were two (lamport.cuh's lamport_column_vector: a thread's 8 columns from this rank's
+// out from every rank's bf16 [b, H / tp] column block over the Lamport mailbox (every
+// NaN the canonical one), then the same code as boundary_kernel, the gathered row kept in
+// registers (lamport.cuh's lamport_column_vector: a thread's 8 columns from this rank's
 // block, pushed unless `published`, or from the owner's slot).
 #include "lamport.cuh"
 

@@ -155,11 +155,11 @@ __device__ __forceinline__ void lamport_sum(const Lamport& l, long long offset, 
 // The 16 bytes at columns [base, base + 8) of row `row` of a [rows, width] whole that is
 // column-sharded over the ranks (each rank's [rows, width / tp] block, width / tp a
 // multiple of 8, so the 8 columns lie in one rank's block), exchanged over the mailbox
-// as all_reduce.cu's gather_columns_kernel exchanges them (slot offset row * width / tp
-// + column): from this rank's `block` (pushed to the peers first unless `published`, the
-// producer's epilogue having pushed them) or taken from the owner's slot; every NaN the
-// canonical one, so every rank holds the same bits. Acquire after: what this thread
-// does next is ordered after the peer's write it observed.
+// at slot offset row * width / tp + column: from this rank's `block` (pushed to the
+// peers first unless `published`, the producer's epilogue having pushed them) or taken
+// from the owner's slot; every NaN the canonical one, so every rank holds the same bits.
+// Acquire after: what this thread does next is ordered after the peer's write it
+// observed.
 __device__ __forceinline__ uint4 lamport_column_vector(const Lamport& l, const bf16_t* block, int block_stride,
                                                        int row, int base, int width, int published) {
   const int cols = width / l.tp;

@@ -156,8 +156,8 @@ class _ColumnsKernel:
     """boundary_columns_kernel (mode 2 on the row gathered from every rank's column
     block of a sharded unpooler's mailbox over the Lamport workspace), where the
     resolved transport gathers on the device and ``mailbox`` is column-sharded; the
-    same bits as the device gather then boundary_kernel where that runs one block a
-    row (H up to 1024), the row sums in another order above."""
+    same bits as the reference transport's gather then boundary_kernel where that runs
+    one block a row (H up to 1024), the row sums in another order above."""
 
     def __init__(self, ctx: BuildContext, mailbox: Mailbox):
         self.width = ctx.spec.H

@@ -695,19 +695,14 @@ def _validate(s: DraftSpec) -> None:
     )
 
 
-def _tiny(target: ModelSpec | None = None) -> DraftSpec:
-    """A draft for ``ModelSpec.preset("tiny")``: its widths (H 1024, 16 / 2 heads of
-    64, vocabulary 1024), two dense layers, the first sliding (window 64), the second
-    full; the target's conventions (zero-centred pre-norms, weightless post-attention
-    norm, input-scale post-FFN norm, gated fp32 residual, o-norm and o-gate) and its
-    logit transform (2^-2.5 from metap SP at base width 32, soft cap 20)."""
-    target = target or ModelSpec.preset("tiny")
-    config = {
+def _target_conventions(target: ModelSpec) -> dict[str, object]:
+    """The draft config keys both presets share with the target: its hidden width,
+    vocabulary and length, head_dim 64, dense SwiGLU at the default width, and its
+    conventions (zero-centred pre-norms, weightless post-attention norm, input-scale
+    post-FFN norm, QK norm, o-norm and o-gate, gated fp32 residual, RoPE, soft cap 20)."""
+    return {
         "model_type": MODEL_TYPE,
         "hidden_size": target.hidden_size,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
         "head_dim": 64,
         "ffn_dim_multiplier": 1.0,
         "vocab_size": target.vocab_size,
@@ -725,13 +720,28 @@ def _tiny(target: ModelSpec | None = None) -> DraftSpec:
         "use_residual_gate": True,
         "residual_dtype": "fp32",
         "use_rope": True,
+        "output_soft_cap_temp": 20.0,
+        "moe": {"is_enabled": False},
+        "target_hidden_size": target.hidden_size,
+    }
+
+
+def _tiny(target: ModelSpec | None = None) -> DraftSpec:
+    """A draft for ``ModelSpec.preset("tiny")``: its widths (H 1024, 16 / 2 heads of
+    64, vocabulary 1024), two dense layers, the first sliding (window 64), the second
+    full; the target's conventions (zero-centred pre-norms, weightless post-attention
+    norm, input-scale post-FFN norm, gated fp32 residual, o-norm and o-gate) and its
+    logit transform (2^-2.5 from metap SP at base width 32, soft cap 20)."""
+    target = target or ModelSpec.preset("tiny")
+    config = {
+        **_target_conventions(target),
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
         "rope_theta": 10000.0,
         # Indexed by vLLM's layer index (4 and 5 after the tiny target's 4 layers).
         "global_attn_cfg": [64, 0],
         "metap": {"use_metap": True, "metap_mode": "sp", "base_width": target.hidden_size / 32},
-        "output_soft_cap_temp": 20.0,
-        "moe": {"is_enabled": False},
-        "target_hidden_size": target.hidden_size,
         "target_layer_ids": sorted({0, target.num_layers // 2, target.num_layers - 1}),
         "mask_token_id": target.vocab_size - 1,
         "markov_rank": 32,
@@ -754,34 +764,13 @@ def _muse_spark_open(target: ModelSpec | None = None) -> DraftSpec:
     layers spread over the target, mask token id 200099."""
     target = target or ModelSpec.preset("muse-spark-open")
     config = {
-        "model_type": MODEL_TYPE,
-        "hidden_size": target.hidden_size,
+        **_target_conventions(target),
         "num_hidden_layers": 5,
         "num_attention_heads": 128,
         "num_key_value_heads": 16,
-        "head_dim": 64,
-        "ffn_dim_multiplier": 1.0,
-        "vocab_size": target.vocab_size,
-        "max_position_embeddings": target.max_position_embeddings,
-        "rms_norm_eps": 1e-5,
-        "rms_post_norm_eps": 1e-8,
-        "norm_affine": True,
-        "post_norm_affine": False,
-        "norm_zero_centered_gamma": True,
-        "post_norm_gain_center_type": "one",
-        "use_ffn_learnable_scales": True,
-        "use_qk_norm": True,
-        "use_attn_o_gate": True,
-        "use_attn_o_norm": True,
-        "use_residual_gate": True,
-        "residual_dtype": "fp32",
-        "use_rope": True,
         "rope_theta": 500000.0,
         "global_attn_cfg": [target.sliding_window],
         "metap": {"use_metap": True, "metap_mode": "sp", "base_width": 256},
-        "output_soft_cap_temp": 20.0,
-        "moe": {"is_enabled": False},
-        "target_hidden_size": target.hidden_size,
         "target_layer_ids": [1, 15, 30, 44, 59] if target.num_layers == 62 else [0, target.num_layers - 1],
         "mask_token_id": 200099 if target.vocab_size > 200099 else target.vocab_size - 1,
         "markov_rank": 256,

@@ -175,23 +175,35 @@ def test_columns_norm_is_the_lamport_exchange_then_the_pre_expert_norm():
         assert "rmsnorm_columns_kernel" in assert_spill_free(moe.SOURCE, d, moe.COMPILE_OPTIONS)
 
 
+def launch_types(args: list) -> list[str]:
+    """The PTX parameter types a launch's arguments pass (pointers and 64-bit integers
+    u64, ints u32, floats f32)."""
+    import ctypes
+
+    ptx_types = {ctypes.c_void_p: "u64", ctypes.c_int: "u32", ctypes.c_float: "f32", ctypes.c_longlong: "u64"}
+    return [ptx_types[a.ctype] for a in args]
+
+
+def entry_params(source: str, defines: dict, options: tuple, kernel: str) -> list[str]:
+    """The PTX types of a compiled entry's parameters, signed as unsigned."""
+    import re
+
+    from ptxas_check import kernel_ptx, ptx_entry
+
+    text = ptx_entry(kernel_ptx(source, defines, options), kernel)
+    head = text[: text.index(")")]
+    return [t.replace("s32", "u32").replace("s64", "u64") for t in re.findall(r"\.param \.([a-z]\d+)", head)]
+
+
 def test_boundary_launches_match_their_kernels_parameters():
     """boundary_kernel's and boundary_columns_kernel's launches pass one argument per
     parameter of the compiled entry, each of its PTX type (pointers and the Lamport
     capacity 64-bit, the strides, mode and flags 32-bit integers, the epsilons and
     center fp32), the row arguments in the same order."""
-    import ctypes
-    import re
     from types import SimpleNamespace
 
-    from ptxas_check import kernel_ptx, ptx_entry
-
-    ptx_types = {ctypes.c_void_p: "u64", ctypes.c_int: "u32", ctypes.c_float: "f32", ctypes.c_longlong: "u64"}
-
     def params(kernel: str) -> list[str]:
-        text = ptx_entry(kernel_ptx(boundary.SOURCE, boundary.fused_defines(1024), boundary.COMPILE_OPTIONS), kernel)
-        head = text[: text.index(")")]
-        return [t.replace("s32", "u32").replace("s64", "u64") for t in re.findall(r"\.param \.([a-z]\d+)", head)]
+        return entry_params(boundary.SOURCE, boundary.fused_defines(1024), boundary.COMPILE_OPTIONS, kernel)
 
     launched: list[list] = []
     fake = SimpleNamespace(launch=lambda grid, block, args: launched.append(args))
@@ -206,11 +218,35 @@ def test_boundary_launches_match_their_kernels_parameters():
     fused.workspace = SimpleNamespace(args=lambda: [ptr(rows), ptr(rows), i32(1), i32(2), i64(4096)])
     fused(rows[:, :512], stream, out, stream, weight, gate, gate, weight, 1e-6, 2e-6, 1.0)
     for args, kernel in zip(launched, ("boundary_kernel", "boundary_columns_kernel")):
-        assert [ptx_types[a.ctype] for a in args] == params(kernel), kernel
+        assert launch_types(args) == params(kernel), kernel
     p = [t.data_ptr() for t in (rows, stream, out, weight, gate)]
     rows_args = [p[0], 1024, p[1], p[2], None, p[3], p[4], p[4], p[3], 1e-6, 2e-6, 1.0]
     assert [a.value for a in launched[0]] == [*rows_args[:4], 0, *rows_args[5:], 2]
     assert [a.value for a in launched[1][:13]] == [*rows_args[:4], p[1], *rows_args[5:], 1]
+
+
+def test_norm_launches_match_their_kernels_parameters():
+    """cuda.moe's pre-expert norm launches, rmsnorm_kernel's and (a sharded pooler)
+    rmsnorm_columns_kernel's, pass one argument per parameter of the compiled entry, each
+    of its PTX type, the norm's arguments in the same order in both."""
+    from types import SimpleNamespace
+
+    spec = ModelSpec.preset("tiny")
+    defines = moe.kernel_defines(spec)
+    launched: list[list] = []
+    kernels = moe.MoEKernels.__new__(moe.MoEKernels)
+    kernels.threads = defines["THREADS"]
+    kernels.norm = kernels.norm_columns = SimpleNamespace(launch=lambda grid, block, args: launched.append(args))
+    rows, weight = torch.zeros(3, spec.P, dtype=torch.bfloat16), torch.zeros(spec.P, dtype=torch.bfloat16)
+    out = torch.zeros(3, spec.P, dtype=torch.bfloat16)
+    kernels.pre_norm(rows, weight, 1e-6, out)
+    workspace = SimpleNamespace(args=lambda: [ptr(rows), ptr(rows), i32(1), i32(2), i64(4096)])
+    kernels.pre_norm_columns(rows[:, : spec.P // 2], weight, 1e-6, out, workspace, True)
+    for args, kernel in zip(launched, ("rmsnorm_kernel", "rmsnorm_columns_kernel")):
+        assert launch_types(args) == entry_params(moe.SOURCE, defines, moe.COMPILE_OPTIONS, kernel), kernel
+    norm = [rows.data_ptr(), spec.P, weight.data_ptr(), 1e-6, 1.0, out.data_ptr()]
+    assert [a.value for a in launched[0]] == pytest.approx(norm)
+    assert [a.value for a in launched[1][:7]] == pytest.approx([*norm, 1])
 
 
 def test_input_and_final_boundaries_fuse_the_gather_only_where_both_apply(monkeypatch):

@@ -98,15 +98,18 @@ class MoEKernels:
             ],
         )
 
-    def pre_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-        check_aligned("x", x, strided=True)
+    @staticmethod
+    def _norm_arguments(x_name: str, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> list:
+        """The arguments rmsnorm_kernel and rmsnorm_columns_kernel begin with (the rows,
+        named ``x_name`` in an error, their stride, the weight, eps, the weight's centre,
+        the output), each tensor checked for the kernels' 16-byte accesses."""
+        check_aligned(x_name, x, strided=True)
         check_aligned("weight", weight)
         check_aligned("out", out)
-        self.norm.launch(
-            (x.shape[0], 1, 1),
-            (self.threads, 1, 1),
-            [ptr(x), i32(x.stride(0)), ptr(weight), f32(eps), f32(1.0), ptr(out)],
-        )
+        return [ptr(x), i32(x.stride(0)), ptr(weight), f32(eps), f32(1.0), ptr(out)]
+
+    def pre_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+        self.norm.launch((x.shape[0], 1, 1), (self.threads, 1, 1), self._norm_arguments("x", x, weight, eps, out))
 
     def pre_norm_columns(
         self,
@@ -120,14 +123,8 @@ class MoEKernels:
         """pre_norm of the whole whose column ``block`` this rank holds (a sharded
         pooler's output), the blocks exchanged over the Lamport mailbox in the same
         kernel (``published``: the pooler's epilogue pushed this rank's)."""
-        check_aligned("block", block, strided=True)
-        check_aligned("weight", weight)
-        check_aligned("out", out)
-        self.norm_columns.launch(
-            (block.shape[0], 1, 1),
-            (self.threads, 1, 1),
-            [ptr(block), i32(block.stride(0)), ptr(weight), f32(eps), f32(1.0), ptr(out), i32(published), *ws.args()],
-        )
+        args = [*self._norm_arguments("block", block, weight, eps, out), i32(published), *ws.args()]
+        self.norm_columns.launch((block.shape[0], 1, 1), (self.threads, 1, 1), args)
 
     def finish(
         self, rows: torch.Tensor, weights: torch.Tensor, norm: torch.Tensor, eps: float, out: torch.Tensor

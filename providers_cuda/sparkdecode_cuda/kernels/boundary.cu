@@ -134,6 +134,31 @@ __device__ __forceinline__ void boundary_weights(int base, int mode, const bf16_
   }
 }
 
+// A kernel's start: its weights read, its dependents let launch (PDL_TRIGGER 0), then the
+// wait for the previous kernel's output.
+__device__ __forceinline__ void boundary_start(int base, int mode, const bf16_t* __restrict__ post_weight,
+                                               const float* __restrict__ alpha, const float* __restrict__ beta,
+                                               const bf16_t* __restrict__ next_weight, float next_center,
+                                               float (&wn)[ITEMS], float (&wp)[ITEMS], float (&a)[ITEMS],
+                                               float (&bt)[ITEMS]) {
+  boundary_weights(base, mode, post_weight, alpha, beta, next_weight, next_center, wn, wp, a, bt);
+#if PDL_TRIGGER == 0
+  pdl_launch_dependents();
+#endif
+  pdl_wait();
+}
+
+// v *= the post weight; returns the sum of squares of the result (the post-norm's input).
+__device__ __forceinline__ float post_input(float (&v)[ITEMS], const float (&wp)[ITEMS]) {
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    v[i] *= wp[i];
+    sq += v[i] * v[i];
+  }
+  return sq;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 #if CLUSTER > 1
     __cluster_dims__(CLUSTER, 1, 1)
@@ -153,11 +178,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const int base = (blockIdx.x % CLUSTER) * (H / CLUSTER) + threadIdx.x * ITEMS;
   // Weights do not depend on the previous kernel: read them before the PDL wait.
   float wn[ITEMS], wp[ITEMS], a[ITEMS], bt[ITEMS];
-  boundary_weights(base, mode, post_weight, alpha, beta, next_weight, next_center, wn, wp, a, bt);
-#if PDL_TRIGGER == 0
-  pdl_launch_dependents();
-#endif
-  pdl_wait();
+  boundary_start(base, mode, post_weight, alpha, beta, next_weight, next_center, wn, wp, a, bt);
 
   float v[ITEMS], s[ITEMS];
   load_bf16x8(x + (long)row * x_stride + base, v);
@@ -167,12 +188,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) s[i] = 0.f;
   }
-  float sq = 0.f;
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    v[i] *= wp[i];
-    sq += v[i] * v[i];
-  }
+  const float sq = post_input(v, wp);
   boundary_row(v, sq, s, mode, row, base, stream, out, aux, a, bt, wn, eps_post, eps_next, scratch, red);
 }
 
@@ -189,11 +205,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_boundary_all_red
   const int row = blockIdx.x;
   const int base = threadIdx.x * ITEMS;
   float wn[ITEMS], wp[ITEMS], a[ITEMS], bt[ITEMS];
-  boundary_weights(base, 3, nullptr, alpha, beta, next_weight, 1.0f, wn, wp, a, bt);
-#if PDL_TRIGGER == 0
-  pdl_launch_dependents();
-#endif
-  pdl_wait();
+  boundary_start(base, 3, nullptr, alpha, beta, next_weight, 1.0f, wn, wp, a, bt);
   float s[ITEMS];
   load_f32x8(stream + (long long)row * H + base, s);
   const Lamport l = lamport_begin(peers, control, rank, tp, cap);
@@ -226,22 +238,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) boundary_columns_kernel(
   const int row = blockIdx.x;
   const int base = threadIdx.x * ITEMS;
   float wn[ITEMS], wp[ITEMS], a[ITEMS], bt[ITEMS];
-  boundary_weights(base, 2, post_weight, alpha, beta, next_weight, next_center, wn, wp, a, bt);
-#if PDL_TRIGGER == 0
-  pdl_launch_dependents();
-#endif
-  pdl_wait();
+  boundary_start(base, 2, post_weight, alpha, beta, next_weight, next_center, wn, wp, a, bt);
   float s[ITEMS];
   load_f32x8(stream + (long long)row * H + base, s);
   const Lamport l = lamport_begin(peers, control, rank, tp, cap);
   float v[ITEMS];
   unpack_bf16x8(lamport_column_vector(l, block, block_stride, row, base, H, published), v);
-  float sq = 0.f;
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    v[i] *= wp[i];
-    sq += v[i] * v[i];
-  }
+  const float sq = post_input(v, wp);
   boundary_row(v, sq, s, 2, row, base, stream, out, aux, a, bt, wn, eps_post, eps_next, scratch, red);
   lamport_end(l);
 }

@@ -86,6 +86,27 @@ extern "C" __global__ void __launch_bounds__(32) routing_kernel(
   }
 }
 
+// The norm's weight (w + center) at a thread's 8 values: it does not depend on the kernel
+// before, so it is read before the PDL wait.
+__device__ __forceinline__ void norm_weight(const bf16_t* __restrict__ weight, int base, float center,
+                                            float (&w)[ITEMS]) {
+  load_bf16x8(weight + base, w);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) w[i] += center;
+}
+
+// bf16(rms(v, eps) * w) of a row, stored at out's row.
+__device__ __forceinline__ void norm_row(const float (&v)[ITEMS], const float (&w)[ITEMS], float eps,
+                                         float* scratch, bf16_t* __restrict__ out, int row, int base) {
+  float sq = 0.f, o[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) sq += v[i] * v[i];
+  const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)WIDTH + eps);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) o[i] = v[i] * inv * w[i];
+  store_bf16x8(out + (long)row * WIDTH + base, o);
+}
+
 // bf16 out = bf16(rms(x, eps) * (w + center)), one block per row of WIDTH (16-byte
 // loads and stores of a thread's 8 values).
 extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
@@ -95,19 +116,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_kernel(
   __shared__ float scratch[32];
   const int row = blockIdx.x, base = threadIdx.x * ITEMS;
   float w[ITEMS];
-  load_bf16x8(weight + base, w);
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) w[i] += center;
+  norm_weight(weight, base, center, w);
   pdl_launch_dependents();
   pdl_wait();
-  float v[ITEMS], sq = 0.f;
+  float v[ITEMS];
   load_bf16x8(x + (long)row * x_stride + base, v);
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) sq += v[i] * v[i];
-  const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)WIDTH + eps);
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) v[i] = v[i] * inv * w[i];
-  store_bf16x8(out + (long)row * WIDTH + base, v);
+  norm_row(v, w, eps, scratch, out, row, base);
 }
 
 #if ITEMS == 8
@@ -122,20 +136,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) rmsnorm_columns_kernel(
   __shared__ float scratch[32];
   const int row = blockIdx.x, base = threadIdx.x * ITEMS;
   float w[ITEMS];
-  load_bf16x8(weight + base, w);
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) w[i] += center;
+  norm_weight(weight, base, center, w);
   pdl_launch_dependents();
   pdl_wait();
   const Lamport l = lamport_begin(peers, control, rank, tp, cap);
-  float v[ITEMS], sq = 0.f;
+  float v[ITEMS];
   unpack_bf16x8(lamport_column_vector(l, block, block_stride, row, base, WIDTH, published), v);
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) sq += v[i] * v[i];
-  const float inv = rsqrtf(block_sum<THREADS>(sq, scratch) / (float)WIDTH + eps);
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) v[i] = v[i] * inv * w[i];
-  store_bf16x8(out + (long)row * WIDTH + base, v);
+  norm_row(v, w, eps, scratch, out, row, base);
   lamport_end(l);
 }
 #endif

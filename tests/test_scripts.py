@@ -1,9 +1,8 @@
 """The GPU scripts' parts a CPU can check, so that a script breaks here and not on the GPU
 box: scripts/experts-bounds' source patches still find their places in the experts kernels
 and the patched kernels build spill-free, scripts/read-pattern's synthetic kernels
-build in every configuration it runs (NVRTC for sm_90a; skipped without NVRTC), and
-scripts/handoff's probe waits as it says, scripts/step-compare runs the bench once a
-layout (the tiny config, on the CPU),
+build in every configuration it runs (NVRTC for sm_90a; skipped without NVRTC),
+scripts/step-compare runs the bench once a layout (the tiny config, on the CPU),
 scripts/gpu-check keeps its limits and deadline, scripts/ncu-sass-mix reads an
 Nsight Compute source page, scripts/multi-gpu refuses what a machine cannot run, and the
 --watch parts of scripts/read-pattern and scripts/experts-bounds run over a stand-in
@@ -699,25 +698,3 @@ def test_experts_bounds_energy_reads_a_settled_phase():
     watch.phases["idle"] = (10.0, 12.95)
     line = script.energy(watch, "up", 50e-6, 125e6)
     assert line.startswith(" 2.50 TB/s  280 pJ/B ( 230 above idle)  ")
-
-
-def test_handoff_probe_waits_where_it_says():
-    """scripts/handoff's kernel: one launch trigger, its weight loads issued before the
-    first wait, then griddepcontrol.wait (the wait mode and the chain's first kernel) or
-    the acquire spin with a nanosleep (the flag mode), the count added after a fence,
-    and a second griddepcontrol.wait at the flag mode's end; the previous output read
-    through the coherent path (a non-coherent load could return a stale line)."""
-    import re
-
-    nvrtc_or_skip()
-    from ptxas_check import kernel_ptx, ptx_entry
-
-    handoff = load_script("handoff")
-    with handoff.probe_source():
-        ptx = ptx_entry(kernel_ptx(handoff.NAME, {}, ()), "handoff_kernel")
-    assert ptx.count("griddepcontrol.launch_dependents;") == 1
-    assert ptx.count("griddepcontrol.wait;") == 2
-    assert ptx.index("ld.global.nc.v4") < ptx.index("griddepcontrol.wait")
-    assert "ld.acquire.gpu.global.u32" in ptx and "nanosleep" in ptx
-    assert ptx.index("membar.gl") < ptx.index("atom.global.add")
-    assert set(re.findall(r"ld\.global[\w.]*f32", ptx)) == {"ld.global.f32"}

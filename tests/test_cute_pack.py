@@ -596,3 +596,43 @@ def test_evict_first_publishing_tma_hints_the_weight_loads(tma, tmp_path):
     assert _tma_load_policies(hinted) == {tma.EVICT_FIRST}
     for op in ("wgmma.mma_async", "st.volatile.global.v4.u32", "fence.acq_rel.sys"):
         assert hinted.count(op) == registered.count(op) > 0, op
+
+
+@pytest.mark.parametrize("name", ["qkvg", "o_proj", "pooler_tp8_columns", "unpooler_tp8_columns"])
+@pytest.mark.parametrize("publishing", [False, True], ids=["plain", "publishing"])
+def test_cluster_tma_compiles_for_hopper(tma, capfd, tmp_path, name, publishing):
+    """gemv_tma's ClusterSum on the TP8-rank shapes: the planner's own tiling where its
+    splits fit a cluster (every shape here), compiled for sm_90a with no register spills;
+    with splits, two cluster barriers, each split's row read by mapa and
+    ld.shared::cluster (two elements a thread), and none of finish_tile's workspace
+    fence and counter atomic; unsplit, none of it. The published epilogue keeps its
+    pushes."""
+    n, k, _ = TP8[name]
+    plan = tma.plan_cluster(n, k, 8)
+    assert plan == tma.plan_tma(n, k, 8) and tma.cluster_reason(plan) is None
+    capfd.readouterr()
+    options = f"remarks{{ptx}} {_keep_ptx(tmp_path)}"
+    if publishing:
+        compiled = tma.compile_tma_publishing(plan, "sm_90a", options, cls=tma.ClusterPublishingTmaGemv)
+    else:
+        compiled = tma.compile_tma(plan, "sm_90a", options, cls=tma.ClusterTmaGemv)
+    ptx = compiled.artifacts.PTX
+    _spill_free(capfd)
+    assert "atom.global" not in ptx and "fence.acq_rel.gpu" not in ptx
+    reads = plan.splits * plan.tile_rows * plan.cols // plan.threads if plan.splits > 1 else 0
+    assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == (2 if reads else 0)
+    assert ptx.count("mapa.shared::cluster.u32") == ptx.count("ld.shared::cluster.f32") == reads
+    assert ptx.count("st.volatile.global.v4.u32") == (tma.MAX_TP if publishing else 0)
+    assert tma.ClusterTmaGemv(plan).launch_options().get("cluster") == ([plan.splits, 1, 1] if reads else None)
+
+
+def test_cluster_plans_refuse_more_splits_than_a_cluster_holds(tma):
+    """A plan of more than 16 splits has a reason, and the cluster planner skips it
+    (or says why where every plan has too many)."""
+    wide = tma.TmaPlan(64, 64 * 1024, 64 * 1024, 8, 32, 128, 2)
+    assert "at most 16 CTAs" in tma.cluster_reason(wide)
+    with pytest.raises(ValueError, match="at most 16"):
+        tma.ClusterTmaGemv(wide)
+    for n, k, _ in TP8.values():
+        plan = tma.plan_cluster(n, k, 8)
+        assert not isinstance(plan, str) and plan.splits <= tma.MAX_CLUSTER

@@ -70,7 +70,9 @@ from .gemv_splitk import (
     compile_split,
     first_plan,
     split_counts,
+    store_elements,
     tiling_reason,
+    warp_sum,
     wave_key,
 )
 
@@ -676,3 +678,119 @@ def compile_tma_publishing(
         arch=arch,
         options=options,
     )
+
+
+# The most CTAs of one thread-block cluster (Hopper's non-portable size, which the DSL
+# allows on every kernel it compiles).
+MAX_CLUSTER = 16
+
+
+def plan_cluster(n: int, k: int, max_rows: int, w_stride: int | None = None, sms: int = H200_SMS) -> TmaPlan | str:
+    """The first of ``tma_plans`` whose splits fit one cluster (``ClusterSum``), or why
+    there is none."""
+    plans = tma_plans(n, k, max_rows, w_stride, sms)
+    if isinstance(plans, str):
+        return plans
+    fits = [plan for plan in plans if cluster_reason(plan) is None]
+    return fits[0] if fits else cluster_reason(plans[0])
+
+
+def cluster_reason(plan: TmaPlan) -> str | None:
+    """Why ``ClusterSum`` cannot sum ``plan``'s splits in one cluster, if so."""
+    if plan.splits > MAX_CLUSTER:
+        return f"{plan.splits} splits: a cluster holds at most {MAX_CLUSTER} CTAs"
+    return None
+
+
+class ClusterSum:
+    """A mixin for the TMA kernels (put before the kernel class): a tile's splits launched
+    as one thread-block cluster (``splits`` CTAs along x, so cluster rank = split), their
+    sums added on chip in place of ``finish_tile``'s workspace.
+
+    Each CTA writes its tile's sums over the warps (``warp_sum``, as ``finish_tile``
+    writes them to the workspace) into row 0 of its drained ring's sums, then passes the
+    cluster barrier (arrive.release, wait.acquire). The CTA of split 0 reads every split's
+    row through distributed shared memory and adds them in split order from 0.0
+    (``split_sum``'s order), so it rounds the same fp32 sums as the workspace path; it
+    stores them with the kernel's ``store`` (the published epilogue's included, whose
+    staging tile lies past the sums). A second cluster barrier keeps every CTA resident
+    until split 0 has read its row. No workspace, fence or counter: the global round
+    trips between a tile's splits are gone. ``workspace`` and ``counters`` stay in the
+    signature, unused but for a traced kernel's records. A plan without splits is the
+    kernel unchanged."""
+
+    def __init__(self, plan: TmaPlan):
+        reason = cluster_reason(plan)
+        if reason:
+            raise ValueError(reason)
+        super().__init__(plan)  # type: ignore[call-arg]
+
+    def launch_options(self) -> dict:
+        options = super().launch_options()  # type: ignore[misc]
+        if self.plan.splits > 1:  # type: ignore[attr-defined]
+            options["cluster"] = [self.plan.splits, 1, 1]  # type: ignore[attr-defined]
+        return options
+
+    @cute.jit
+    def finish(self, smem, partial, out, workspace, counters, b, out_stride, tile, split, store=None):
+        p = self.plan
+        if cutlass.const_expr(p.splits == 1):
+            SplitKKernel.finish(self, smem, partial, out, workspace, counters, b, out_stride, tile, split, store)
+        else:
+            tidx, _, _ = cute.arch.thread_idx()
+            threads = 32 * WARPS
+            elements = p.tile_rows * p.cols
+            for u in cutlass.range_constexpr((elements + threads - 1) // threads):
+                q = u * threads + tidx
+                if q < elements:
+                    partial[0, q] = warp_sum(partial, q)  # this thread's own column only
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if split == 0:
+                mO = cute.make_tensor(out, cute.make_layout((p.cols, p.n), stride=(out_stride, 1)))
+                (store_elements if store is None else store)(
+                    mO, cluster_sums(partial, p.splits), b, tile * p.tile_rows, p.tile_rows, p.cols, self.out_dtype
+                )
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+
+def cluster_sums(partial: cute.Tensor, splits: int):
+    """``total(q)`` for ``store``: element q of row 0 of ``partial`` (fp32 [WARPS, ...] in
+    shared memory, unswizzled) in every CTA of the cluster, ranks 0 .. ``splits`` - 1,
+    added in rank order from 0.0."""
+    base = partial.iterator.toint()
+
+    def total(q):
+        address = base + q * 4
+        value = Float32(0.0)
+        for s in range(splits):
+            value = value + load_cluster_f32(address, Int32(s))
+        return value
+
+    return total
+
+
+@dsl_user_op
+def load_cluster_f32(address: Int32, rank: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 at shared-memory ``address`` (this CTA's) in the CTA of cluster rank
+    ``rank``: ``mapa.shared::cluster`` then ``ld.shared::cluster``."""
+    value = llvm.inline_asm(
+        T.f32(),
+        [Int32(address).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, $1, $2;\n ld.shared::cluster.f32 $0, [remote];\n}",
+        "=f,r,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Float32(value)
+
+
+class ClusterTmaGemv(ClusterSum, EvictFirstTmaGemv):
+    """``EvictFirstTmaGemv`` with its splits summed in a cluster (``ClusterSum``)."""
+
+
+class ClusterPublishingTmaGemv(ClusterSum, EvictFirstPublishingTmaGemv):
+    """``EvictFirstPublishingTmaGemv`` with its splits summed in a cluster (``ClusterSum``)."""

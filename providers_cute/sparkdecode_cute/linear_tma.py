@@ -274,3 +274,43 @@ class CuteLinearTmaEvictFirstShallow(CuteLinearTmaEvictFirst):
 
     name = "cute.linear_tma_evict_first_shallow"
     bf16_weight = ShallowEvictFirstTmaWeight
+
+
+class ClusterTmaWeight(EvictFirstTmaWeight):
+    """An evict-first bf16 weight whose tile's splits are one thread-block cluster, summed
+    through distributed shared memory (gemv_tma's ``ClusterTmaGemv``, and
+    ``ClusterPublishingTmaGemv`` once it publishes), on the best plan of at most 16
+    splits (``plan_cluster``)."""
+
+    provider = "cute.linear_tma_cluster"
+
+    @staticmethod
+    def make_plan(w: torch.Tensor, fp32: bool, max_rows: int, sms: int) -> Any:
+        from . import gemv_tma
+
+        return gemv_tma.plan_cluster(w.shape[0], w.shape[1], max_rows, w.stride(0), sms)
+
+    @staticmethod
+    def compile(plan: Any) -> Any:
+        from . import gemv_tma
+
+        return compiled(("gemv_tma_cluster", plan), lambda: gemv_tma.compile_tma(plan, cls=gemv_tma.ClusterTmaGemv))
+
+    @staticmethod
+    def compile_publishing(plan: Any) -> Any:
+        from . import gemv_tma
+
+        return compiled(
+            ("gemv_tma_publish_cluster", plan),
+            lambda: gemv_tma.compile_tma_publishing(plan, cls=gemv_tma.ClusterPublishingTmaGemv),
+        )
+
+
+class CuteLinearTmaCluster(CuteLinearTmaEvictFirst):
+    """cute.linear_tma_evict_first with each tile's splits summed on chip in a thread-block
+    cluster (``ClusterTmaWeight``): the same fp32 sums added in the same order, so the same
+    bits, without the workspace's store, fence, counter and reload after the MMA. Not
+    registered: not yet measured on a GPU."""
+
+    name = "cute.linear_tma_cluster"
+    bf16_weight = ClusterTmaWeight

@@ -34,9 +34,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 from sparkdecode.bench import streams  # noqa: E402
 from sparkdecode_cute.linear_mma import CuteLinearMma  # noqa: E402
 from sparkdecode_cute.linear_tma import (  # noqa: E402
-    ClusterTmaWeight,
     CuteLinearTma,
-    CuteLinearTmaCluster,
     CuteLinearTmaCoresident,
     CuteLinearTmaEvictFirst,
     CuteLinearTmaEvictFirstShallow,
@@ -49,9 +47,6 @@ TILINGS = 6  # the planner's first tilings measured per weight
 # in 8 steps of 128 through a ring of 2 buffers (so the producer's loop past its
 # prefetch runs); unsplit, and in two splits (added by the last CTA).
 SMALLEST = {"one-split": (1024, 1), "two-splits": (2048, 2)}
-# The cluster sum's smallest launches: one tile in a cluster of 2 and of 16 CTAs (the
-# most a cluster holds), each CTA's chunk in 2 steps of 128.
-SMALLEST_CLUSTERS = {"cluster-2": (512, 2), "cluster-16": (4096, 16)}
 
 
 @pytest.mark.parametrize("case", list(SMALLEST))
@@ -72,63 +67,10 @@ def test_tma_smallest_equals_reference(case):
     assert not op.shared[1].any(), "tile counter not back at 0"
 
 
-@pytest.mark.parametrize("case", list(SMALLEST_CLUSTERS))
-def test_tma_smallest_cluster_sums_are_the_workspace_sums(case):
-    """gemv_tma's ClusterSum on one tile: the splits' sums added in a cluster through
-    distributed shared memory give the workspace path's bits (the same fp32 sums in split
-    order), at 1 and 8 rows; its counter is never touched."""
-    from sparkdecode_cute.gemv_tma import TmaPlan
-
-    k, splits = SMALLEST_CLUSTERS[case]
-    plan = TmaPlan(64, k, k, 8, splits, 128, 2)
-    assert (plan.ctas, plan.k_tiles) == (splits, 2), plan
-    g = torch.Generator(device="cuda").manual_seed(splits)
-    w = torch.randn(64, k, generator=g, device="cuda").to(torch.bfloat16)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cluster = split_weight(ClusterTmaWeight, "qkvg", w, sms, plan)
-    workspace = split_weight(TmaWeight, "qkvg", w, sms, plan)
-    for rows in (1, 8):
-        x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
-        out, expected = (torch.full((rows, 64), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
-        cluster(x, out)
-        workspace(x, expected)
-        torch.cuda.synchronize()
-        check_close(f"W [64, {k}] {plan} at {rows} rows", x, w, out, torch.nn.functional.linear(x, w))
-        assert torch.equal(out, expected), f"{plan} at {rows} rows: not the workspace path's bits"
-    assert not cluster.shared[1].any()
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("rows", [1, 8])
-def test_tma_cluster_is_bit_for_bit_evict_first(shape, rows):
-    """cute.linear_tma_cluster against cute.linear_tma_evict_first at every shape (the
-    TP-8 rank's sharded pooler and unpooler included): the same plans, so the same bits
-    for every weight."""
-    ctx = streams.linear_context(SHAPES[shape], torch.device("cuda"))
-    cluster, evict_first = CuteLinearTmaCluster.build(ctx, 0), CuteLinearTmaEvictFirst.build(ctx, 0)
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    for name, weight in cluster.weights.items():
-        assert weight.plan == evict_first.weights[name].plan, name
-        n, k = SHAPES[shape][name]
-        x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
-        dtype = getattr(ctx.layer(0), name).dtype  # the router's fp32
-        out, expected = (torch.full((rows, n), float("nan"), dtype=dtype, device="cuda") for _ in range(2))
-        cluster.run(name, x, out)
-        evict_first.run(name, x, expected)
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected), f"{shape} {name} at {rows} rows"
-
-
 @pytest.mark.parametrize(
     "cls",
-    [
-        CuteLinearTma,
-        CuteLinearTmaCoresident,
-        CuteLinearTmaEvictFirst,
-        CuteLinearTmaEvictFirstShallow,
-        CuteLinearTmaCluster,
-    ],
-    ids=["plan", "coresident", "evictfirst", "shallow", "cluster"],
+    [CuteLinearTma, CuteLinearTmaCoresident, CuteLinearTmaEvictFirst, CuteLinearTmaEvictFirstShallow],
+    ids=["plan", "coresident", "evictfirst", "shallow"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])

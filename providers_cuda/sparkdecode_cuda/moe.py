@@ -71,9 +71,11 @@ def kernel_defines(spec: ModelSpec) -> dict[str, int]:
 class MoEKernels:
     """routing_kernel, rmsnorm_kernel and tail_kernel compiled for one spec."""
 
-    def __init__(self, ctx: BuildContext):
+    def __init__(self, ctx: BuildContext, routing_redux: bool = False):
         spec = ctx.spec
         defines = kernel_defines(spec)
+        if routing_redux:
+            defines["ROUTING_REDUX"] = 1  # moe.cu's top-k rounds by redux.sync
         self.width, self.threads, self.top_k = spec.P, defines["THREADS"], spec.top_k
         self.routing = Kernel(SOURCE, "routing_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.norm = Kernel(SOURCE, "rmsnorm_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -182,6 +184,8 @@ def _moe_width_unsupported(d: Deployment) -> str | None:
 class CudaMoE(_Cuda):
     block = "moe"
     name = "cuda.moe"
+    # The routing kernel's top-k rounds by redux.sync (moe.cu's ROUTING_REDUX), where set.
+    routing_redux = False
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -191,7 +195,7 @@ class CudaMoE(_Cuda):
         spec = self.spec = ctx.spec
         self.layer = ctx.layer(layer)
         self.collectives = ctx.collectives
-        self.kernels = MoEKernels(ctx)
+        self.kernels = MoEKernels(ctx, self.routing_redux)
         self.experts = ctx.ops[experts_kind(self.layer)].build(ctx, layer)
         self.all_reduce = ctx.ops["all_reduce"].build(ctx, None) if ctx.tp > 1 else None
         self.reduce_rows = self.layer.experts.intermediate_slice is not None  # expert TP
@@ -291,3 +295,14 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
+
+
+class CudaMoERoutingRedux(CudaMoE):
+    """cuda.moe with the routing kernel's top-k rounds by two redux.sync reductions and one
+    shuffle in place of a 15-shuffle butterfly (moe.cu's ROUTING_REDUX): the same choices,
+    so the same bits. At the sharded cut the routing kernel is on the path from the router
+    to the experts, and it adds 5.3 us a layer on an H100 (bench/NOTES.md v60). Not
+    registered: not yet run on a GPU."""
+
+    name = "cuda.moe_routing_redux"
+    routing_redux = True

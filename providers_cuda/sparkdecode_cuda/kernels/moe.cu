@@ -21,6 +21,21 @@
 #define EXPERTS 256
 #endif
 #define EPL ((EXPERTS + 31) / 32)
+// ROUTING_REDUX (0 when absent): each of the top-k rounds picks the warp's best by two
+// redux.sync reductions (the highest score's order key, then the lowest expert index
+// holding it) and one shuffle of its probability, in place of five butterfly steps of
+// three shuffles each: the same choice (scores compared as floats, ties to the lowest
+// index, a NaN never chosen), so the same bits.
+#ifndef ROUTING_REDUX
+#define ROUTING_REDUX 0
+#endif
+
+// An unsigned key ordered as the float f (not NaN) compares: -0 and +0 equal.
+__device__ __forceinline__ unsigned order_key(float f) {
+  unsigned u = __float_as_uint(f);
+  if (u == 0x80000000u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
 
 extern "C" __global__ void __launch_bounds__(32) routing_kernel(
     const float* __restrict__ logits, int logits_stride,  // [b, E] fp32 (output multiplier folded)
@@ -59,6 +74,14 @@ extern "C" __global__ void __launch_bounds__(32) routing_kernel(
         best_p = p[i];
       }
     }
+#if ROUTING_REDUX
+    // A lane's best is never NaN (a NaN never compares above); with no candidate it is
+    // (-inf, INT_MAX, 0), as in the butterfly.
+    const unsigned key = order_key(best);
+    const unsigned top = __reduce_max_sync(0xffffffffu, key);
+    best_e = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)best_e : 0xffffffffu);
+    best_p = __shfl_sync(0xffffffffu, best_p, best_e & 31);  // expert e lives in lane e % 32
+#else
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
       const float o = __shfl_xor_sync(0xffffffffu, best, offset);
@@ -70,6 +93,7 @@ extern "C" __global__ void __launch_bounds__(32) routing_kernel(
         best_p = op;
       }
     }
+#endif
     if (lane == j) {
       chosen = best_e;
       chosen_p = best_p;

@@ -74,10 +74,10 @@ class MoEKernels:
     def __init__(self, ctx: BuildContext, routing_redux: bool = False):
         spec = ctx.spec
         defines = kernel_defines(spec)
-        if routing_redux:
-            defines["ROUTING_REDUX"] = 1  # moe.cu's top-k rounds by redux.sync
+        # moe.cu's top-k rounds by redux.sync: the routing kernel alone takes the define.
+        routing = {**defines, "ROUTING_REDUX": 1} if routing_redux else defines
         self.width, self.threads, self.top_k = spec.P, defines["THREADS"], spec.top_k
-        self.routing = Kernel(SOURCE, "routing_kernel", ctx.device, defines, COMPILE_OPTIONS)
+        self.routing = Kernel(SOURCE, "routing_kernel", ctx.device, routing, COMPILE_OPTIONS)
         self.norm = Kernel(SOURCE, "rmsnorm_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail = Kernel(SOURCE, "tail_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail_all_reduce = Kernel(SOURCE, "tail_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)

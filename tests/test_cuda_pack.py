@@ -771,17 +771,13 @@ def test_moe_capture_order(monkeypatch):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "muse-spark-open"])
-def test_routing_redux_replaces_the_butterfly(preset):
-    """moe.cu's ROUTING_REDUX: each top-k round of routing_kernel by redux.sync max and min
-    and one indexed shuffle, no butterfly; without it the butterfly's 15 shuffles and no
-    redux. cuda.moe_routing_redux asks for it, cuda.moe does not."""
+def test_routing_rounds_by_redux(preset):
+    """routing_kernel's top-k rounds: each by a redux.sync max and min and one indexed
+    shuffle, with no butterfly of shuffles."""
     from ptxas_check import kernel_ptx, ptx_entry
 
     defines = moe.kernel_defines(ModelSpec.preset(preset))
-    redux = ptx_entry(kernel_ptx(moe.SOURCE, {**defines, "ROUTING_REDUX": 1}, moe.COMPILE_OPTIONS), "routing_kernel")
-    butterfly = ptx_entry(kernel_ptx(moe.SOURCE, defines, moe.COMPILE_OPTIONS), "routing_kernel")
-    rounds = redux.count("redux.sync.max.u32")
-    assert rounds >= 1 and redux.count("redux.sync.min.u32") == redux.count("shfl.sync.idx") == rounds
-    assert "shfl.sync.bfly" not in redux
-    assert butterfly.count("shfl.sync.bfly") == 15 and "redux.sync" not in butterfly
-    assert moe.CudaMoERoutingRedux.routing_redux and not moe.CudaMoE.routing_redux
+    routing = ptx_entry(kernel_ptx(moe.SOURCE, defines, moe.COMPILE_OPTIONS), "routing_kernel")
+    rounds = routing.count("redux.sync.max.u32")
+    assert rounds >= 1 and routing.count("redux.sync.min.u32") == routing.count("shfl.sync.idx") == rounds
+    assert "shfl.sync.bfly" not in routing

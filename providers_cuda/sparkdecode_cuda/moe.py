@@ -71,13 +71,11 @@ def kernel_defines(spec: ModelSpec) -> dict[str, int]:
 class MoEKernels:
     """routing_kernel, rmsnorm_kernel and tail_kernel compiled for one spec."""
 
-    def __init__(self, ctx: BuildContext, routing_redux: bool = False):
+    def __init__(self, ctx: BuildContext):
         spec = ctx.spec
         defines = kernel_defines(spec)
-        # moe.cu's top-k rounds by redux.sync: the routing kernel alone takes the define.
-        routing = {**defines, "ROUTING_REDUX": 1} if routing_redux else defines
         self.width, self.threads, self.top_k = spec.P, defines["THREADS"], spec.top_k
-        self.routing = Kernel(SOURCE, "routing_kernel", ctx.device, routing, COMPILE_OPTIONS)
+        self.routing = Kernel(SOURCE, "routing_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.norm = Kernel(SOURCE, "rmsnorm_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail = Kernel(SOURCE, "tail_kernel", ctx.device, defines, COMPILE_OPTIONS)
         self.tail_all_reduce = Kernel(SOURCE, "tail_all_reduce_kernel", ctx.device, defines, COMPILE_OPTIONS)
@@ -184,8 +182,6 @@ def _moe_width_unsupported(d: Deployment) -> str | None:
 class CudaMoE(_Cuda):
     block = "moe"
     name = "cuda.moe"
-    # The routing kernel's top-k rounds by redux.sync (moe.cu's ROUTING_REDUX), where set.
-    routing_redux = False
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -195,7 +191,7 @@ class CudaMoE(_Cuda):
         spec = self.spec = ctx.spec
         self.layer = ctx.layer(layer)
         self.collectives = ctx.collectives
-        self.kernels = MoEKernels(ctx, self.routing_redux)
+        self.kernels = MoEKernels(ctx)
         self.experts = ctx.ops[experts_kind(self.layer)].build(ctx, layer)
         self.all_reduce = ctx.ops["all_reduce"].build(ctx, None) if ctx.tp > 1 else None
         self.reduce_rows = self.layer.experts.intermediate_slice is not None  # expert TP
@@ -295,14 +291,3 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
-
-
-class CudaMoERoutingRedux(CudaMoE):
-    """cuda.moe with the routing kernel's top-k rounds by two redux.sync reductions and one
-    shuffle in place of a 15-shuffle butterfly (moe.cu's ROUTING_REDUX): the same choices,
-    so the same bits. At the sharded cut the routing kernel is on the path from the router
-    to the experts, and it adds 5.3 us a layer on an H100 (bench/NOTES.md v60). Not
-    registered: not yet run on a GPU."""
-
-    name = "cuda.moe_routing_redux"
-    routing_redux = True

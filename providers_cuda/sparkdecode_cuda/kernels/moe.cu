@@ -21,14 +21,6 @@
 #define EXPERTS 256
 #endif
 #define EPL ((EXPERTS + 31) / 32)
-// ROUTING_REDUX (0 when absent): each of the top-k rounds picks the warp's best by two
-// redux.sync reductions (the highest score's order key, then the lowest expert index
-// holding it) and one shuffle of its probability, in place of five butterfly steps of
-// three shuffles each: the same choice (scores compared as floats, ties to the lowest
-// index, a NaN never chosen), so the same bits.
-#ifndef ROUTING_REDUX
-#define ROUTING_REDUX 0
-#endif
 
 // An unsigned key ordered as the float f (not NaN) compares: -0 and +0 equal.
 __device__ __forceinline__ unsigned order_key(float f) {
@@ -62,7 +54,10 @@ extern "C" __global__ void __launch_bounds__(32) routing_kernel(
   float total = 0.f, chosen_p = 0.f;
   int chosen = 0;
   for (int j = 0; j < top_k; ++j) {
-    // This lane's best (highest score, lowest index among equals), then the warp's.
+    // This lane's best (highest score, lowest index among equals), then the warp's by two
+    // redux.sync reductions (the highest score's order key, then the lowest expert index
+    // holding it) and one shuffle of its probability: scores compared as floats, ties to
+    // the lowest index, a NaN never chosen.
     float best = -__int_as_float(0x7f800000), best_p = 0.f;
     int best_e = 0x7fffffff;
 #pragma unroll
@@ -74,26 +69,12 @@ extern "C" __global__ void __launch_bounds__(32) routing_kernel(
         best_p = p[i];
       }
     }
-#if ROUTING_REDUX
     // A lane's best is never NaN (a NaN never compares above); with no candidate it is
-    // (-inf, INT_MAX, 0), as in the butterfly.
+    // (-inf, INT_MAX, 0).
     const unsigned key = order_key(best);
     const unsigned top = __reduce_max_sync(0xffffffffu, key);
     best_e = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)best_e : 0xffffffffu);
     best_p = __shfl_sync(0xffffffffu, best_p, best_e & 31);  // expert e lives in lane e % 32
-#else
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float o = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int oe = __shfl_xor_sync(0xffffffffu, best_e, offset);
-      const float op = __shfl_xor_sync(0xffffffffu, best_p, offset);
-      if (o > best || (o == best && oe < best_e)) {
-        best = o;
-        best_e = oe;
-        best_p = op;
-      }
-    }
-#endif
     if (lane == j) {
       chosen = best_e;
       chosen_p = best_p;

@@ -693,10 +693,12 @@ def test_the_collectives_bench_context_keeps_shared_objects():
     assert ctx.shared("lamport_workspace", lambda: pytest.fail("made twice")) is made
 
 
-def test_moe_capture_order(monkeypatch):
+@pytest.mark.parametrize("order", ["beside", "router_first"])
+def test_moe_capture_order(monkeypatch, order):
     """cuda.moe's launches as a CUDA graph captures them: the fork's event recorded on the
     current stream first, the router and the routing on the side stream after it, the
-    pooler on the current stream, the join before the experts."""
+    pooler on the current stream, the join before the experts; ``cuda.moe_router_first``
+    with the router before the fork on the current stream."""
     import contextlib
     from types import SimpleNamespace
 
@@ -735,8 +737,9 @@ def test_moe_capture_order(monkeypatch):
     def launch(name):
         return lambda *args, **kwargs: calls.append(f"{name} on {on[-1].name}")
 
-    assert moe.CudaMoE in plugin.PROVIDERS
-    block = moe.CudaMoE.__new__(moe.CudaMoE)
+    assert moe.CudaMoE in plugin.PROVIDERS and moe.CudaMoERouterFirst not in plugin.PROVIDERS
+    cls = {"beside": moe.CudaMoE, "router_first": moe.CudaMoERouterFirst}[order]
+    block = cls.__new__(cls)
     spec = ModelSpec.preset("tiny")
     rows = torch.zeros(8, spec.P)
     block.spec, block.side, block.fork, block.join = spec, side, Event("fork"), Event("join")
@@ -757,9 +760,13 @@ def test_moe_capture_order(monkeypatch):
     block.pooled_exchange, block.pooled_published = None, False
     block.mailbox = SimpleNamespace(publish=lambda b: None)
     block.run(None, torch.zeros(3, spec.H))
-    branch = ["side waits fork", "router on side", "routing on side", "record join on side"]
     pooler = ["pooler on current"]
-    head = ["record fork on current"] + branch + pooler
+    if order == "beside":
+        branch = ["side waits fork", "router on side", "routing on side", "record join on side"]
+        head = ["record fork on current"] + branch + pooler
+    else:
+        branch = ["side waits fork", "routing on side", "record join on side"]
+        head = ["router on current", "record fork on current"] + branch + pooler
     tail = ["current waits join", "experts on current", "tail on current", "unpooler on current"]
     assert calls == head + ["pre_norm on current"] + tail
     # A sharded pooler over the device transport: its columns exchanged in the norm, right

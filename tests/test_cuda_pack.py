@@ -693,12 +693,10 @@ def test_the_collectives_bench_context_keeps_shared_objects():
     assert ctx.shared("lamport_workspace", lambda: pytest.fail("made twice")) is made
 
 
-@pytest.mark.parametrize("order", ["beside", "router_first"])
-def test_moe_capture_order(monkeypatch, order):
+def test_moe_capture_order(monkeypatch):
     """cuda.moe's launches as a CUDA graph captures them: the fork's event recorded on the
     current stream first, the router and the routing on the side stream after it, the
-    pooler on the current stream, the join before the experts; ``cuda.moe_router_first``
-    with the router before the fork on the current stream."""
+    pooler on the current stream, the join before the experts."""
     import contextlib
     from types import SimpleNamespace
 
@@ -737,9 +735,8 @@ def test_moe_capture_order(monkeypatch, order):
     def launch(name):
         return lambda *args, **kwargs: calls.append(f"{name} on {on[-1].name}")
 
-    assert moe.CudaMoE in plugin.PROVIDERS and moe.CudaMoERouterFirst not in plugin.PROVIDERS
-    cls = {"beside": moe.CudaMoE, "router_first": moe.CudaMoERouterFirst}[order]
-    block = cls.__new__(cls)
+    assert moe.CudaMoE in plugin.PROVIDERS
+    block = moe.CudaMoE.__new__(moe.CudaMoE)
     spec = ModelSpec.preset("tiny")
     rows = torch.zeros(8, spec.P)
     block.spec, block.side, block.fork, block.join = spec, side, Event("fork"), Event("join")
@@ -760,13 +757,9 @@ def test_moe_capture_order(monkeypatch, order):
     block.pooled_exchange, block.pooled_published = None, False
     block.mailbox = SimpleNamespace(publish=lambda b: None)
     block.run(None, torch.zeros(3, spec.H))
+    branch = ["side waits fork", "router on side", "routing on side", "record join on side"]
     pooler = ["pooler on current"]
-    if order == "beside":
-        branch = ["side waits fork", "router on side", "routing on side", "record join on side"]
-        head = ["record fork on current"] + branch + pooler
-    else:
-        branch = ["side waits fork", "routing on side", "record join on side"]
-        head = ["router on current", "record fork on current"] + branch + pooler
+    head = ["record fork on current"] + branch + pooler
     tail = ["current waits join", "experts on current", "tail on current", "unpooler on current"]
     assert calls == head + ["pre_norm on current"] + tail
     # A sharded pooler over the device transport: its columns exchanged in the norm, right

@@ -225,10 +225,8 @@ def test_tail_and_norm_kernels(width, top_k):
     one_ulp_close(normed, fn.pre_norm(x, norm, 1e-5).to(torch.bfloat16))
 
 
-def cuda_moe(shape: str, cls: type | None = None) -> tuple:
-    """(spec, weights, executor, its layer-0 cuda.moe, x) at a tiny or a TP-8 rank's shape;
-    ``cls`` a cuda.moe variant no pack registers, pinned in its place."""
-    from sparkdecode.plugins import discover
+def cuda_moe(shape: str) -> tuple:
+    """(spec, weights, executor, its layer-0 cuda.moe, x) at a tiny or a TP-8 rank's shape."""
     from sparkdecode.weights import Sharding
 
     if shape == "tiny":
@@ -236,9 +234,7 @@ def cuda_moe(shape: str, cls: type | None = None) -> tuple:
     else:
         spec, sharding = ModelSpec.preset("muse-spark-open", 1), Sharding(8, 0, "tp")
     weights = random_weights(spec, seed=1, device="cuda", sharding=sharding)
-    registry = discover() if cls is None else discover().adding([cls])
-    name = "cuda.moe" if cls is None else cls.name
-    executor = SpecializedDecode(weights, DecodeConfig(max_context=256, pins={"moe": name}), registry=registry)
+    executor = SpecializedDecode(weights, DecodeConfig(max_context=256, pins={"moe": "cuda.moe"}))
     x = torch.randn(8, spec.H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
     return spec, weights, executor, executor.layers[0].moe, x
 
@@ -260,18 +256,14 @@ def test_cuda_moe_provider(shape):
     assert err.max() < 2e-2, err
 
 
-@pytest.mark.parametrize("order", ["beside", "router_first"])
 @pytest.mark.parametrize("shape", ["tiny", "tp8-rank"])
-def test_cuda_moe_side_stream_keeps_the_bits(shape, order):
+def test_cuda_moe_side_stream_keeps_the_bits(shape):
     """The router GEMM and routing kernel on the side stream (beside the pooler and
     the pre-expert norm), eagerly and replayed from a CUDA graph, give the bits of the
-    same block run on one stream; so does the unregistered order with the router before
-    the fork (cuda.moe_router_first)."""
-    cls = {"beside": None, "router_first": moe_kernels.CudaMoERouterFirst}[order]
-    _, _, executor, provider, x = cuda_moe(shape, cls)
+    same block run on one stream."""
+    _, _, executor, provider, x = cuda_moe(shape)
     out = executor.mailboxes[0]
     assert provider.side is not None
-    assert (provider.router_linear is provider.linear) == (order == "router_first")
 
     def result(run) -> list[torch.Tensor]:
         for t, fill in ((provider.logits, float("nan")), (provider.ids, -1), (provider.weights, float("nan"))):
@@ -282,9 +274,7 @@ def test_cuda_moe_side_stream_keeps_the_bits(shape, order):
         return [t[:8].clone() for t in (provider.logits, provider.ids, provider.weights)] + [out.gather(8).clone()]
 
     side, provider.side = provider.side, None  # one stream: the block as it ran before
-    linear, provider.router_linear = provider.router_linear, provider.linear
     serial = result(lambda: provider.run(None, x))
-    provider.router_linear = linear
     provider.side = side
     eager = result(lambda: provider.run(None, x))
     warm = torch.cuda.Stream()

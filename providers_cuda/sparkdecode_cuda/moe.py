@@ -19,10 +19,7 @@ launches in the same order per stream, so the same bits; in a CUDA graph the for
 and join become edges (the capture needs every forked stream joined, which it is).
 The router runs through its own ``linear`` op, built from a context with its own
 scratch (shared by the layers' side ops), so a linear provider that shares scratch
-between its weights (a split-K workspace) never sees two of them at once. An
-unregistered order for the step's comparison (``CudaMoERouterFirst``: the router GEMM
-before the pooler on the current stream, only the routing kernel aside) runs the same
-kernels on the same inputs.
+between its weights (a split-K workspace) never sees two of them at once.
 
 PDL (launch.py launches every pack kernel with programmatic stream serialization):
 that attribute relaxes only a kernel's dependency on the kernel before it in the
@@ -43,7 +40,6 @@ another order (fp32 rounding, so a bf16 output may move by one ulp).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import torch
 
@@ -186,10 +182,6 @@ def _moe_width_unsupported(d: Deployment) -> str | None:
 class CudaMoE(_Cuda):
     block = "moe"
     name = "cuda.moe"
-    # On CUDA the routing kernel runs on a side stream, joined before the experts; with it
-    # the router GEMM, beside the pooler (else the router runs on the current stream before
-    # the pooler and the fork, each GEMM launched with PDL after the kernel before).
-    router_aside: ClassVar[bool] = True
 
     @classmethod
     def unsupported(cls, deployment: Deployment) -> str | None:
@@ -207,16 +199,14 @@ class CudaMoE(_Cuda):
         fusable = ctx.tp > 1 and ctx.ops.get("all_reduce") is CudaAllReduce and self.reduce_rows != self.reduce_out
         self.workspace = workspace(ctx) if fusable else None
         self.linear = ctx.ops["linear"].build(ctx, layer)
-        # The routing on a side stream (CUDA only), with the router GEMM where
-        # ``router_aside``: its own linear op and scratch there; the stream and the
-        # fork/join events made here, outside any capture.
+        # The router on a side stream (CUDA only): its own linear op and scratch, the
+        # stream and the fork/join events made here, outside any capture.
         self.side: torch.cuda.Stream | None = None
         self.router_linear = self.linear
         if ctx.device.type == "cuda":
             self.side = torch.cuda.Stream(ctx.device)
             self.fork, self.join = torch.cuda.Event(), torch.cuda.Event()
-            if self.router_aside:
-                self.router_linear = ctx.ops["linear"].build(side_context(ctx), layer)
+            self.router_linear = ctx.ops["linear"].build(side_context(ctx), layer)
         rows = ctx.max_rows
         self.logits = ctx.scratch("cuda_moe_logits", (rows, spec.E), torch.float32)
         self.ids = ctx.scratch("cuda_moe_ids", (rows, spec.top_k), torch.int32)
@@ -246,12 +236,9 @@ class CudaMoE(_Cuda):
             self.all_reduce.run(x)
         return x
 
-    def _router(self, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, x: torch.Tensor, topk: RoutedTopk) -> None:
         logits = self.logits[: x.shape[0]]
         self.router_linear.run("router", x, logits)
-        return logits
-
-    def _routing(self, logits: torch.Tensor, topk: RoutedTopk) -> None:
         self.kernels.route(logits, self.layer.expert_bias, self.spec.routed_scaling_factor, topk)
 
     def publish_columns(self, mailbox: object) -> bool:
@@ -271,14 +258,13 @@ class CudaMoE(_Cuda):
         topk = RoutedTopk(self.ids[:b], self.weights[:b], final=self.side is not None)
         side, current = self.side, None
         if side is None:
-            self._routing(self._router(x), topk)
+            self._route(x, topk)
         else:  # fork: the side stream starts where the current one is
             current = torch.cuda.current_stream(x.device)
-            logits = None if self.router_aside else self._router(x)
             self.fork.record(current)
             side.wait_event(self.fork)
             with torch.cuda.stream(side):
-                self._routing(self._router(x) if logits is None else logits, topk)
+                self._route(x, topk)
                 self.join.record(side)
         pooled, h = self.pooled[:b], self.h[:b]
         self.linear.run("pooler", x, pooled)
@@ -305,16 +291,3 @@ class CudaMoE(_Cuda):
             if self.reduce_out:
                 self._all_reduce(m)
         self.linear.run("unpooler", m, self.mailbox.publish(b))
-
-
-class CudaMoERouterFirst(CudaMoE):
-    """``cuda.moe`` with the router GEMM on the current stream before the pooler (both of
-    the resolved linear op, each launched with PDL after the kernel before, so the router's
-    CTAs issue their weight loads while the attention boundary drains), and the routing
-    kernel forked after it onto the side stream, beside the pooler and the pre-expert norm.
-    The same kernels on the same inputs: the same bits. At the column-sharded cut the
-    pooler is an eighth of the replicated one, and there the router ends after the pooler
-    with the routing kernel behind it (bench/NOTES.md v60-v62). Not registered."""
-
-    name = "cuda.moe_router_first"
-    router_aside = False

@@ -359,8 +359,9 @@ def _pooler_and_router(tma) -> tuple:
 
 def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
     """scripts/beside-trace's kernels (``trace``): the pooler's TMA GEMV and the router's
-    split-K plan beside it compile for sm_90a with %smid and %globaltimer read; the
-    registered kernels read neither and set no launch attribute (the carveout is the
+    split-K plan beside it compile for sm_90a with %smid and %globaltimer read (at the
+    start, the release and the end; the router also once x is staged and once thread 0
+    has its products); the registered kernels read neither and set no launch attribute (the carveout is the
     driver's). The records sit past the tile counters, 32-byte
     aligned, a record of TRACE_WORDS words a CTA."""
     pooler, router = _pooler_and_router(tma)
@@ -371,9 +372,9 @@ def test_traced_kernels_record_each_cta(tma, splitk, tmp_path):
     for d in ("t", "r"):
         (tmp_path / d).mkdir()
 
-    for traced, registered in kernels:
+    for (traced, registered), times in zip(kernels, (3, 5), strict=True):
         ptx = splitk.compile_split(traced, "sm_90a", _keep_ptx(tmp_path / "t")).artifacts.PTX
-        assert "%smid" in ptx and ptx.count("%globaltimer") == 3
+        assert "%smid" in ptx and ptx.count("%globaltimer") == times
         compiled = splitk.compile_split(registered, "sm_90a", _keep_ptx(tmp_path / "r"))
         assert "%smid" not in compiled.artifacts.PTX and "%globaltimer" not in compiled.artifacts.PTX
         assert carveouts(compiled) == []  # the driver's choice

@@ -427,11 +427,11 @@ def test_beside_trace_reads_records_and_sharing():
 
     assert trace_mod.RECORD_WORDS == gemv_splitk.TRACE_WORDS
 
-    def words(ctas: list[tuple[int, int, int, int]], offset: int) -> list[int]:
+    def words(ctas: list[tuple[int, ...]], offset: int) -> list[int]:
         out = [0] * offset
         for sm, *times in ctas:
             out += [sm, 0]
-            for t in times:
+            for t in times + [0] * (5 - len(times)):  # a TMA GEMV leaves the split-K's two times 0
                 lo = t & 0xFFFFFFFF
                 out += [lo - (1 << 32) if lo >= 1 << 31 else lo, t >> 32]  # int32 words, as read back
         return out
@@ -462,6 +462,16 @@ def test_beside_trace_reads_records_and_sharing():
     assert s3["o_proj"]["end"] == [1.5, 0.5] and s3["pooler"] == s["pooler"]
     text = trace_mod.report(s3)
     assert "o_proj " in text and "1 pooler CTAs started on an SM no o_proj or router CTA held" in text
+    # The split-K router's staging and product times, from release to end
+    marked = [c + (c[2] + 1000, c[2] + 3000) for c in router]
+    assert trace_mod.records(words(marked, 8), 3, 8) == router
+    marks = trace_mod.phases(words(marked, 8), 3, 8)
+    assert marks == [(c[2] + 1000, c[2] + 3000) for c in router]
+    line = trace_mod.router_phases(router, marks)
+    assert "release to x staged 1.0 / 1.0" in line and "x staged to products 2.0 / 2.0" in line
+    assert "products to end 2.9 / 4.0" in line  # ends 7000, 5900 and 4000 ns after release
+    with pytest.raises(ValueError, match="not a traced split-K"):
+        trace_mod.phases(words(pooler, 8), 2, 8)
 
 
 def test_beside_trace_forms_and_resources():

@@ -49,9 +49,10 @@ MAX_CHUNK_BYTES = 128 * 1024  # x's chunk in shared memory (fp32, max_rows rows)
 H200_SMS = 132
 MIN_BALANCE = 0.9  # mean / most CTAs per SM taken before fewer waves
 CTA_RESERVED_BYTES = 1024  # the system's share of each CTA's shared memory
-# A traced kernel's record a CTA (``SplitKKernel.trace``): int32 words of its SM, then
-# %globaltimer (ns, low and high words) at its start, after its PDL wait and at its end.
-TRACE_WORDS = 8
+# A traced kernel's record a CTA (``SplitKKernel.trace``): int32 words of its SM and one
+# unused, then %globaltimer (ns, low and high words) at its start, after its PDL wait, at
+# its end, and (SplitKGemv only; else 0) once x is staged and once its products are summed.
+TRACE_WORDS = 12
 
 
 class SplitGrid:
@@ -252,7 +253,7 @@ class SplitKKernel:
     @cute.jit
     def mark(self, counters: cute.Pointer, slot: cutlass.Constexpr):
         """Thread 0's record of its CTA in a traced kernel: at ``slot`` 0 the SM and the
-        time, at 1 and 2 the time."""
+        time, at 1 to 4 the time (``TRACE_WORDS``)."""
         if cutlass.const_expr(self.trace):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -402,6 +403,7 @@ class SplitKGemv(SplitKKernel):
                 xv = cute.local_tile(mX, (1, 8), (x_row, split * x_vectors + kv)).load()
                 cute.local_tile(sX, (1, 8), (i, kv)).store(xv.to(Float32))
         cute.arch.sync_threads()
+        self.mark(counters, 3)
 
         acc = cute.make_rmem_tensor((R * B,), Float32)
         acc.fill(0.0)
@@ -417,6 +419,7 @@ class SplitKGemv(SplitKKernel):
                 self.load(mW, buffers[1], batch + 3, w_row, w_vector)
         if p.batches % 2 == 1:
             self.multiply(sX, acc, buffers[0], p.batches - 1, lane_vector)
+        self.mark(counters, 4)
 
         # The four K lanes of a row, then the warps in index order.
         partial = smem.allocate_tensor(Float32, cute.make_layout((WARPS, TN * B), stride=(TN * B, 1)), 16)

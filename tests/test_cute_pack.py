@@ -597,3 +597,35 @@ def test_evict_first_publishing_tma_hints_the_weight_loads(tma, tmp_path):
     assert _tma_load_policies(hinted) == {tma.EVICT_FIRST}
     for op in ("wgmma.mma_async", "st.volatile.global.v4.u32", "fence.acq_rel.sys"):
         assert hinted.count(op) == registered.count(op) > 0, op
+
+
+@pytest.mark.parametrize("rows,splits", [(1, 4), (4, 16), (8, 64)])
+def test_x_first_router_issues_its_x_loads_at_once(splitk, capfd, tmp_path, rows, splits):
+    """gemv_splitk's XFirstSplitKGemv (cute.linear_tma_evict_first_x_first's router): after
+    the PDL wait every load of the thread's x vectors comes before a barrier and its first
+    shared store, with no spills, at the planner's router plan (the column-sharded cut's),
+    the one beside the replicated pooler and the most split; SplitKGemv stores the first
+    vector before its second load. Neither registered linear takes it."""
+    from sparkdecode_cute import linear_splitk, linear_tma, plugin
+
+    plan = next(p for p in splitk.splitk_plans(256, 8192, True, 8) if (p.rows, p.splits) == (rows, splits))
+    rounds = -(-8 * plan.chunk // 8 // plan.threads)
+
+    def after_wait(cls: type, directory: str) -> str:
+        (tmp_path / directory).mkdir()
+        ptx = splitk.compile_split(cls(plan), "sm_90a", f"remarks{{ptx}} {_keep_ptx(tmp_path / directory)}")
+        return ptx.artifacts.PTX.split("griddepcontrol.wait;", 1)[1]
+
+    capfd.readouterr()
+    staged = after_wait(splitk.XFirstSplitKGemv, "x").split("st.shared", 1)[0]
+    _spill_free(capfd)
+    assert staged.count("ld.global") == rounds and "bar.sync" in staged
+    registered = after_wait(splitk.SplitKGemv, "r").split("st.shared", 1)[0]
+    assert registered.count("ld.global") == 1 and "bar.sync" not in registered
+    assert linear_tma.CuteLinearTmaEvictFirstXFirst.router_weight is linear_splitk.XFirstSplitKWeight
+    assert linear_tma.CuteLinearTmaEvictFirst.router_weight is linear_splitk.SplitKWeight
+    assert linear_tma.CuteLinearTmaEvictFirstXFirst not in plugin.PROVIDERS
+    if rows == 1:  # beside-trace's --router-x-first: the same staging, traced
+        (tmp_path / "t").mkdir()
+        traced = splitk.compile_split(splitk.TracedXFirstSplitKGemv(plan), "sm_90a", _keep_ptx(tmp_path / "t"))
+        assert traced.artifacts.PTX.count("%globaltimer") == 5

@@ -38,6 +38,7 @@ from sparkdecode_cute.linear_tma import (  # noqa: E402
     CuteLinearTmaCoresident,
     CuteLinearTmaEvictFirst,
     CuteLinearTmaEvictFirstShallow,
+    CuteLinearTmaEvictFirstXFirst,
     TmaWeight,
 )
 
@@ -69,8 +70,14 @@ def test_tma_smallest_equals_reference(case):
 
 @pytest.mark.parametrize(
     "cls",
-    [CuteLinearTma, CuteLinearTmaCoresident, CuteLinearTmaEvictFirst, CuteLinearTmaEvictFirstShallow],
-    ids=["plan", "coresident", "evictfirst", "shallow"],
+    [
+        CuteLinearTma,
+        CuteLinearTmaCoresident,
+        CuteLinearTmaEvictFirst,
+        CuteLinearTmaEvictFirstShallow,
+        CuteLinearTmaEvictFirstXFirst,
+    ],
+    ids=["plan", "coresident", "evictfirst", "shallow", "xfirst"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -78,8 +85,29 @@ def test_tma_equals_reference(shape, rows, cls):
     """cute.linear_tma, cute.linear_tma_coresident (its tilings within half an SM's
     shared memory; not registered), cute.linear_tma_evict_first (its weight loads hinted
     evict-first) and cute.linear_tma_evict_first_shallow (the qkvg and the pooler loading
-    one buffer before the PDL wait; not registered)."""
+    one buffer before the PDL wait; not registered) and cute.linear_tma_evict_first_x_first
+    (the router's x loads all issued before its shared stores; not registered)."""
     equals_reference(cls, shape, rows)
+
+
+@pytest.mark.parametrize("shape", ["tp8-rank", "tp8-rank-sharded-pooler"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_x_first_router_keeps_the_bits(shape, rows):
+    """cute.linear_tma_evict_first_x_first's router (x staged all loads first) gives
+    cute.linear_tma_evict_first's router bits, on the plan beside the replicated pooler and
+    on the planner's (the column-sharded cut's)."""
+    ctx = streams.linear_context(SHAPES[shape], torch.device("cuda"))
+    ops = [cls.build(ctx, 0) for cls in (CuteLinearTmaEvictFirst, CuteLinearTmaEvictFirstXFirst)]
+    assert ops[0].weights["router"].plan == ops[1].weights["router"].plan
+    w = ctx.layer(0).router
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator(device="cuda").manual_seed(rows), device="cuda")
+    outs = []
+    for op in ops:
+        out = torch.full((rows, w.shape[0]), float("nan"), device="cuda")
+        op.run("router", x.to(torch.bfloat16), out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("shape", ["tp1", "tp8-rank"])

@@ -318,6 +318,12 @@ class SplitKGemv(SplitKKernel):
     ``counters`` int32 of ``plan.tiles``, zero before the first launch, both
     unused without a split)."""
 
+    # x's chunk staged with all of a thread's global loads issued before its shared
+    # stores (``XFirstSplitKGemv``); else a load and its stores at a time, which ptxas
+    # schedules as four dependent L2 round trips at the router's planner plan (8 loads a
+    # thread) with the weight's 16 vectors a thread held in registers.
+    x_loads_first = False
+
     def __init__(self, plan: SplitKPlan):
         self.plan = plan
         self.weight_dtype = Float32 if plan.weight_fp32 else BFloat16
@@ -394,14 +400,35 @@ class SplitKGemv(SplitKKernel):
         xs = cute.assume(x_stride, divby=8)
         mX = cute.make_tensor(x, cute.make_layout((B, p.k), stride=(xs, 1)))
         x_vectors = TK // 8
-        for it in cutlass.range_constexpr((B * x_vectors + p.threads - 1) // p.threads):
-            idx = it * p.threads + tidx
-            if idx < B * x_vectors:
+        total = B * x_vectors
+        rounds = (total + p.threads - 1) // p.threads
+        if cutlass.const_expr(self.x_loads_first):
+            # Every load of the thread's x vectors in flight before its first store.
+            staged = []
+            for it in cutlass.range_constexpr(rounds):
+                idx = it * p.threads + tidx
+                if cutlass.const_expr(total % p.threads):  # the last round's spare threads: a valid vector
+                    idx = cutlass.min(idx, total - 1)
                 i = idx // x_vectors
                 kv = idx - i * x_vectors
-                x_row = cutlass.min(i, b - 1)
-                xv = cute.local_tile(mX, (1, 8), (x_row, split * x_vectors + kv)).load()
-                cute.local_tile(sX, (1, 8), (i, kv)).store(xv.to(Float32))
+                staged.append(cute.local_tile(mX, (1, 8), (cutlass.min(i, b - 1), split * x_vectors + kv)).load())
+            # ptxas issues no load after a barrier that it was before, and left to itself
+            # it waits for each load's value before issuing the next loads.
+            cute.arch.sync_threads()
+            for it in cutlass.range_constexpr(rounds):
+                idx = it * p.threads + tidx
+                if idx < total:
+                    i = idx // x_vectors
+                    cute.local_tile(sX, (1, 8), (i, idx - i * x_vectors)).store(staged[it].to(Float32))
+        else:
+            for it in cutlass.range_constexpr(rounds):
+                idx = it * p.threads + tidx
+                if idx < total:
+                    i = idx // x_vectors
+                    kv = idx - i * x_vectors
+                    x_row = cutlass.min(i, b - 1)
+                    xv = cute.local_tile(mX, (1, 8), (x_row, split * x_vectors + kv)).load()
+                    cute.local_tile(sX, (1, 8), (i, kv)).store(xv.to(Float32))
         cute.arch.sync_threads()
         self.mark(counters, 3)
 
@@ -556,13 +583,26 @@ def compile_split(gemv: SplitKKernel, arch: str | None = None, options: str = ""
     return compile_fake(gemv, fake_pointer(Float32), fake_pointer(Int32, 4), arch=arch, options=options)
 
 
-def compile_splitk(plan: SplitKPlan, arch: str | None = None):
-    """The compiled kernel of ``plan`` for ``arch`` (e.g. ``sm_90a``; by default
-    ``CUTE_DSL_ARCH`` or the GPU's)."""
-    return compile_split(SplitKGemv(plan), arch)
+def compile_splitk(plan: SplitKPlan, arch: str | None = None, cls: type[SplitKGemv] | None = None):
+    """The compiled kernel of ``plan`` (as ``cls``, by default ``SplitKGemv``) for
+    ``arch`` (e.g. ``sm_90a``; by default ``CUTE_DSL_ARCH`` or the GPU's)."""
+    return compile_split((SplitKGemv if cls is None else cls)(plan), arch)
+
+
+class XFirstSplitKGemv(SplitKGemv):
+    """``SplitKGemv`` with x's chunk staged all loads first (``x_loads_first``): the same
+    values in the same places, so the same bits."""
+
+    x_loads_first = True
 
 
 class TracedSplitKGemv(SplitKGemv):
     """``SplitKGemv`` writing each CTA's record (``SplitKKernel.trace``)."""
 
     trace = True
+
+
+class TracedXFirstSplitKGemv(TracedSplitKGemv):
+    """``XFirstSplitKGemv`` writing each CTA's record."""
+
+    x_loads_first = True

@@ -65,6 +65,19 @@ class SplitKWeight(_Weight):
         self.shared = (workspace, counters)  # held: the kernel has only their addresses
 
 
+class XFirstSplitKWeight(SplitKWeight):
+    """A weight on gemv_splitk's ``XFirstSplitKGemv``: x's chunk staged with all of a
+    thread's loads in flight at once. The same bits."""
+
+    @staticmethod
+    def compile(plan: Any) -> Any:
+        from . import gemv_splitk
+
+        return compiled(
+            ("gemv_splitk_x_first", plan), lambda: gemv_splitk.compile_splitk(plan, cls=gemv_splitk.XFirstSplitKGemv)
+        )
+
+
 class CuteLinearSplitK(CuteLinear):
     """Sub-op ``linear``: every dense weight of the layer streamed by the split-K GEMV.
 
@@ -74,7 +87,8 @@ class CuteLinearSplitK(CuteLinear):
     kernel ends."""
 
     name = "cute.linear_splitk"
-    bf16_weight: type[SplitKWeight] = SplitKWeight  # the bf16 weights' kernel (the router's is split-K)
+    bf16_weight: type[SplitKWeight] = SplitKWeight  # the bf16 weights' kernel
+    router_weight: type[SplitKWeight] = SplitKWeight  # the fp32 router's (a split-K GEMV)
 
     def __init__(self, ctx: BuildContext, layer: int):
         lw = ctx.layer(layer)
@@ -87,7 +101,7 @@ class CuteLinearSplitK(CuteLinear):
         for name in LINEAR_WEIGHTS:
             w = getattr(lw, name)
             if weight_fp32(name, w):
-                built[name] = SplitKWeight(
+                built[name] = self.router_weight(
                     name, w, ctx.max_rows, sms, self.router_plan(name, w, built, ctx.max_rows, sms)
                 )
         self.weights = {name: built[name] for name in LINEAR_WEIGHTS}

@@ -29,6 +29,7 @@ import torch
 from .common import compiled, current_stream, pointer
 from .linear import VECTOR_BYTES
 from .linear_mma import CuteLinearMma, MmaWeight
+from .linear_splitk import XFirstSplitKWeight
 
 
 def mailbox_reason(mailbox: Any, device: torch.device) -> str | None:
@@ -274,3 +275,13 @@ class CuteLinearTmaEvictFirstShallow(CuteLinearTmaEvictFirst):
 
     name = "cute.linear_tma_evict_first_shallow"
     bf16_weight = ShallowEvictFirstTmaWeight
+
+
+class CuteLinearTmaEvictFirstXFirst(CuteLinearTmaEvictFirst):
+    """cute.linear_tma_evict_first with the fp32 router on ``XFirstSplitKGemv``: after its
+    PDL wait each thread issues all of its loads of x before storing any in shared memory
+    (ptxas otherwise waits for each load's value first: three dependent L2 round trips at
+    the router's planner plan, the column-sharded cut's). The same bits. Not registered."""
+
+    name = "cute.linear_tma_evict_first_x_first"
+    router_weight = XFirstSplitKWeight

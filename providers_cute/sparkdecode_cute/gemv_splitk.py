@@ -51,7 +51,7 @@ MIN_BALANCE = 0.9  # mean / most CTAs per SM taken before fewer waves
 CTA_RESERVED_BYTES = 1024  # the system's share of each CTA's shared memory
 # A traced kernel's record a CTA (``SplitKKernel.trace``): int32 words of its SM and one
 # unused, then %globaltimer (ns, low and high words) at its start, after its PDL wait, at
-# its end, and (SplitKGemv only; else 0) once x is staged and once its products are summed.
+# its end, and (SplitKGemv only; else 0) once x is staged and once thread 0 has its products.
 TRACE_WORDS = 12
 
 
@@ -320,7 +320,7 @@ class SplitKGemv(SplitKKernel):
 
     # x's chunk staged with all of a thread's global loads issued before its shared
     # stores (``XFirstSplitKGemv``); else a load and its stores at a time, which ptxas
-    # schedules as four dependent L2 round trips at the router's planner plan (8 loads a
+    # schedules as three dependent L2 round trips at the router's planner plan (8 loads a
     # thread) with the weight's 16 vectors a thread held in registers.
     x_loads_first = False
 

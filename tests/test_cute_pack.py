@@ -623,9 +623,42 @@ def test_x_first_router_issues_its_x_loads_at_once(splitk, capfd, tmp_path, rows
     registered = after_wait(splitk.SplitKGemv, "r").split("st.shared", 1)[0]
     assert registered.count("ld.global") == 1 and "bar.sync" not in registered
     assert linear_tma.CuteLinearTmaEvictFirstXFirst.router_weight is linear_splitk.XFirstSplitKWeight
+    assert linear_tma.CuteLinearTmaEvictFirstXFirst.bf16_weight is linear_tma.XFirstEvictFirstTmaWeight
     assert linear_tma.CuteLinearTmaEvictFirst.router_weight is linear_splitk.SplitKWeight
     assert linear_tma.CuteLinearTmaEvictFirstXFirst not in plugin.PROVIDERS
     if rows == 1:  # beside-trace's --router-x-first: the same staging, traced
         (tmp_path / "t").mkdir()
         traced = splitk.compile_split(splitk.TracedXFirstSplitKGemv(plan), "sm_90a", _keep_ptx(tmp_path / "t"))
         assert traced.artifacts.PTX.count("%globaltimer") == 5
+
+
+@pytest.mark.parametrize("n,k", [(4096, 8192), (8192, 4096), (1024, 4096)], ids=lambda v: str(v))
+def test_x_first_tma_issues_its_x_loads_at_once(tma, capfd, tmp_path, n, k):
+    """gemv_tma's XFirstEvictFirstTmaGemv (cute.linear_tma_evict_first_x_first's bf16
+    weights) and its published form: after the PDL wait every load of the thread's x
+    vectors comes before a barrier and its first shared store, with no spills, for the
+    replicated pooler and unpooler (16 loads a thread) and the sharded unpooler (2);
+    EvictFirstTmaGemv stores before its last load where a thread has 16."""
+    plan = tma.plan_tma(n, k, 8)
+    rounds = -(-8 * (plan.k // plan.splits) // 8 // plan.threads)
+
+    def after_wait(ptx: str) -> str:
+        return ptx.split("griddepcontrol.wait;", 1)[1].split("st.shared", 1)[0]
+
+    capfd.readouterr()
+    (tmp_path / "x").mkdir()
+    ptx = tma.compile_tma(
+        plan, "sm_90a", f"remarks{{ptx}} {_keep_ptx(tmp_path / 'x')}", cls=tma.XFirstEvictFirstTmaGemv
+    )
+    _spill_free(capfd)
+    staged = after_wait(ptx.artifacts.PTX)
+    assert staged.count("ld.global") == rounds and "bar.sync" in staged
+    if tma.publish_reason(plan) is None:
+        (tmp_path / "p").mkdir()
+        opts = f"remarks{{ptx}} {_keep_ptx(tmp_path / 'p')}"
+        published = tma.compile_tma_publishing(plan, "sm_90a", opts, cls=tma.XFirstEvictFirstPublishingTmaGemv)
+        _spill_free(capfd)
+        assert after_wait(published.artifacts.PTX).count("ld.global") == rounds
+    (tmp_path / "r").mkdir()
+    registered = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "r"), cls=tma.EvictFirstTmaGemv)
+    assert after_wait(registered.artifacts.PTX).count("ld.global") < rounds or rounds == 2

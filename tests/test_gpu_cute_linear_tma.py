@@ -86,28 +86,31 @@ def test_tma_equals_reference(shape, rows, cls):
     shared memory; not registered), cute.linear_tma_evict_first (its weight loads hinted
     evict-first) and cute.linear_tma_evict_first_shallow (the qkvg and the pooler loading
     one buffer before the PDL wait; not registered) and cute.linear_tma_evict_first_x_first
-    (the router's x loads all issued before its shared stores; not registered)."""
+    (every weight's x loads issued before its shared stores; not registered)."""
     equals_reference(cls, shape, rows)
 
 
-@pytest.mark.parametrize("shape", ["tp8-rank", "tp8-rank-sharded-pooler"])
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_x_first_router_keeps_the_bits(shape, rows):
-    """cute.linear_tma_evict_first_x_first's router (x staged all loads first) gives
-    cute.linear_tma_evict_first's router bits, on the plan beside the replicated pooler and
-    on the planner's (the column-sharded cut's)."""
+def test_x_first_keeps_the_bits(shape, rows):
+    """cute.linear_tma_evict_first_x_first (every weight's x staged all loads first) gives
+    cute.linear_tma_evict_first's bits for every weight on the same plans: the router on
+    the plan beside the replicated pooler and on the planner's (the column-sharded cut's),
+    the pooler and unpooler with 16 x loads a thread and with 2."""
     ctx = streams.linear_context(SHAPES[shape], torch.device("cuda"))
     ops = [cls.build(ctx, 0) for cls in (CuteLinearTmaEvictFirst, CuteLinearTmaEvictFirstXFirst)]
-    assert ops[0].weights["router"].plan == ops[1].weights["router"].plan
-    w = ctx.layer(0).router
-    x = torch.randn(rows, w.shape[1], generator=torch.Generator(device="cuda").manual_seed(rows), device="cuda")
-    outs = []
-    for op in ops:
-        out = torch.full((rows, w.shape[0]), float("nan"), device="cuda")
-        op.run("router", x.to(torch.bfloat16), out)
-        outs.append(out)
-    torch.cuda.synchronize()
-    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for name, weight in ops[0].weights.items():
+        assert ops[1].weights[name].plan == weight.plan
+        n, k = weight.w.shape
+        x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+        outs = []
+        for op in ops:
+            out = torch.full((rows, n), float("nan"), dtype=weight.w.dtype, device="cuda")
+            op.run(name, x, out)
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert not outs[0].float().isnan().any() and torch.equal(outs[0], outs[1]), name
 
 
 @pytest.mark.parametrize("shape", ["tp1", "tp8-rank"])

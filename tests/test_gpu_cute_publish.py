@@ -1,6 +1,7 @@
-"""cute.linear_tma's and cute.linear_tma_evict_first's o_proj publishing its partial
-into the cuda pack's Lamport mailbox from the TMA GEMV's epilogue
-(gemv_tma.PublishingTmaGemv, EvictFirstPublishingTmaGemv), on ONE GPU shared
+"""cute.linear_tma's, cute.linear_tma_evict_first's and cute.linear_tma_evict_first_x_first's
+o_proj publishing its partial into the cuda pack's Lamport mailbox from the TMA GEMV's
+epilogue (gemv_tma.PublishingTmaGemv, EvictFirstPublishingTmaGemv,
+XFirstEvictFirstPublishingTmaGemv), on ONE GPU shared
 by 2, 4 and 8 processes (marker gpu; skipped without a Hopper GPU, the cuda pack or
 the CuTe DSL), the host side of the group over gloo (tp_gpu_worker.py). Each rank
 runs tp_gpu_worker.cute_published_partial: the publishing o_proj with the fused
@@ -30,7 +31,7 @@ import tp_gpu_worker  # noqa: E402
 from test_gpu_tp_one_device import watched  # noqa: E402
 
 
-@pytest.mark.parametrize("weight", ["TmaWeight", "EvictFirstTmaWeight"])
+@pytest.mark.parametrize("weight", ["TmaWeight", "EvictFirstTmaWeight", "XFirstEvictFirstTmaWeight"])
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_cute_publishing_o_proj_is_the_pushing_boundary(tp, weight, tmp_path):
     ranks = watched(tp_gpu_worker.cute_published_partial, tp, tmp_path, False, weight)

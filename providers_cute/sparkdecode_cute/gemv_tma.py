@@ -205,6 +205,11 @@ class TmaGemv(SplitKKernel):
     # None for all of them (every registered kernel): ``ShallowEvictFirstTmaGemv`` issues
     # fewer, so a boundary kernel before it is not queued behind all of its first loads.
     pre_wait_stages: int | None = None
+    # x's chunk staged with all of a thread's loads issued before its shared stores
+    # (``XFirstEvictFirstTmaGemv``); else a load and its store at a time, which ptxas
+    # interleaves in 5-7 dependent groups where a thread has 16 (the replicated pooler and
+    # unpooler at a TP-8 rank).
+    x_loads_first = False
 
     def __init__(self, plan: TmaPlan):
         # The epilogue's fp32 [WARPS, 64 * 8] sums reuse the ring once it is drained.
@@ -353,14 +358,34 @@ class TmaGemv(SplitKKernel):
         mX = cute.make_tensor(x, cute.make_layout((p.max_rows, p.k), stride=(xs, 1)))
         sX2 = sX[(None, None, 0)]
         x_vectors = TK // VECTOR
-        for it in cutlass.range_constexpr((MMA_N * x_vectors + p.threads - 1) // p.threads):
-            q = it * p.threads + tidx
-            if q < MMA_N * x_vectors:
-                i = q // x_vectors
-                kv = q - i * x_vectors
-                x_row = cutlass.min(i, b - 1)
-                xv = cute.local_tile(mX, (1, VECTOR), (x_row, split * x_vectors + kv)).load()
-                cute.local_tile(sX2, (1, VECTOR), (i, kv)).store(xv)
+        total = MMA_N * x_vectors
+        rounds = (total + p.threads - 1) // p.threads
+        if cutlass.const_expr(self.x_loads_first):
+            # Every load of the thread's x vectors in flight before its first store (as
+            # gemv_splitk's XFirstSplitKGemv: the barrier keeps ptxas from interleaving).
+            staged = []
+            for it in cutlass.range_constexpr(rounds):
+                q = it * p.threads + tidx
+                if cutlass.const_expr(total % p.threads):  # the last round's spare threads: a valid vector
+                    q = cutlass.min(q, total - 1)
+                xr = q // x_vectors
+                xk = q - xr * x_vectors
+                staged.append(cute.local_tile(mX, (1, VECTOR), (cutlass.min(xr, b - 1), split * x_vectors + xk)).load())
+            cute.arch.sync_threads()
+            for it in cutlass.range_constexpr(rounds):
+                q = it * p.threads + tidx
+                if q < total:
+                    xr = q // x_vectors
+                    cute.local_tile(sX2, (1, VECTOR), (xr, q - xr * x_vectors)).store(staged[it])
+        else:
+            for it in cutlass.range_constexpr(rounds):
+                q = it * p.threads + tidx
+                if q < total:
+                    xr = q // x_vectors
+                    xk = q - xr * x_vectors
+                    x_row = cutlass.min(xr, b - 1)
+                    xv = cute.local_tile(mX, (1, VECTOR), (x_row, split * x_vectors + xk)).load()
+                    cute.local_tile(sX2, (1, VECTOR), (xr, xk)).store(xv)
         cute.arch.fence_proxy("async.shared", space="cta")  # x is read by WGMMA (the async proxy)
         cute.arch.sync_threads()
 
@@ -440,6 +465,13 @@ class EvictFirstTmaGemv(TmaGemv):
     the same loads and products, so the same bits (cute.linear_tma_evict_first)."""
 
     weight_cache_hint = EVICT_FIRST
+
+
+class XFirstEvictFirstTmaGemv(EvictFirstTmaGemv):
+    """``EvictFirstTmaGemv`` with x's chunk staged all loads first (``x_loads_first``): the
+    same values in the same places, so the same bits."""
+
+    x_loads_first = True
 
 
 class ShallowEvictFirstTmaGemv(EvictFirstTmaGemv):
@@ -649,6 +681,13 @@ class EvictFirstPublishingTmaGemv(PublishingTmaGemv):
     ``EvictFirstTmaGemv``."""
 
     weight_cache_hint = EVICT_FIRST
+
+
+class XFirstEvictFirstPublishingTmaGemv(EvictFirstPublishingTmaGemv):
+    """``EvictFirstPublishingTmaGemv`` with x staged all loads first, as
+    ``XFirstEvictFirstTmaGemv``."""
+
+    x_loads_first = True
 
 
 def compile_tma_publishing(

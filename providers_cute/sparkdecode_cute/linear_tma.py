@@ -233,6 +233,32 @@ class EvictFirstTmaWeight(TmaWeight):
         )
 
 
+class XFirstEvictFirstTmaWeight(EvictFirstTmaWeight):
+    """An evict-first bf16 weight on gemv_tma's ``XFirstEvictFirstTmaGemv`` (its published
+    form ``XFirstEvictFirstPublishingTmaGemv``): x staged with all of a thread's loads in
+    flight at once."""
+
+    provider = "cute.linear_tma_evict_first_x_first"
+
+    @staticmethod
+    def compile(plan: Any) -> Any:
+        from . import gemv_tma
+
+        return compiled(
+            ("gemv_tma_evict_first_x_first", plan),
+            lambda: gemv_tma.compile_tma(plan, cls=gemv_tma.XFirstEvictFirstTmaGemv),
+        )
+
+    @staticmethod
+    def compile_publishing(plan: Any) -> Any:
+        from . import gemv_tma
+
+        return compiled(
+            ("gemv_tma_publish_evict_first_x_first", plan),
+            lambda: gemv_tma.compile_tma_publishing(plan, cls=gemv_tma.XFirstEvictFirstPublishingTmaGemv),
+        )
+
+
 # The weights a boundary kernel runs just before (the input boundary's qkvg, the attention
 # boundary's pooler), which ``ShallowEvictFirstTmaWeight`` loads shallow.
 SHALLOW_WEIGHTS = frozenset({"qkvg", "pooler"})
@@ -278,10 +304,14 @@ class CuteLinearTmaEvictFirstShallow(CuteLinearTmaEvictFirst):
 
 
 class CuteLinearTmaEvictFirstXFirst(CuteLinearTmaEvictFirst):
-    """cute.linear_tma_evict_first with the fp32 router on ``XFirstSplitKGemv``: after its
-    PDL wait each thread issues all of its loads of x before storing any in shared memory
-    (ptxas otherwise waits for each load's value first: three dependent L2 round trips at
-    the router's planner plan, the column-sharded cut's). The same bits. Not registered."""
+    """cute.linear_tma_evict_first with every weight's x staged all loads first: after its
+    PDL wait each thread issues all of its loads of x, then a barrier, then its shared
+    stores (``XFirstSplitKGemv`` for the fp32 router, ``XFirstEvictFirstTmaGemv`` for the
+    bf16 weights). ptxas otherwise waits for a load's value before the next loads: three
+    dependent L2 round trips for the router at its planner plan (the column-sharded cut's),
+    5-7 groups for the replicated pooler and unpooler; the other bf16 weights already issue
+    theirs at once. The same bits. Not registered."""
 
     name = "cute.linear_tma_evict_first_x_first"
+    bf16_weight = XFirstEvictFirstTmaWeight
     router_weight = XFirstSplitKWeight

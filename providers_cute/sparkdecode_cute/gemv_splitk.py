@@ -400,35 +400,7 @@ class SplitKGemv(SplitKKernel):
         xs = cute.assume(x_stride, divby=8)
         mX = cute.make_tensor(x, cute.make_layout((B, p.k), stride=(xs, 1)))
         x_vectors = TK // 8
-        total = B * x_vectors
-        rounds = (total + p.threads - 1) // p.threads
-        if cutlass.const_expr(self.x_loads_first):
-            # Every load of the thread's x vectors in flight before its first store.
-            staged = []
-            for it in cutlass.range_constexpr(rounds):
-                idx = it * p.threads + tidx
-                if cutlass.const_expr(total % p.threads):  # the last round's spare threads: a valid vector
-                    idx = cutlass.min(idx, total - 1)
-                i = idx // x_vectors
-                kv = idx - i * x_vectors
-                staged.append(cute.local_tile(mX, (1, 8), (cutlass.min(i, b - 1), split * x_vectors + kv)).load())
-            # ptxas issues no load after a barrier that it was before, and left to itself
-            # it waits for each load's value before issuing the next loads.
-            cute.arch.sync_threads()
-            for it in cutlass.range_constexpr(rounds):
-                idx = it * p.threads + tidx
-                if idx < total:
-                    i = idx // x_vectors
-                    cute.local_tile(sX, (1, 8), (i, idx - i * x_vectors)).store(staged[it].to(Float32))
-        else:
-            for it in cutlass.range_constexpr(rounds):
-                idx = it * p.threads + tidx
-                if idx < total:
-                    i = idx // x_vectors
-                    kv = idx - i * x_vectors
-                    x_row = cutlass.min(i, b - 1)
-                    xv = cute.local_tile(mX, (1, 8), (x_row, split * x_vectors + kv)).load()
-                    cute.local_tile(sX, (1, 8), (i, kv)).store(xv.to(Float32))
+        stage_x(mX, sX, b, split * x_vectors, B, x_vectors, self.x_loads_first, Float32)
         cute.arch.sync_threads()
         self.mark(counters, 3)
 
@@ -479,6 +451,57 @@ def split_sum(mWs: cute.Tensor, base, splits: int, q) -> Float32:
     for s in range(splits):
         total = total + mWs[s, base + q]
     return total
+
+
+@cute.jit
+def stage_x(
+    mX: cute.Tensor,
+    sX: cute.Tensor,
+    b: Int32,
+    first: Int32,
+    rows: cutlass.Constexpr,
+    x_vectors: cutlass.Constexpr,
+    loads_first: cutlass.Constexpr,
+    dtype: cutlass.Constexpr,
+):
+    """A CTA's chunk of x into shared memory: ``rows`` rows of ``x_vectors`` 8-element
+    vectors, from vector ``first`` of each row of ``mX``, rows past b repeating row
+    b - 1, stored in ``sX`` as ``dtype`` (None: as loaded); vector q = tidx, tidx +
+    threads, ... a thread. ``loads_first``: every load of the thread issued, then a CTA
+    barrier, then its stores (ptxas issues no load after a barrier it was before, and left
+    to itself it waits for each load's value before issuing the next loads); else a load
+    and its store at a time."""
+    tidx, _, _ = cute.arch.thread_idx()
+    threads = 32 * WARPS
+    total = rows * x_vectors
+    rounds = (total + threads - 1) // threads
+    if cutlass.const_expr(loads_first):
+        staged = []
+        for it in cutlass.range_constexpr(rounds):
+            q = it * threads + tidx
+            if cutlass.const_expr(total % threads):  # the last round's spare threads: a valid vector
+                q = cutlass.min(q, total - 1)
+            xr = q // x_vectors
+            xk = q - xr * x_vectors
+            staged.append(cute.local_tile(mX, (1, 8), (cutlass.min(xr, b - 1), first + xk)).load())
+        cute.arch.sync_threads()
+        for it in cutlass.range_constexpr(rounds):
+            q = it * threads + tidx
+            if q < total:
+                xr = q // x_vectors
+                xv = staged[it] if cutlass.const_expr(dtype is None) else staged[it].to(dtype)
+                cute.local_tile(sX, (1, 8), (xr, q - xr * x_vectors)).store(xv)
+    else:
+        for it in cutlass.range_constexpr(rounds):
+            q = it * threads + tidx
+            if q < total:
+                xr = q // x_vectors
+                xk = q - xr * x_vectors
+                x_row = cutlass.min(xr, b - 1)
+                xv = cute.local_tile(mX, (1, 8), (x_row, first + xk)).load()
+                if cutlass.const_expr(dtype is not None):
+                    xv = xv.to(dtype)
+                cute.local_tile(sX, (1, 8), (xr, xk)).store(xv)
 
 
 @cute.jit

@@ -70,6 +70,7 @@ from .gemv_splitk import (
     compile_split,
     first_plan,
     split_counts,
+    stage_x,
     tiling_reason,
     wave_key,
 )
@@ -358,34 +359,7 @@ class TmaGemv(SplitKKernel):
         mX = cute.make_tensor(x, cute.make_layout((p.max_rows, p.k), stride=(xs, 1)))
         sX2 = sX[(None, None, 0)]
         x_vectors = TK // VECTOR
-        total = MMA_N * x_vectors
-        rounds = (total + p.threads - 1) // p.threads
-        if cutlass.const_expr(self.x_loads_first):
-            # Every load of the thread's x vectors in flight before its first store (as
-            # gemv_splitk's XFirstSplitKGemv: the barrier keeps ptxas from interleaving).
-            staged = []
-            for it in cutlass.range_constexpr(rounds):
-                q = it * p.threads + tidx
-                if cutlass.const_expr(total % p.threads):  # the last round's spare threads: a valid vector
-                    q = cutlass.min(q, total - 1)
-                xr = q // x_vectors
-                xk = q - xr * x_vectors
-                staged.append(cute.local_tile(mX, (1, VECTOR), (cutlass.min(xr, b - 1), split * x_vectors + xk)).load())
-            cute.arch.sync_threads()
-            for it in cutlass.range_constexpr(rounds):
-                q = it * p.threads + tidx
-                if q < total:
-                    xr = q // x_vectors
-                    cute.local_tile(sX2, (1, VECTOR), (xr, q - xr * x_vectors)).store(staged[it])
-        else:
-            for it in cutlass.range_constexpr(rounds):
-                q = it * p.threads + tidx
-                if q < total:
-                    xr = q // x_vectors
-                    xk = q - xr * x_vectors
-                    x_row = cutlass.min(xr, b - 1)
-                    xv = cute.local_tile(mX, (1, VECTOR), (x_row, split * x_vectors + xk)).load()
-                    cute.local_tile(sX2, (1, VECTOR), (xr, xk)).store(xv)
+        stage_x(mX, sX2, b, split * x_vectors, MMA_N, x_vectors, self.x_loads_first, None)
         cute.arch.fence_proxy("async.shared", space="cta")  # x is read by WGMMA (the async proxy)
         cute.arch.sync_threads()
 

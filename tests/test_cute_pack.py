@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import re
 
 import pytest
@@ -609,7 +610,7 @@ def test_x_first_router_issues_its_x_loads_at_once(splitk, capfd, tmp_path, rows
     from sparkdecode_cute import linear_splitk, linear_tma, plugin
 
     plan = next(p for p in splitk.splitk_plans(256, 8192, True, 8) if (p.rows, p.splits) == (rows, splits))
-    rounds = -(-8 * plan.chunk // 8 // plan.threads)
+    rounds = math.ceil(plan.max_rows * (plan.chunk // 8) / plan.threads)  # x vectors a thread
 
     def after_wait(cls: type, directory: str) -> str:
         (tmp_path / directory).mkdir()
@@ -640,7 +641,7 @@ def test_x_first_tma_issues_its_x_loads_at_once(tma, capfd, tmp_path, n, k):
     replicated pooler and unpooler (16 loads a thread) and the sharded unpooler (2);
     EvictFirstTmaGemv stores before its last load where a thread has 16."""
     plan = tma.plan_tma(n, k, 8)
-    rounds = -(-8 * (plan.k // plan.splits) // 8 // plan.threads)
+    rounds = math.ceil(tma.MMA_N * (plan.k // plan.splits // 8) / plan.threads)  # x vectors a thread
 
     def after_wait(ptx: str) -> str:
         return ptx.split("griddepcontrol.wait;", 1)[1].split("st.shared", 1)[0]
@@ -659,6 +660,7 @@ def test_x_first_tma_issues_its_x_loads_at_once(tma, capfd, tmp_path, n, k):
         published = tma.compile_tma_publishing(plan, "sm_90a", opts, cls=tma.XFirstEvictFirstPublishingTmaGemv)
         _spill_free(capfd)
         assert after_wait(published.artifacts.PTX).count("ld.global") == rounds
-    (tmp_path / "r").mkdir()
-    registered = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "r"), cls=tma.EvictFirstTmaGemv)
-    assert after_wait(registered.artifacts.PTX).count("ld.global") < rounds or rounds == 2
+    if rounds == 16:
+        (tmp_path / "r").mkdir()
+        registered = tma.compile_tma(plan, "sm_90a", _keep_ptx(tmp_path / "r"), cls=tma.EvictFirstTmaGemv)
+        assert after_wait(registered.artifacts.PTX).count("ld.global") < rounds
